@@ -1,0 +1,17 @@
+"""batchgen: offline batch generation for LLMs."""
+
+from batchgen.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The engine imports torch and transformers: load it only when asked for, so the CLI starts fast.
+    if name in ("Engine", "EngineConfig", "PromptResult", "Sample"):
+        from batchgen.engine import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "EngineConfig", "PromptResult", "Sample", "SamplingParams", "__version__"]

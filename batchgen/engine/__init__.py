@@ -1,0 +1,1 @@
+"""The continuous-batching engine. request/block_manager/scheduler/batch are pure Python (no torch)."""

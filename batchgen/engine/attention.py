@@ -1,0 +1,66 @@
+"""Our attention inside transformers models: registered in transformers' AttentionInterface, so any
+decoder-only architecture transformers defines runs unchanged with the paged KV cache.
+
+The model is called with one packed sequence of all scheduled tokens ([1, T]); each attention layer
+writes its new K/V into the cache at `slot_mapping` and attends over each sequence's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from batchgen.engine.kv_cache import KVCache
+from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
+
+ATTENTION_NAME = "batchgen_paged"
+METADATA_KWARG = "batchgen_attention"
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """query: [1, H, T, D]; key/value: [1, Hkv, T, D]. Returns ([1, T, H, D], None) as transformers expects."""
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs `{METADATA_KWARG}=` in the model call")
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              meta.max_query_len, meta.max_seq_len, scale,
+                              sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+@contextmanager
+def paged_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention to ours for the duration (restores the caller's setting after)."""
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+    previous = [(c, c._attn_implementation) for c in configs]
+    try:
+        for c, _ in previous:
+            c._attn_implementation = ATTENTION_NAME
+        yield
+    finally:
+        for c, impl in previous:
+            c._attn_implementation = impl

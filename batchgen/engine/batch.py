@@ -1,0 +1,61 @@
+"""The contract between scheduler and model runner: plain data describing one forward step. Pure Python.
+
+A step is one packed (ragged, unpadded) forward pass: each scheduled sequence contributes the tokens whose
+KV it computes this step (a prefill chunk, or one decode token); sequences that reach their end sample
+one token from the logits of their last position. Nothing here refers to tensors or devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SeqSampling:
+    """Per-sequence sampling inputs for the step (only for sequences with `sample=True`)."""
+
+    temperature: float  # 0 -> greedy
+    top_k: int  # 0 -> off
+    top_p: float  # 1.0 -> off
+    min_p: float  # 0.0 -> off
+    repetition_penalty: float  # 1.0 -> off
+    seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
+    suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
+    penalty_token_ids: tuple[int, ...] | None  # prompt + output, only when repetition_penalty != 1
+
+
+@dataclass(frozen=True)
+class SeqSchedule:
+    request_id: str
+    input_token_ids: tuple[int, ...]  # tokens whose KV this step computes (a chunk of the sequence)
+    start_pos: int  # position of input_token_ids[0] == tokens of this sequence already in the cache
+    block_table: tuple[int, ...]  # covers start_pos + len(input_token_ids) tokens
+    sampling: SeqSampling | None  # set iff this step reaches the end of the sequence: sample one token
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.input_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache after this step."""
+        return self.start_pos + len(self.input_token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[SeqSchedule] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # tokens of sequences that do not sample this step or have > 1 new token
+    num_decode_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for s in self.seqs if s.sampling is not None)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)

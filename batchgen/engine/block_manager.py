@@ -1,0 +1,132 @@
+"""BlockManager: the paged KV cache's bookkeeping. Pure Python.
+
+Blocks are reference counted. A block whose tokens are all computed gets a hash chained on its prefix
+(parent hash + its own token ids), and stays findable in the prefix cache after its last user frees it,
+until it is reused for something else (least recently freed first). So a system prompt shared by
+thousands of rows is computed once, and a preempted request often finds its own blocks again.
+
+Invariants:
+- a block is in `_free` iff its ref count is 0; block 0.. num_blocks-1 are all either free or referenced;
+- `_hash_to_block[h] == b` iff `_block_hash[b] == h` (a cached block is never in two chains).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockKey = tuple  # (parent key hash, token ids of the block): exact key, so no false hits on a hash collision
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_count = [0] * num_blocks
+        self._block_key: list[BlockKey | None] = [None] * num_blocks
+        self._key_to_block: dict[BlockKey, int] = {}
+        # Free blocks in reuse order (front first). Uncached blocks go to the front, cached ones to the back.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_prefix_hit_tokens = 0  # over the engine's life, for stats and tests
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
+        keys, parent = [], None
+        bs = self.block_size
+        for i in range(num_blocks):
+            key = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
+            keys.append(key)
+            parent = key
+        return keys
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits = []
+        for key in self._chain_keys(token_ids, max_blocks):
+            block = self._key_to_block.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def can_allocate(self, cached_blocks: Sequence[int], num_new_blocks: int) -> bool:
+        """Whether taking `cached_blocks` (prefix hits) and `num_new_blocks` fresh blocks fits now."""
+        num_revived = sum(1 for b in cached_blocks if self._ref_count[b] == 0)
+        return num_new_blocks <= len(self._free) - num_revived
+
+    def take_cached(self, cached_blocks: Sequence[int]) -> None:
+        for b in cached_blocks:
+            if self._ref_count[b] == 0:
+                del self._free[b]
+            self._ref_count[b] += 1
+        self.num_prefix_hit_tokens += len(cached_blocks) * self.block_size
+
+    def allocate(self, num_new_blocks: int) -> list[int]:
+        if num_new_blocks > len(self._free):
+            raise RuntimeError(f"allocate({num_new_blocks}) with {len(self._free)} free blocks")
+        blocks = []
+        for _ in range(num_new_blocks):
+            b, _ = self._free.popitem(last=False)
+            key = self._block_key[b]
+            if key is not None:  # evict it from the prefix cache: its contents are about to change
+                del self._key_to_block[key]
+                self._block_key[b] = None
+            self._ref_count[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def ensure_capacity(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow `block_table` in place to hold `num_tokens`; False (and no change) if blocks are short."""
+        need = self.blocks_needed(num_tokens) - len(block_table)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        block_table.extend(self.allocate(need))
+        return True
+
+    def free(self, block_table: list[int]) -> None:
+        """Drop one reference to each block; tail blocks become reusable before head blocks."""
+        for b in reversed(block_table):
+            self._ref_count[b] -= 1
+            assert self._ref_count[b] >= 0, f"block {b} freed twice"
+            if self._ref_count[b] == 0:
+                self._free[b] = None
+                if self._block_key[b] is None:
+                    self._free.move_to_end(b, last=False)  # nothing worth keeping: reuse first
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def register_full_blocks(self, token_ids: Sequence[int], block_table: list[int], block_keys: list[BlockKey],
+                             num_computed_tokens: int) -> None:
+        """Make blocks now full of computed tokens findable. `block_keys` is the sequence's chain of keys
+        for its leading blocks; it is extended in place (its length is the number of blocks handled)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(block_table))
+        for i in range(len(block_keys), num_full):
+            parent = block_keys[-1] if block_keys else None
+            key = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
+            block_keys.append(key)
+            b = block_table[i]
+            if self._block_key[b] is None and key not in self._key_to_block:
+                self._block_key[b] = key
+                self._key_to_block[key] = b

@@ -1,0 +1,43 @@
+"""Incremental detokenization for stop strings, and the final text of a sample."""
+
+from __future__ import annotations
+
+from batchgen.engine.request import FinishReason
+
+
+class StopStringWatcher:
+    """Decodes generated tokens incrementally (O(1) tokens per step) and reports a stop string.
+
+    Two offsets bracket the tokens decoded last step, so multi-byte characters split across tokens and
+    tokenizers that change a token's text by its left neighbour decode as they would in one piece.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.max_stop_len = max(len(s) for s in stop)
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def hit(self, output_token_ids: list[int]) -> bool:
+        prefix_text = self._decode(output_token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(output_token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False  # an incomplete character: wait for the next token
+        search_from = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += new_text[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(output_token_ids)
+        return any(s in self.text[search_from:] for s in self.stop)
+
+
+def final_text(tokenizer, token_ids: list[int], finish_reason: FinishReason | None, stop: tuple[str, ...]) -> str:
+    """The sample's text without special tokens; cut before the first stop string when one ended it."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if finish_reason is FinishReason.STOP_STRING:
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+        text = text[:cut]
+    return text

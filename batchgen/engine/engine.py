@@ -1,0 +1,164 @@
+"""Engine: the public face of the engine, and the only module that sees both the pure-Python side
+(scheduler, block manager, requests) and the torch side (KV cache, model runner, sampler).
+
+Two ways in: `generate(prompts, sampling)` for a list, or the streaming interface the job runner uses
+(`add_request`, `step`, finished results as they come).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.detokenizer import StopStringWatcher, final_text
+from batchgen.engine.kv_cache import KVCache, KVGeometry, plan_num_blocks
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.request import FinishReason, Request
+from batchgen.engine.scheduler import Scheduler
+from batchgen.sampling_params import SamplingParams
+from batchgen.seeding import derive_seed
+
+
+@dataclass
+class Sample:
+    sample_idx: int
+    token_ids: list[int]
+    text: str | None  # None when the engine has no tokenizer
+    finish_reason: str  # "stop" | "length" | "stop_string" | "error"
+    seed: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+@dataclass
+class PromptResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        text_config = model.config.get_text_config()
+        self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 1 << 30)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        geometry = KVGeometry.from_config(model.config)
+        dtype = next(model.parameters()).dtype
+        num_blocks = config.num_kv_blocks or plan_num_blocks(
+            geometry, config.block_size, dtype, self.device, config.gpu_memory_utilization,
+            reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16,
+            cpu_max_bytes=config.cpu_kv_cache_bytes)
+        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self._ids = itertools.count()
+        self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",
+                        config: EngineConfig | None = None) -> Engine:
+        from batchgen.engine.loader import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(path, gguf_file=gguf_file, dtype=dtype, device=device)
+        return cls(model, tokenizer, config)
+
+    # ---- streaming interface -------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, sample_seeds: Sequence[int] | None = None) -> str:
+        """Queue one prompt (params.n samples). `sample_seeds` overrides the seeds derived from params.seed."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._pending:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs an engine built with a tokenizer")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        seeds = list(sample_seeds) if sample_seeds is not None else [
+            params.seed if i == 0 else derive_seed(params.seed, i) for i in range(params.n)]
+        if len(seeds) != params.n:
+            raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
+        reqs = [Request(
+            request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids, params=params, seed=seeds[i],
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, sample_idx=i,
+            stop_watcher=StopStringWatcher(self.tokenizer, params.stop) if params.stop and self.tokenizer else None,
+        ) for i in range(params.n)]
+        reqs[0].followers = reqs[1:]
+        self._pending[request_id] = (PromptResult(request_id, prompt_ids), params, params.n)
+        self.scheduler.add(reqs[0])
+        return request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[PromptResult]:
+        """Run one forward step; return the prompts whose samples are now all finished."""
+        batch = self.scheduler.schedule()
+        if batch:
+            sampled = self.runner.execute(batch)
+            self.scheduler.update(batch, sampled)
+            self.num_steps += 1
+            self.num_generated_tokens += len(sampled)
+        return self._collect(self.scheduler.take_finished())
+
+    def _collect(self, finished: list[Request]) -> list[PromptResult]:
+        done = []
+        for req in finished:
+            prompt_id = req.request_id.rsplit("#", 1)[0]
+            result, params, remaining = self._pending[prompt_id]
+            text = (final_text(self.tokenizer, req.output_token_ids, req.finish_reason, params.stop)
+                    if self.tokenizer is not None else None)
+            result.samples.append(Sample(
+                sample_idx=req.sample_idx, token_ids=list(req.output_token_ids), text=text,
+                finish_reason=req.finish_reason.value, seed=req.seed, num_cached_tokens=req.num_cached_tokens,
+                error=req.error))
+            if remaining == 1:
+                del self._pending[prompt_id]
+                result.samples.sort(key=lambda s: s.sample_idx)
+                done.append(result)
+            else:
+                self._pending[prompt_id] = (result, params, remaining - 1)
+        return done
+
+    # ---- batch interface -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[PromptResult]:
+        """Generate for every prompt; results in prompt order."""
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            params_list = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, PromptResult] = {}
+        while self.has_unfinished:
+            for r in self.step():
+                results[r.request_id] = r
+        return [results[i] for i in ids]
+
+
+__all__ = ["Engine", "EngineConfig", "FinishReason", "PromptResult", "Sample"]

@@ -1,0 +1,65 @@
+"""KVCache: the paged K/V tensors of all layers, and how many blocks fit in a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> KVGeometry:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        return cls(num_layers=text.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """K and V for every layer: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, Hkv, D]."""
+
+    def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (geometry.num_layers, num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache[layer_idx], self.v_cache[layer_idx]
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+
+def plan_num_blocks(geometry: KVGeometry, block_size: int, dtype: torch.dtype, device: torch.device,
+                    memory_utilization: float, reserve_bytes: int, cpu_max_bytes: int = 2 << 30) -> int:
+    """Blocks that fit the budget: on CUDA, `memory_utilization` of total memory minus what is already used
+    and `reserve_bytes` for activations; on CPU, at most `cpu_max_bytes`."""
+    per_block = geometry.bytes_per_block(block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * memory_utilization) - (total - free) - reserve_bytes
+    else:
+        budget = cpu_max_bytes
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise MemoryError(
+            f"no memory left for the KV cache on {device} (budget {budget / 2**30:.2f} GiB, one block needs "
+            f"{per_block / 2**20:.1f} MiB): raise engine.gpu_memory_utilization or lower engine.max_num_batched_tokens"
+        )
+    return int(num_blocks)

@@ -1,0 +1,83 @@
+"""ModelRunner: turns a ScheduledBatch into tensors, runs the packed forward pass, samples on the device.
+
+Only the last position of each sampling sequence goes through the LM head (`logits_to_keep`), and
+only token ids come back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
+from batchgen.engine.batch import ScheduledBatch
+from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.sampler import SamplingTensors, sample
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64
+    logits_indices: torch.Tensor  # [S] int64: packed index of each sampling sequence's last token
+    attention: AttentionMetadata
+    sampling: SamplingTensors | None  # None when no sequence samples this step
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.vocab_size = model.config.get_text_config().vocab_size
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        seqs = batch.seqs
+        bs = self.block_size
+        q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        seq_lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=len(seqs))
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_table)] = s.block_table
+        input_ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64,
+                                count=int(query_start_loc[-1]))
+        # positions: start_pos .. seq_len - 1 of each sequence, packed
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(len(input_ids)) - query_start_loc[:-1][seq_of_token] + (seq_lens - q_lens)[seq_of_token]
+        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        logits_indices = query_start_loc[1:][sampled] - 1
+        sampling = None
+        if sampled:
+            sampling = SamplingTensors.build([seqs[i].sampling for i in sampled],
+                                             [int(seq_lens[i]) for i in sampled], self.vocab_size, self.device)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        attention = AttentionMetadata(
+            kv_cache=self.kv_cache, slot_mapping=dev(slot_mapping),
+            query_start_loc=dev(query_start_loc.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
+            block_tables=dev(block_tables), max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+        )
+        return StepInputs(input_ids=dev(input_ids)[None], position_ids=dev(positions)[None],
+                          logits_indices=dev(logits_indices), attention=attention, sampling=sampling)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns one sampled token per sequence with `sampling`, in batch order."""
+        inputs = self.prepare(batch)
+        with paged_attention_enabled(self.model):
+            out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                             logits_to_keep=inputs.logits_indices, use_cache=False,
+                             **{METADATA_KWARG: inputs.attention})
+        if inputs.sampling is None:
+            return []
+        return sample(out.logits[0], inputs.sampling).tolist()

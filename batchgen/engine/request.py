@@ -1,0 +1,104 @@
+"""Request: one sequence (one sample of one prompt) and its lifecycle. Pure Python.
+
+Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (blocks freed, KV
+recomputed later from prompt + generated tokens) and WAITING -> FAILED for a request that can never run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batchgen.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_new_tokens or the model's context
+    STOP_STRING = "stop_string"  # a stop string appeared in the decoded text
+    ERROR = "error"  # never ran; `Request.error` says why
+
+
+class StopStringWatcher(Protocol):
+    """Incremental stop-string detection over the generated tokens (owned by the engine, needs a tokenizer)."""
+
+    def hit(self, output_token_ids: list[int]) -> bool: ...
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # this sample's seed (already derived from params.seed and sample_idx)
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    sample_idx: int = 0
+    arrival_idx: int = 0  # admission order; lower is older
+    stop_watcher: StopStringWatcher | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output; the KV of token_ids[:num_computed_tokens] is in the cache.
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list = field(default_factory=list)  # prefix-cache keys of the leading full blocks
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
+    followers: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this sequence can ever hold in the cache."""
+        return min(self.num_prompt_tokens + self.params.max_new_tokens, self.max_model_len)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """Tokens that must not be sampled now (EOS and stop ids before min_new_tokens)."""
+        if len(self.output_token_ids) >= self.params.min_new_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + self.params.stop_token_ids
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; return why the request is now finished, or None."""
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        num_out = len(self.output_token_ids)
+        if num_out >= self.params.min_new_tokens:
+            if token_id in self.params.stop_token_ids:
+                return FinishReason.STOP
+            if not self.params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP
+        if self.stop_watcher is not None and self.stop_watcher.hit(self.output_token_ids):
+            return FinishReason.STOP_STRING
+        if num_out >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

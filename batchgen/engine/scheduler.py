@@ -1,0 +1,164 @@
+"""Scheduler: which sequences run in the next step, and how many tokens each. Pure Python.
+
+Policy (per step, within `max_num_batched_tokens` and `max_num_seqs`):
+1. running sequences, oldest first: a decode token, or the next chunk of an unfinished prefill;
+   when blocks run out, the newest running sequence is preempted (blocks freed, recomputed later);
+2. then, if nothing was preempted, waiting sequences in FIFO order, each served from the prefix
+   cache as far as it goes, its prefill chunked to the remaining budget.
+Cost per step is O(running), never O(waiting): only the head of the queue is looked at.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from batchgen.engine.batch import ScheduledBatch, SeqSampling, SeqSchedule
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first
+        self._done: list[Request] = []  # finished or failed since the last `take_finished`
+        self._in_step: dict[str, Request] = {}  # requests of the batch last returned by `schedule`
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request, or fail it (and its followers) at once if it can never run."""
+        reason = self._never_fits(req)
+        if reason is not None:
+            for r in [req, *req.followers]:
+                r.status, r.finish_reason, r.error = RequestStatus.FAILED, FinishReason.ERROR, reason
+                self._done.append(r)
+            return
+        self.waiting.append(req)
+
+    def _never_fits(self, req: Request) -> str | None:
+        if req.num_prompt_tokens == 0:
+            return "empty prompt (0 tokens)"
+        if req.num_prompt_tokens >= req.max_model_len:
+            return (f"prompt has {req.num_prompt_tokens} tokens; the model's context is {req.max_model_len} "
+                    f"tokens and at least one must be left to generate")
+        bm = self.block_manager
+        need = bm.blocks_needed(req.max_num_tokens)
+        if need > bm.num_blocks:
+            return (f"needs {need} KV blocks ({req.max_num_tokens} tokens) but the whole cache holds "
+                    f"{bm.num_blocks} blocks of {bm.block_size}; lower max_new_tokens or give the KV cache more memory")
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self._in_step = {}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.ensure_capacity(req.block_table, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted_request_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                self._emit(batch, req, num_new)
+                budget -= num_new
+                i += 1
+        if not batch.preempted_request_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits = bm.match_prefix(req.token_ids)
+                num_cached = len(hits) * bm.block_size
+                num_new = min(req.num_tokens - num_cached, budget)
+                num_new_blocks = bm.blocks_needed(num_cached + num_new) - len(hits)
+                if not bm.can_allocate(hits, num_new_blocks):
+                    break
+                self.waiting.popleft()
+                bm.take_cached(hits)
+                req.block_table = list(hits) + bm.allocate(num_new_blocks)
+                req.num_computed_tokens = num_cached
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._emit(batch, req, num_new)
+                budget -= num_new
+        return batch
+
+    def _emit(self, batch: ScheduledBatch, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        samples = start + num_new == req.num_tokens
+        sampling = None
+        if samples:
+            p = req.params
+            sampling = SeqSampling(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, seed=req.seed,
+                suppressed_token_ids=req.suppressed_token_ids(),
+                penalty_token_ids=tuple(req.token_ids) if p.repetition_penalty != 1.0 else None,
+            )
+        batch.seqs.append(SeqSchedule(
+            request_id=req.request_id, input_token_ids=tuple(req.token_ids[start : start + num_new]),
+            start_pos=start, block_table=tuple(req.block_table), sampling=sampling,
+        ))
+        if samples and num_new == 1:
+            batch.num_decode_tokens += 1
+        else:
+            batch.num_prefill_tokens += num_new
+        self._in_step[req.request_id] = req
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.block_table)
+        req.block_table, req.block_keys, req.num_computed_tokens = [], [], 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- results -------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
+        """Apply a finished step: advance computed tokens, append sampled tokens, finish sequences.
+
+        `sampled_token_ids` holds one token per sequence with `sampling`, in `batch.seqs` order.
+        """
+        bm = self.block_manager
+        tokens = iter(sampled_token_ids)
+        for seq in batch.seqs:
+            req = self._in_step[seq.request_id]
+            req.num_computed_tokens += seq.num_new_tokens
+            bm.register_full_blocks(req.token_ids, req.block_table, req.block_keys, req.num_computed_tokens)
+            if seq.sampling is not None:
+                reason = req.append_token(next(tokens))
+                if reason is not None:
+                    self._finish(req, reason)
+            if req.followers and (req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens):
+                # The prompt's full blocks are now cached: siblings reuse them from the prefix cache.
+                followers, req.followers = req.followers, []
+                self.waiting.extendleft(reversed(followers))
+        self._in_step = {}
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.block_manager.free(req.block_table)
+        req.block_table = []
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.running.remove(req)
+        self._done.append(req)
+
+    def take_finished(self) -> list[Request]:
+        done, self._done = self._done, []
+        return done

@@ -1,0 +1,69 @@
+"""Torch reference for paged attention: write the step's K/V into the cache, attend over each sequence's blocks.
+
+Runs on CPU and GPU; it is the ground truth the Triton kernels are tested against. It gathers each
+sequence's K/V into a padded [B, max_seq_len] tensor, so it costs memory proportional to
+batch x longest context: fine as a reference and on CPU, not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache: [num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]; slot_mapping: [T] int64."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, H, D] packed queries of all sequences, in sequence order
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding this step's keys
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [B] int32, tokens in the cache per sequence after this step
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    device = query.device
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+
+    kv_pos = torch.arange(max_seq_len, device=device)  # [L]
+    kv_slots = block_tables[:, kv_pos // block_size].long() * block_size + kv_pos % block_size  # [B, L]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[kv_slots]  # [B, L, Hkv, D]
+    values = v_cache.view(-1, num_kv_heads, head_dim)[kv_slots]
+
+    q_start = query_start_loc[:-1].long()
+    q_lens = query_start_loc[1:].long() - q_start  # [B]
+    q_off = torch.arange(max_query_len, device=device)  # [Q]
+    q_valid = q_off[None, :] < q_lens[:, None]  # [B, Q]
+    q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], 0)
+    queries = query[q_index]  # [B, Q, H, D]
+    q_pos = seq_lens.long()[:, None] - q_lens[:, None] + q_off[None, :]  # [B, Q] absolute positions
+
+    # Padded query rows get q_pos >= seq_len, so they see every real key: no all-masked rows, no NaN.
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens.long()[:, None, None])
+    if sliding_window is not None:
+        mask &= (q_pos[:, :, None] - kv_pos[None, None, :]) < sliding_window
+    q = queries.transpose(1, 2)  # [B, H, Q, D]
+    k = keys.transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, L, D]
+    v = values.transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale)
+    else:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    out = out.transpose(1, 2)  # [B, Q, H, D]
+    assert out.shape[0] == num_seqs
+    return out[q_valid]  # [T, H, D]: row-major over (seq, offset) == packed order
