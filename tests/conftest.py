@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random models built from configs and a tokenizer trained in memory (no downloads)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Write a short poem about the sea. Explain photosynthesis to a child.",
+    "Summarize the history of Rome in three sentences. List five uses of a paperclip.",
+    "def add(a, b):\n    return a + b\n# STOP here, END of text. Hello world! 1234567890",
+    "Ünïcödé tëxt, émojis 🙂 and symbols: <>[]{}()#@$%^&*+=-_~`|\\/;:'\",.?!",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@functools.cache
+def make_tokenizer():
+    """A byte-level BPE tokenizer (vocab ~400) with BOS/EOS/PAD and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_layers: int = 2, **overrides):
+    """A tiny random fp32 decoder of the given architecture."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy ties (fp noise flips) are implausible.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture
+def tokenizer():
+    return make_tokenizer()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate for one prompt, EOS ignored (EOS may be generated like any token)."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    generated = out[0, len(prompt_ids):].tolist()
+    assert len(generated) == max_new_tokens
+    return generated
+
+
+def random_prompts(lengths, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

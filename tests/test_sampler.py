@@ -1,0 +1,83 @@
+"""The sampler's filters and noise, against transformers' logits processors where they exist."""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from batchgen.engine.batch import SeqSampling
+from batchgen.engine.sampler import SamplingTensors, sample, uniform_noise
+
+
+def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0, suppress=(), history=None):
+    return SeqSampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty,
+                       seed=seed, suppressed_token_ids=tuple(suppress), penalty_token_ids=history)
+
+
+def _sample(logits, rows, positions=None):
+    positions = positions or list(range(len(rows)))
+    return sample(logits, SamplingTensors.build(rows, positions, logits.shape[-1], logits.device))
+
+
+def _allowed_by(warper, logits):
+    return torch.isfinite(warper(None, logits.clone()))
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    assert _sample(logits, [_row(temperature=0)] * 5).tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_top_p_min_p_never_sample_outside_transformers_allowed_set():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 40, generator=g)
+    for row, warper in [(_row(top_k=5), TopKLogitsWarper(5)), (_row(top_p=0.6), TopPLogitsWarper(0.6)),
+                        (_row(min_p=0.2), MinPLogitsWarper(0.2))]:
+        allowed = _allowed_by(warper, logits)[0]
+        tokens = _sample(logits.expand(400, -1), [row] * 400, positions=list(range(400)))
+        assert allowed[tokens].all()
+        assert allowed.sum() > 2 and len(set(tokens.tolist())) > 1  # still random within the allowed set
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    num = 20000
+    tokens = _sample(logits.expand(num, -1), [_row(temperature=1.0, seed=3)] * num, positions=list(range(num)))
+    freq = torch.bincount(tokens, minlength=4).float() / num
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
+    hot = _sample(logits.expand(num, -1), [_row(temperature=3.0, seed=3)] * num, positions=list(range(num)))
+    assert torch.allclose(torch.bincount(hot, minlength=4).float() / num, (logits / 3).softmax(-1)[0], atol=0.015)
+
+
+def test_repetition_penalty_matches_transformers():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 30, generator=g)
+    history = [(3, 7, 7, 12), (0, 29)]
+    expected = torch.stack([RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([h]), logits[i:i + 1].clone())[0]
+                            for i, h in enumerate(history)])
+    got = _sample(logits, [_row(temperature=0, penalty=1.7, history=h) for h in history])
+    assert got.tolist() == expected.argmax(-1).tolist()
+    # penalised token that was the argmax loses its place
+    peak = torch.full((1, 10), 0.5)
+    peak[0, 4] = 1.0
+    assert _sample(peak, [_row(temperature=0, penalty=10.0, history=(4,))]).item() != 4
+
+
+def test_suppressed_tokens_are_never_sampled():
+    logits = torch.zeros(1, 6)
+    logits[0, 2] = 50.0
+    assert _sample(logits, [_row(temperature=0, suppress=(2,))]).item() != 2
+    tokens = _sample(logits.expand(300, -1), [_row(suppress=(2, 3))] * 300, positions=list(range(300)))
+    assert not set(tokens.tolist()) & {2, 3}
+
+
+def test_noise_is_a_function_of_seed_and_position_only():
+    rows = [_row(seed=s) for s in (5, 6, 7)]
+    keys = SamplingTensors.build(rows, [10, 11, 12], 100, torch.device("cpu")).noise_key
+    swapped = SamplingTensors.build(rows[::-1], [12, 11, 10], 100, torch.device("cpu")).noise_key
+    assert keys.flip(0).tolist() == swapped.tolist()
+    noise = uniform_noise(keys, 100)
+    assert torch.equal(noise.flip(0), uniform_noise(swapped, 100))
+    assert (noise > 0).all() and (noise < 1).all()
+    assert len(set(keys.tolist())) == 3

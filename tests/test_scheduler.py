@@ -1,0 +1,91 @@
+"""Scheduler on plain Python data (no model): budgets, chunked prefill, preemption, admission, followers."""
+
+from __future__ import annotations
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.scheduler import Scheduler
+from batchgen.sampling_params import SamplingParams
+
+
+def _req(rid: str, prompt_len: int, max_new: int = 4, start: int = 0) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(start, start + prompt_len)),
+                   params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True), seed=0,
+                   eos_token_ids=frozenset({2}), max_model_len=1000)
+
+
+def _step(s: Scheduler, token: int = 7):
+    batch = s.schedule()
+    s.update(batch, [token] * batch.num_samples)
+    return batch
+
+
+def test_token_budget_chunks_prefill_and_decodes_come_first():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = _req("a", 3), _req("b", 25, start=100)
+    s.add(a)
+    s.add(b)
+    batch = _step(s)
+    assert [(x.request_id, x.num_new_tokens, x.sampling is not None) for x in batch.seqs] == [("a", 3, True), ("b", 7, False)]
+    batch = _step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in batch.seqs] == [("a", 1), ("b", 9)]
+    assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 9
+    batch = _step(s)
+    assert [(x.request_id, x.num_new_tokens, x.start_pos) for x in batch.seqs] == [("a", 1, 4), ("b", 9, 16)]
+    assert batch.seqs[1].sampling is not None  # b's prefill is complete: it samples
+
+
+def test_max_num_seqs_caps_running_sequences():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(5):
+        s.add(_req(f"r{i}", 3, start=10 * i))
+    batch = _step(s)
+    assert [x.request_id for x in batch.seqs] == ["r0", "r1"]
+    assert len(s.waiting) == 3
+
+
+def test_newest_running_request_is_preempted_when_blocks_run_out_and_nothing_deadlocks():
+    s = Scheduler(BlockManager(6, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    reqs = [_req(f"r{i}", 7, max_new=10, start=10 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    _step(s)  # r0, r1, r2 admitted: 7 prompt tokens in 2 blocks each, cache full; 1 token sampled
+    assert not _step(s).preempted_request_ids  # the 8th token still fits in the 2nd block
+    batch = _step(s)  # the 9th needs a 3rd block: r2 (newest) is preempted
+    assert batch.preempted_request_ids == ["r2"]
+    assert reqs[2].status is RequestStatus.WAITING and reqs[2].num_computed_tokens == 0
+    assert s.waiting[0] is reqs[2]
+    steps = 0
+    while s.has_work:
+        _step(s)
+        steps += 1
+        assert steps < 200
+    assert all(len(r.output_token_ids) == 10 for r in reqs)
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_request_that_can_never_fit_fails_at_once_with_its_followers():
+    s = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    big = _req("big", 10, max_new=10)  # 20 tokens: 5 blocks > 4
+    big.followers = [_req("big#1", 10, max_new=10)]
+    s.add(big)
+    s.add(_req("empty", 0))
+    failed = s.take_finished()
+    assert [r.request_id for r in failed] == ["big", "big#1", "empty"]
+    assert "5 KV blocks" in failed[0].error and failed[2].error.startswith("empty prompt")
+    assert not s.has_work
+
+
+def test_followers_wait_for_the_leaders_prompt_then_hit_the_prefix_cache():
+    s = Scheduler(BlockManager(50, 4), max_num_seqs=8, max_num_batched_tokens=6)
+    leader, follower = _req("p#0", 13), _req("p#1", 13)
+    leader.followers = [follower]
+    s.add(leader)
+    _step(s)  # 6 of 13 prompt tokens
+    assert follower.status is RequestStatus.WAITING and follower not in s.waiting
+    _step(s)  # 12 of 13
+    _step(s)  # prompt complete: follower released
+    assert s.waiting[0] is follower
+    batch = _step(s)
+    assert follower.num_cached_tokens == 12  # 3 full blocks shared
+    assert [x.num_new_tokens for x in batch.seqs if x.request_id == "p#1"] == [1]
