@@ -12,7 +12,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV cache + activations
     num_kv_blocks: int | None = None  # fixed cache size; None sizes it from memory
-    cpu_kv_cache_bytes: int = 2 << 30  # KV cache budget on CPU when num_kv_blocks is None
+    cpu_kv_cache_bytes: int = 1 << 30  # KV cache budget on CPU when num_kv_blocks is None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
 

@@ -8,6 +8,7 @@ Two ways in: `generate(prompts, sampling)` for a list, or the streaming interfac
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class Engine:
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables)
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",
@@ -114,9 +116,24 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def num_unfinished_prompts(self) -> int:
+        return len(self._pending)
+
+    def stats(self) -> dict[str, float | int]:
+        """Live counters for throughput logs."""
+        s = self.scheduler
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
+                "kv_cache_usage": round(self.block_manager.usage, 4), "num_kv_blocks": self.block_manager.num_blocks,
+                "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
+                "num_steps": self.num_steps, "schedule_cpu_s": round(self.schedule_s, 3),
+                "prepare_cpu_s": round(self.runner.prepare_s, 3)}
+
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.schedule_s += time.perf_counter() - t0
         if batch:
             sampled = self.runner.execute(batch)
             self.scheduler.update(batch, sampled)

@@ -86,3 +86,18 @@ def load_model_and_tokenizer(path: str, gguf_file: str | None = None, dtype: str
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     return model.to(dev).eval(), tokenizer
+
+
+def load_tokenizer_and_config(path: str, gguf_file: str | None = None):
+    """Tokenizer and model config without the weights (for `batchgen validate`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_path(path)
+    if gguf_file is not None:
+        gguf_path = Path(path) / gguf_file if Path(path).is_dir() else Path(gguf_file)
+        cached = gguf_cache_dir(gguf_path)
+        if (cached / "config.json").exists():
+            return AutoTokenizer.from_pretrained(str(cached)), AutoConfig.from_pretrained(str(cached))
+        return (AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name),
+                AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name))
+    return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)

@@ -6,6 +6,7 @@ only token ids come back to the host.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.get_text_config().vocab_size
+        self.prepare_s = 0.0  # CPU time building step inputs
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         seqs = batch.seqs
@@ -73,7 +75,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns one sampled token per sequence with `sampling`, in batch order."""
+        t0 = time.perf_counter()
         inputs = self.prepare(batch)
+        self.prepare_s += time.perf_counter() - t0
         with paged_attention_enabled(self.model):
             out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                              logits_to_keep=inputs.logits_indices, use_cache=False,

@@ -38,9 +38,12 @@ def paged_attention_ref(
     num_seqs = seq_lens.shape[0]
 
     kv_pos = torch.arange(max_seq_len, device=device)  # [L]
-    kv_slots = block_tables[:, kv_pos // block_size].long() * block_size + kv_pos % block_size  # [B, L]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[kv_slots]  # [B, L, Hkv, D]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[kv_slots]
+    # Gather whole blocks (contiguous rows of block_size * Hkv * D), then cut to the longest sequence.
+    num_blocks = -(-max_seq_len // block_size)
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    keys = k_cache.index_select(0, table).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, table).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    keys, values = keys[:, :max_seq_len], values[:, :max_seq_len]  # [B, L, Hkv, D]
 
     q_start = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - q_start  # [B]
@@ -54,16 +57,22 @@ def paged_attention_ref(
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens.long()[:, None, None])
     if sliding_window is not None:
         mask &= (q_pos[:, :, None] - kv_pos[None, None, :]) < sliding_window
-    q = queries.transpose(1, 2)  # [B, H, Q, D]
-    k = keys.transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, L, D]
-    v = values.transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=1)
+    # GQA without copying K/V per query head: the G query heads sharing one KV head become G*Q query rows.
+    group = num_heads // num_kv_heads
+    q = queries.view(num_seqs, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_query_len, head_dim)  # [B, Hkv, G*Q, D]
+    k = keys.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = values.transpose(1, 2).to(q.dtype)
+    mask = mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(num_seqs, 1, group * max_query_len, max_seq_len)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
-    out = out.transpose(1, 2)  # [B, Q, H, D]
+    # [B, Hkv, G*Q, D] -> [B, Q, Hkv*G, D]
+    out = out.view(num_seqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_seqs, max_query_len, num_heads, head_dim)
     assert out.shape[0] == num_seqs
     return out[q_valid]  # [T, H, D]: row-major over (seq, offset) == packed order

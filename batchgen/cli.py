@@ -1,0 +1,102 @@
+"""The `batchgen` command: run, validate, status. Heavy imports happen inside the commands.
+
+User errors print one actionable paragraph and exit 2 (no traceback unless BATCHGEN_DEBUG=1)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Offline batch generation for LLMs: a YAML job in, exactly-once Parquet shards out.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+EXIT_USER_ERROR = 2
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from batchgen.errors import JobError
+
+        try:
+            return fn(*args, **kwargs)
+        except JobError as e:
+            if os.environ.get("BATCHGEN_DEBUG") == "1":
+                raise
+            typer.echo(f"batchgen: error: {e}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        except OSError as e:  # disk full, permissions: name the path and the cause
+            if os.environ.get("BATCHGEN_DEBUG") == "1":
+                raise
+            typer.echo(f"batchgen: error: {e} (committed rows are safe; fix the cause and run again to resume)",
+                       err=True)
+            raise typer.Exit(1) from None
+    return wrapper
+
+
+JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set sampling.temperature=0 "
+                                                                  "(repeatable).")]
+
+
+@app.command()
+@_user_errors
+def run(job: JobArg, set_: SetOpt = None,
+        output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory (overrides "
+                                                                             "output.dir).")] = None,
+        fresh: Annotated[bool, typer.Option("--fresh", help="Delete this output's results and start over.")] = False,
+        worker_index: Annotated[Optional[int], typer.Option(help="This worker's index (0-based).")] = None,
+        num_workers: Annotated[Optional[int], typer.Option(help="How many workers share the job.")] = None,
+        progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
+    """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
+    from batchgen.job import run_job
+    from batchgen.spec import load_spec
+    from batchgen.workers import WorkerInfo
+
+    spec = load_spec(job, set_ or [], output)
+    if (worker_index is None) != (num_workers is None):
+        raise typer.BadParameter("--worker-index and --num-workers go together")
+    worker = WorkerInfo(worker_index or 0, num_workers or 1)
+    result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
+    r = result.report
+    summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
+               f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "
+               f"{r['generated_tok_s']:.1f} tok/s -> {result.out_dir}")
+    if result.interrupted_by is not None:
+        typer.echo(f"batchgen: interrupted; {summary}. Run the same command again to resume.", err=True)
+        raise typer.Exit(128 + result.interrupted_by)
+    typer.echo(f"batchgen: done; {summary}")
+
+
+@app.command()
+@_user_errors
+def validate(job: JobArg, set_: SetOpt = None,
+             sample_rows: Annotated[int, typer.Option(help="Rows to render and tokenize for the audit.")] = 1000,
+             show: Annotated[int, typer.Option(help="Rendered prompts to print.")] = 2) -> None:
+    """Check a job without generating: spec, source, prompts, token lengths, model config."""
+    from batchgen.spec import load_spec
+    from batchgen.validate import audit
+
+    spec = load_spec(job, set_ or [])
+    typer.echo(audit(spec, sample_rows=sample_rows, show=show))
+
+
+@app.command()
+@_user_errors
+def status(output_dir: Annotated[Path, typer.Argument(help="A job's output directory.")]) -> None:
+    """Progress, rate and ETA of a job, from what is on disk (any number of workers)."""
+    from batchgen.output.status import describe
+
+    typer.echo(describe(output_dir))
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

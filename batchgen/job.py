@@ -1,0 +1,103 @@
+"""The job runner, composition root: source -> prompts -> engine -> shard writer, with resume and signals.
+
+Exactly once: rows whose keys a manifest records are skipped; every other row of this worker's part is
+generated and committed once. A signal stops admission, commits what is finished and returns; whatever
+was in flight is generated again by the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchgen.errors import JobError
+from batchgen.output import manifest as mf
+from batchgen.output.fingerprint import FILE as FINGERPRINT_FILE
+from batchgen.output.lock import WorkerLock
+from batchgen.spec import JobSpec
+from batchgen.workers import WorkerInfo
+
+OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, "job.yaml")
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    rows_committed: int
+    rows_rejected: int
+    rows_skipped: int  # already committed by earlier runs
+    interrupted_by: int | None  # the signal number that stopped the run, if any
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class _StopFlag:
+    """First SIGINT/SIGTERM: finish cleanly. Second: exit at once (commits are atomic, nothing corrupts)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"\nbatchgen: got {signal.Signals(signum).name}: committing finished rows and stopping "
+              f"(send it again to exit at once)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+def _fresh(out_dir: Path) -> None:
+    for name in OWNED_PATHS:
+        p = out_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
+            show_progress: bool = True) -> RunResult:
+    out_dir = Path(spec.output.dir).resolve()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"cannot create output.dir {out_dir}: {e.strerror}") from None
+    tag = mf.worker_tag(worker.index)
+    lock = WorkerLock(out_dir, tag)
+    try:
+        if fresh:
+            _fresh(out_dir)
+        from batchgen.job_loop import JobLoop
+
+        loop = JobLoop(spec, out_dir, worker, show_progress)
+        _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
+        with _StopFlag() as stop:
+            result = loop.run(stop)
+        reports = out_dir / "reports"
+        reports.mkdir(exist_ok=True)
+        _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
+        return result
+    finally:
+        lock.release()
+

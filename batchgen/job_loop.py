@@ -1,0 +1,253 @@
+"""JobLoop: one worker's run over its rows. Setup (source, model, prompts, fingerprint, resume state,
+writer, engine), then the loop: keep the engine fed, step it, hand finished rows to the shard writer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen import __version__
+from batchgen.errors import JobError
+from batchgen.metrics import ThroughputMeter
+from batchgen.output import manifest as mf
+from batchgen.output.fingerprint import check_or_write, components
+from batchgen.output.shard_writer import ShardWriter
+from batchgen.prompts import PromptRenderer, RowError
+from batchgen.sampling_params import SamplingParams
+from batchgen.seeding import derive_seed
+from batchgen.sources import open_source
+from batchgen.spec import JobSpec
+from batchgen.workers import WorkerInfo
+
+OUTPUT_COLUMNS = ("sample_idx", "prompt", "completion", "finish_reason", "num_prompt_tokens",
+                  "num_completion_tokens", "num_cached_tokens", "seed")
+
+
+def normalize_key(value: Any, position: int, key_column: str) -> str | int:
+    if value is None:
+        raise JobError(f"source.key_column {key_column!r} is null at row {position}; keys must be unique "
+                       f"non-null strings or integers")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise JobError(f"source.key_column {key_column!r} holds a {type(value).__name__} at row {position}; "
+                       f"keys must be strings or integers")
+    return value
+
+
+def engine_config(spec: JobSpec):
+    from batchgen.engine.config import EngineConfig
+
+    e = spec.engine
+    return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                        block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
+                        num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
+                        enable_prefix_caching=e.enable_prefix_caching)
+
+
+def sampling_params(spec: JobSpec) -> SamplingParams:
+    s = spec.sampling
+    return SamplingParams(max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                          repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
+                          stop_token_ids=tuple(s.stop_token_ids), n=s.n, seed=s.seed, ignore_eos=s.ignore_eos)
+
+
+class JobLoop:
+    def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from batchgen.engine.engine import Engine
+        from batchgen.engine.loader import load_model_and_tokenizer
+
+        hf_logging.disable_progress_bar()  # one progress bar: ours
+
+        self.spec, self.out_dir, self.worker = spec, out_dir, worker
+        self.source = open_source(spec.source)
+        self.kept = self._kept_columns()
+        try:
+            model, tokenizer = load_model_and_tokenizer(spec.model.path, spec.model.gguf_file, spec.model.dtype,
+                                                        spec.model.device)
+        except (OSError, ValueError) as e:
+            raise JobError(f"cannot load model.path {spec.model.path!r}"
+                           + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
+                           + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        self.params = sampling_params(spec)
+        self.engine = Engine(model, tokenizer, engine_config(spec))
+        max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
+        if max_prompt < 1:
+            raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
+                           f"in the model's context of {self.engine.max_model_len} tokens")
+        self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
+        check_or_write(out_dir, components(spec, model.config.to_dict(), tokenizer, __version__))
+
+        owned = {mf.worker_tag(worker.index)}
+        if worker.index == 0:  # workers beyond today's count (an earlier, wider run) are nobody's but ours
+            owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
+                      if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
+        mf.remove_orphans(out_dir, owned)
+        self.done_keys = {k for _, r in mf.read_all(out_dir) for k in r["keys"]}
+        self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self._data_schema(),
+                                  self._key_field(), spec.output.rows_per_shard, spec.output.commit_interval_s)
+        expected = self.source.expected_rows
+        mine = None if expected is None else sum(1 for p in range(expected) if worker.owns(p)) if worker.count > 1 \
+            else expected
+        self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
+                                     mine, show_progress=show_progress)
+
+    # ---- schema --------------------------------------------------------------------------------
+    def _kept_columns(self) -> list[str]:
+        keep = self.spec.output.keep_columns
+        columns = self.source.columns
+        if keep == "all":
+            kept = list(columns)
+        elif keep == "none":
+            kept = []
+        else:
+            missing = [c for c in keep if c not in columns]
+            if missing:
+                raise JobError(f"output.keep_columns names {', '.join(missing)}, not column(s) of the source; "
+                               f"columns: {', '.join(columns)}")
+            kept = list(keep)
+        kept = [c for c in kept if c != self.spec.source.key_column]
+        clash = [c for c in kept if c in OUTPUT_COLUMNS or c == "row_idx"]
+        if clash:
+            if keep == "all":
+                kept = [c for c in kept if c not in clash]  # batchgen's own columns win; say so in validate
+            else:
+                raise JobError(f"output.keep_columns {clash} clash with batchgen's output columns; drop them")
+        return kept
+
+    def _key_field(self) -> pa.Field:
+        key = self.spec.source.key_column
+        return self.source.schema.field(key) if key else pa.field("row_idx", pa.int64())
+
+    def _data_schema(self) -> pa.Schema:
+        fields = [self._key_field(), pa.field("sample_idx", pa.int32())]
+        fields += [self.source.schema.field(c) for c in self.kept]
+        if self.spec.output.keep_prompt:
+            fields.append(pa.field("prompt", pa.string()))
+        fields += [pa.field("completion", pa.string()), pa.field("finish_reason", pa.string()),
+                   pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
+                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64())]
+        return pa.schema(fields)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, stop) -> Any:
+        from batchgen.job import RunResult
+
+        spec, engine, writer, totals = self.spec, self.engine, self.writer, self.meter.totals
+        key_column = spec.source.key_column
+        lookahead = 2 * spec.engine.max_num_seqs
+        pending: dict[str, tuple] = {}  # request id -> (key, position, kept values, prompt, num prompt tokens)
+        seen: set = set()
+        skipped = 0
+        rows = iter(self.source)
+        exhausted = False
+        started = time.monotonic()
+        while True:
+            while stop.signum is None and not exhausted and engine.num_unfinished_prompts < lookahead:
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                    break
+                if not self.worker.owns(row.position):
+                    continue
+                if key_column is None:
+                    key = row.position
+                elif row.columns is None:  # unparseable: no key of its own; its position identifies it
+                    key = f"<unparsed row {row.position}>"
+                else:
+                    key = normalize_key(row.columns.get(key_column), row.position, key_column)
+                if key in seen:
+                    raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (again at row "
+                                   f"{row.position}); keys must be unique")
+                seen.add(key)
+                if key in self.done_keys:
+                    skipped += 1
+                    continue
+                self._admit(row, key, pending)
+            if not engine.has_unfinished and (exhausted or stop.signum is not None):
+                break
+            if stop.signum is not None:
+                break  # in-flight rows are abandoned: not committed, so the next run generates them
+            if engine.has_unfinished:
+                t0 = time.perf_counter()
+                for result in engine.step():
+                    self._finish(result, pending.pop(result.request_id))
+                totals.step_s += time.perf_counter() - t0
+            if writer.should_commit():
+                self._commit()
+            self.meter.maybe_log(engine.stats())
+        self._commit()
+        self.meter.maybe_log(engine.stats(), force=True)
+        self.meter.close()
+        report = self._report(time.monotonic() - started, skipped, stop.signum)
+        return RunResult(self.out_dir, totals.rows_committed, totals.rows_rejected, skipped, stop.signum, report)
+
+    def _admit(self, row, key, pending: dict) -> None:
+        if row.columns is None:
+            self._reject(key, row.position, "malformed_row", row.error or "unreadable row")
+            return
+        try:
+            text = self.renderer.render(row.columns)
+            ids = self.renderer.tokenize(text)
+        except RowError as e:
+            self._reject(key, row.position, e.error_class, str(e))
+            return
+        seeds = [derive_seed(self.spec.sampling.seed, key, i) for i in range(self.params.n)]
+        rid = self.engine.add_request(ids, self.params, sample_seeds=seeds)
+        kept = {c: row.columns.get(c) for c in self.kept}
+        pending[rid] = (key, row.position, kept, text, len(ids))
+        self.meter.totals.prompt_tokens += len(ids)
+
+    def _reject(self, key, position: int, error_class: str, message: str) -> None:
+        t = self.meter.totals
+        self.writer.add_reject(key, position, error_class, message)
+        t.rows_rejected += 1
+        t.rows_done += 1
+        t.rejects_by_class[error_class] = t.rejects_by_class.get(error_class, 0) + 1
+        self.meter.row_finished(0)
+
+    def _finish(self, result, entry) -> None:
+        key, position, kept, prompt, num_prompt = entry
+        errors = [s for s in result.samples if s.error is not None]
+        if errors:
+            self._reject(key, position, "too_long_for_cache", errors[0].error)
+            return
+        key_name = self._key_field().name
+        out_rows = []
+        t = self.meter.totals
+        for s in result.samples:
+            r = {key_name: key, "sample_idx": s.sample_idx, **kept}
+            if self.spec.output.keep_prompt:
+                r["prompt"] = prompt
+            r.update(completion=s.text, finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,
+                     num_completion_tokens=len(s.token_ids), num_cached_tokens=s.num_cached_tokens, seed=s.seed)
+            out_rows.append(r)
+            t.generated_tokens += len(s.token_ids)
+            t.cached_tokens += s.num_cached_tokens
+            t.finish_reasons[s.finish_reason] = t.finish_reasons.get(s.finish_reason, 0) + 1
+        self.writer.add_row(key, out_rows)
+        t.rows_done += 1
+        self.meter.row_finished(sum(len(s.token_ids) for s in result.samples))
+
+    def _commit(self) -> None:
+        n = self.writer.num_buffered_keys
+        if self.writer.commit():
+            self.meter.totals.rows_committed += n
+
+    def _report(self, wall_s: float, skipped: int, signum: int | None) -> dict[str, Any]:
+        t = self.meter.totals
+        return {
+            "worker": {"index": self.worker.index, "count": self.worker.count},
+            "status": "interrupted" if signum is not None else "complete",
+            "wall_s": round(wall_s, 3), "rows_committed": t.rows_committed, "rows_rejected": t.rows_rejected,
+            "rows_skipped_already_done": skipped, "prompt_tokens": t.prompt_tokens,
+            "generated_tokens": t.generated_tokens, "cached_prompt_tokens": t.cached_tokens,
+            "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),
+            "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
+            "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
+            "engine": self.engine.stats(), "time": time.time(),
+        }

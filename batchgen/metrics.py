@@ -1,0 +1,72 @@
+"""Throughput: a meter that writes a JSONL log every few seconds, and the tqdm progress bar."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+@dataclass
+class Totals:
+    rows_done: int = 0  # input rows finished (generated or rejected), committed or not
+    rows_committed: int = 0
+    rows_rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    step_s: float = 0.0  # time in engine steps (prepare + forward + sample)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    rejects_by_class: dict[str, int] = field(default_factory=dict)
+
+
+class ThroughputMeter:
+    def __init__(self, log_path: Path, expected_rows: int | None, interval_s: float = 5.0,
+                 show_progress: bool = True) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.interval_s = interval_s
+        self.totals = Totals()
+        self.start = time.monotonic()
+        self._last_t = self.start
+        self._last_gen = 0
+        self._last_rows = 0
+        self._bar = tqdm(total=expected_rows, unit="row", dynamic_ncols=True, disable=not show_progress,
+                         smoothing=0.05)
+
+    def row_finished(self, num_generated: int) -> None:
+        self._bar.update(1)
+        self._bar.set_postfix_str(f"{self.totals.generated_tokens / max(self.elapsed_s, 1e-9):.0f} tok/s",
+                                  refresh=False)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.start
+
+    def maybe_log(self, engine_stats: dict[str, Any], force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_t < self.interval_s:
+            return
+        t = self.totals
+        window = max(now - self._last_t, 1e-9)
+        record = {
+            "time": time.time(), "elapsed_s": round(now - self.start, 3),
+            "rows_done": t.rows_done, "rows_committed": t.rows_committed, "rows_rejected": t.rows_rejected,
+            "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
+            "cached_tokens": t.cached_tokens,
+            "gen_tok_s_window": round((t.generated_tokens - self._last_gen) / window, 2),
+            "gen_tok_s_overall": round(t.generated_tokens / max(now - self.start, 1e-9), 2),
+            "rows_s_window": round((t.rows_done - self._last_rows) / window, 3),
+            "step_s": round(t.step_s, 3),
+            **engine_stats,
+        }
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._last_t, self._last_gen, self._last_rows = now, t.generated_tokens, t.rows_done
+
+    def close(self) -> None:
+        self._bar.close()

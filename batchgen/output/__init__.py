@@ -1,0 +1,1 @@
+"""The output directory: shards, the commit protocol, fingerprints, reports."""

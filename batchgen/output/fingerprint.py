@@ -1,0 +1,63 @@
+"""Fingerprint: what decides the output (model, tokenizer, chat template, prompt, sampling, row identity,
+batchgen version). Resuming into a directory whose fingerprint differs is refused, naming what changed;
+engine knobs (batch size, memory, graphs) are not part of it and may change freely."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from batchgen.errors import JobError
+from batchgen.spec import JobSpec
+
+FILE = "fingerprint.json"
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> dict[str, Any]:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return {
+        "batchgen_version": version,
+        "model": {"path": spec.model.path, "gguf_file": spec.model.gguf_file, "dtype": spec.model.dtype,
+                  "config": _digest({k: v for k, v in model_config.items() if not k.startswith("_")})},
+        "tokenizer": {"vocab": _digest(vocab), "special_tokens": _digest(tokenizer.all_special_tokens)},
+        "chat_template": _digest(getattr(tokenizer, "chat_template", None)),
+        "prompt": spec.prompt.model_dump(),
+        "sampling": spec.sampling.model_dump(),
+        "row_identity": {"key_column": spec.source.key_column},
+    }
+
+
+def _diff(old: Any, new: Any, path: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += _diff(old.get(k), new.get(k), f"{path}.{k}" if path else k)
+        return out
+    return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
+    """First run: record the fingerprint. Later runs: refuse if it changed."""
+    path = out_dir / FILE
+    if path.exists():
+        stored = json.loads(path.read_text())["components"]
+        changes = _diff(stored, json.loads(json.dumps(current, default=str)), "")
+        if changes:
+            raise JobError(
+                f"refusing to resume into {out_dir}: what decides the output changed since it was started:\n  - "
+                + "\n  - ".join(changes)
+                + "\nRevert the change, pick another output.dir (or --output), or pass --fresh to start over "
+                  "(deletes this directory's results).")
+        return
+    tmp = path.with_name(FILE + ".tmp")
+    tmp.write_text(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

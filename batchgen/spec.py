@@ -1,0 +1,199 @@
+"""JobSpec: the job file, validated and frozen before anything heavy loads.
+
+Unknown keys are errors that suggest the closest valid key; wrong types and values name the key and
+the value. Relative paths resolve against the job file's folder. `--set a.b=value` overrides any key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from batchgen.errors import JobError
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Strict):
+    path: str  # local folder, hub id, or package:NAME (a Python package shipping weights)
+    gguf_file: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+class SourceSpec(_Strict):
+    path: str | list[str]  # files, globs, a save_to_disk folder, or a hub dataset name
+    type: Literal["parquet", "jsonl", "hf"] | None = None  # inferred from the path when omitted
+    split: str = "train"
+    name: str | None = None  # hub dataset configuration
+    streaming: bool = True
+    key_column: str | None = None  # row identity; without it, the row's position in the source
+    limit: PositiveInt | None = None
+
+
+class PromptSpec(_Strict):
+    template: str | None = None  # Jinja2 over the row's columns: "Summarize: {{ text }}"
+    column: str | None = None  # the prompt is this column's text
+    messages_column: str | None = None  # a list of {role, content} chat messages
+    system: str | None = None
+    chat: bool = True  # apply the tokenizer's chat template
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    on_too_long: Literal["reject", "truncate_left", "truncate_right"] = "reject"
+    max_prompt_tokens: PositiveInt | None = None  # default: model context - max_new_tokens
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> PromptSpec:
+        given = [k for k in ("template", "column", "messages_column") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of prompt.template, prompt.column, prompt.messages_column "
+                             f"(got {', '.join(given) or 'none'})")
+        if self.messages_column is not None and not self.chat:
+            raise ValueError("prompt.messages_column needs prompt.chat: true")
+        return self
+
+
+class SamplingSpec(_Strict):
+    max_new_tokens: PositiveInt = 256
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    temperature: Annotated[float, Field(ge=0)] = 0.7
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    n: PositiveInt = 1
+    seed: int = 0
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingSpec:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"sampling.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                             f"({self.max_new_tokens})")
+        return self
+
+
+class EngineSpec(_Strict):
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 8192
+    block_size: PositiveInt = 16
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    num_kv_blocks: PositiveInt | None = None  # fixed KV cache size (blocks); default sizes it from memory
+    max_model_len: PositiveInt | None = None
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    async_: bool = Field(True, alias="async")
+
+
+class OutputSpec(_Strict):
+    dir: str
+    rows_per_shard: PositiveInt = 1000
+    commit_interval_s: Annotated[float, Field(gt=0)] = 60.0  # commit at least this often, even if a shard is short
+    keep_columns: Literal["all", "none"] | list[str] = "all"
+    keep_prompt: bool = False
+
+
+class JobSpec(_Strict):
+    name: str | None = None
+    model: ModelSpec
+    source: SourceSpec
+    prompt: PromptSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    output: OutputSpec
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: Any = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else \
+                f"valid keys here: {', '.join(valid)}"
+            lines.append(f"unknown key '{key}': {hint}")
+        elif e["type"] == "missing":
+            lines.append(f"missing required key '{key}'")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            shown = repr(e["input"]) if not isinstance(e["input"], dict) else "{...}"
+            lines.append(f"'{key}' = {shown}: {msg}" if loc else msg)
+    return f"invalid job file {origin}:\n  - " + "\n  - ".join(lines)
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """`a.b.c=value` sets raw['a']['b']['c'] = yaml(value)."""
+    if "=" not in assignment:
+        raise JobError(f"--set {assignment!r}: expected KEY.PATH=VALUE, e.g. --set sampling.temperature=0")
+    path, _, text = assignment.partition("=")
+    parts = path.strip().split(".")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise JobError(f"--set {assignment!r}: '{p}' is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {assignment!r}: the value is not valid YAML ({e})") from None
+
+
+def _resolve(base: Path, value: str) -> str:
+    """Resolve a relative local path against the job file's folder; leave hub ids and URLs alone."""
+    if "://" in value or value.startswith("package:") or Path(value).is_absolute():
+        return value
+    candidate = base / value
+    looks_local = value.startswith((".", "~")) or candidate.exists() or any(c in value for c in "*?[")
+    return str(candidate) if looks_local else value
+
+
+def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | None = None) -> JobSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise JobError(f"job file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise JobError(f"job file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"job file {path} must be a mapping of sections (model, source, prompt, ...), "
+                       f"got {type(raw).__name__}")
+    for o in overrides:
+        apply_override(raw, o)
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise JobError(_format_validation_error(e, str(path))) from None
+    base = path.resolve().parent
+    model = spec.model.model_copy(update={"path": _resolve(base, spec.model.path)})
+    paths = [spec.source.path] if isinstance(spec.source.path, str) else spec.source.path
+    resolved = [_resolve(base, p) for p in paths]
+    source = spec.source.model_copy(update={"path": resolved[0] if isinstance(spec.source.path, str) else resolved})
+    out_dir = output_dir if output_dir is not None else str(base / spec.output.dir)
+    output = spec.output.model_copy(update={"dir": out_dir})
+    return spec.model_copy(update={"model": model, "source": source, "output": output})
