@@ -98,3 +98,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from jobutil import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("model"))

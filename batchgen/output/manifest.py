@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from batchgen.output import faults
+
 MANIFEST_DIR = "manifest"
 SHARD_DIRS = ("data", "rejects")
 
@@ -75,9 +77,14 @@ class Manifest:
 
     def append(self, record: dict[str, Any]) -> None:
         """Durably record a commit. Only after this returns are the record's rows done."""
-        line = json.dumps({"commit": self.next_commit, **record}, separators=(",", ":")) + "\n"
+        line = (json.dumps({"commit": self.next_commit, **record}, separators=(",", ":")) + "\n").encode()
         with open(self.path, "ab") as f:
-            f.write(line.encode())
+            if faults.armed("manifest_torn"):  # crash test: half a line reaches the disk
+                f.write(line[: len(line) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                faults.die()
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
         self.next_commit += 1

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.output import faults
 from batchgen.output.manifest import Manifest, fsync_dir
 
 # The key is stored as text in rejects: a row that could not be parsed has no key of the column's type.
@@ -84,15 +85,18 @@ class ShardWriter:
         """Make every buffered row durable and done. Returns False when there was nothing to commit."""
         if not self._keys:
             return False
+        faults.crash_if_armed("commit_start")
         record: dict[str, Any] = {"data": None, "rejects": None}
         if self._data:
             record["data"] = self._write("data", self._data, self.data_schema)
         if self._rejects:
             record["rejects"] = self._write("rejects", self._rejects, self.reject_schema)
+        faults.crash_if_armed("shard_renamed")
         record.update(num_rows=len(self._keys), num_samples=len(self._data), num_rejects=len(self._rejects),
                       num_prompt_tokens=self._tokens["prompt"], num_completion_tokens=self._tokens["completion"],
                       time=time.time(), keys=self._keys)
         self.manifest.append(record)
+        faults.crash_if_armed("commit_done")
         self.num_committed_rows += len(self._keys)
         self.num_committed_rejects += len(self._rejects)
         self._data, self._rejects, self._keys = [], [], []

@@ -1,0 +1,32 @@
+"""Fault injection for the crash tests: BATCHGEN_FAULT=POINT:N kills this process with SIGKILL the Nth
+time POINT is reached (points: commit_start, shard_renamed, manifest_torn, commit_done).
+
+Unset (always, outside tests) it costs one dictionary lookup per commit."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_hits: dict[str, int] = {}  # per-process counter; only consulted when BATCHGEN_FAULT is set
+
+
+def armed(point: str) -> bool:
+    """True when this is the Nth arrival at `point` named by BATCHGEN_FAULT."""
+    spec = os.environ.get("BATCHGEN_FAULT")
+    if not spec:
+        return False
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return False
+    _hits[point] = _hits.get(point, 0) + 1
+    return _hits[point] == int(nth or 1)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_if_armed(point: str) -> None:
+    if armed(point):
+        die()

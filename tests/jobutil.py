@@ -1,0 +1,70 @@
+"""Helpers for job tests: a tiny model saved with a tokenizer, job files, reading outputs."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from conftest import make_model, make_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+TOPICS = ["the sea", "bread", "rome", "bees", "jazz", "stars", "maps", "tea", "rain", "clocks", "owls", "salt"]
+
+
+def save_tiny_model(root: Path) -> str:
+    """A tiny random Llama with our test tokenizer, saved like any transformers checkpoint."""
+    path = root / "tiny-llama"
+    tok = make_tokenizer()
+    model = make_model("llama", vocab_size=len(tok), max_position_embeddings=256)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def seed_rows(n: int) -> list[dict]:
+    return [{"id": f"row-{i:04d}", "topic": TOPICS[i % len(TOPICS)], "level": i % 3} for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_job(tmp: Path, model_path: str, source: dict, *, name: str = "job.yaml", **sections) -> Path:
+    job = {
+        "model": {"path": model_path, "device": "cpu"},
+        "source": source,
+        "prompt": {"template": "Write about {{ topic }} at level {{ level }}.", "chat": True},
+        "sampling": {"max_new_tokens": 12, "temperature": 0.0, "seed": 3},
+        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 256, "block_size": 8},
+        "output": {"dir": "out", "rows_per_shard": 5},
+    }
+    for key, value in sections.items():
+        job[key] = {**job.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp / name
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def read_rows(out_dir: Path, folder: str = "data") -> list[dict]:
+    rows = []
+    for f in sorted(glob.glob(str(out_dir / folder / "*.parquet"))):
+        rows += pq.read_table(f).to_pylist()
+    return rows
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`batchgen ...` as a separate process (what a user or a scheduler runs)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "batchgen.cli", *args, "--no-progress"] if args[0] == "run" else
+                          [sys.executable, "-m", "batchgen.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=REPO)

@@ -1,0 +1,101 @@
+"""`batchgen run` end to end on Parquet, JSONL and `datasets` sources, plus validate and status."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from jobutil import read_rows, seed_rows, write_job, write_jsonl
+
+runner = CliRunner()
+
+
+def _make_source(tmp_path, kind: str, rows: list[dict]) -> dict:
+    if kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows[:7]), tmp_path / "a.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[7:]), tmp_path / "b.parquet")
+        return {"path": "*.parquet", "key_column": "id"}
+    if kind == "jsonl":
+        write_jsonl(tmp_path / "rows.jsonl", rows)
+        return {"path": "rows.jsonl", "key_column": "id"}
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    return {"path": "ds", "key_column": "id"}
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "hf"])
+def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_model_dir, kind):
+    rows = seed_rows(13)
+    job = write_job(tmp_path, tiny_model_dir, _make_source(tmp_path, kind, rows),
+                    sampling={"n": 2, "temperature": 0.8})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "13 rows committed" in result.output
+    out = read_rows(tmp_path / "out")
+    assert sorted((r["id"], r["sample_idx"]) for r in out) == sorted((r["id"], s) for r in rows for s in (0, 1))
+    first = out[0]
+    for col in ("id", "sample_idx", "topic", "level", "completion", "finish_reason", "num_prompt_tokens",
+                "num_completion_tokens", "num_cached_tokens", "seed"):
+        assert col in first
+    assert all(r["finish_reason"] in ("stop", "length", "stop_string") for r in out)
+    assert all(0 < r["num_completion_tokens"] <= 12 for r in out)
+    # loadable as one dataset, shards of at most 5 rows x 2 samples
+    files = sorted(str(p) for p in (tmp_path / "out" / "data").glob("*.parquet"))
+    assert len(files) >= 2
+    ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    assert ds.num_rows == 26
+    report = json.loads(next((tmp_path / "out" / "reports").glob("*.json")).read_text())
+    assert report["rows_committed"] == 13 and report["generated_tokens"] == sum(r["num_completion_tokens"] for r in out)
+    log = (tmp_path / "out" / "logs" / "throughput-w00000.jsonl").read_text().splitlines()
+    assert json.loads(log[-1])["rows_done"] == 13
+
+
+def test_second_run_skips_everything_and_status_reports_completion(tmp_path, tiny_model_dir):
+    job = write_job(tmp_path, tiny_model_dir, _make_source(tmp_path, "parquet", seed_rows(9)))
+    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
+    before = read_rows(tmp_path / "out")
+    again = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert again.exit_code == 0 and "0 rows committed" in again.output and "9 already done" in again.output
+    assert read_rows(tmp_path / "out") == before
+    status = runner.invoke(app, ["status", str(tmp_path / "out")])
+    assert status.exit_code == 0 and "9 rows committed of 9 (100.0%)" in status.output and "complete" in status.output
+
+
+def test_rows_without_key_column_are_keyed_by_position_and_prompt_can_be_kept(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", [{"text": f"Say hello number {i}."} for i in range(6)])
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl"},
+                    prompt={"template": None, "column": "text", "chat": False},
+                    output={"keep_prompt": True, "keep_columns": "none"})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = sorted(read_rows(tmp_path / "out"), key=lambda r: r["row_idx"])
+    assert [r["row_idx"] for r in out] == list(range(6))
+    assert out[2]["prompt"] == "Say hello number 2." and "text" not in out[2]
+
+
+def test_validate_reports_source_prompts_and_token_lengths(tmp_path, tiny_model_dir):
+    job = write_job(tmp_path, tiny_model_dir, _make_source(tmp_path, "jsonl", seed_rows(20)))
+    result = runner.invoke(app, ["validate", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "columns: id, topic, level" in result.output
+    assert "Write about the sea at level 0." in result.output  # the first rendered prompt
+    assert "prompt tokens over 20 rendered rows" in result.output
+    assert not (tmp_path / "out").exists()  # validate writes nothing
+
+
+def test_same_seed_gives_same_completions_across_runs_and_engine_knobs(tmp_path, tiny_model_dir):
+    source = _make_source(tmp_path, "jsonl", seed_rows(10))
+    job = write_job(tmp_path, tiny_model_dir, source, sampling={"temperature": 1.0, "n": 2})
+    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
+    assert runner.invoke(app, ["run", str(job), "--no-progress", "-o", str(tmp_path / "other"),
+                               "--set", "engine.max_num_seqs=3"]).exit_code == 0
+    key = lambda r: (r["id"], r["sample_idx"])  # noqa: E731
+    a = sorted(read_rows(tmp_path / "out"), key=key)
+    b = sorted(read_rows(tmp_path / "other"), key=key)
+    assert [r["completion"] for r in a] == [r["completion"] for r in b]
+    assert len({r["seed"] for r in a}) == 20
