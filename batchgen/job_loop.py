@@ -3,6 +3,7 @@ writer, engine), then the loop: keep the engine fed, step it, hand finished rows
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,11 @@ class JobLoop:
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.params = sampling_params(spec)
         self.engine = Engine(model, tokenizer, engine_config(spec))
+        asked = [k for k, on in (("engine.cuda_graphs", spec.engine.cuda_graphs), ("engine.async", spec.engine.async_))
+                 if on]
+        if asked:  # accepted for forward compatibility, never silently: say what actually runs
+            print(f"batchgen: {' and '.join(asked)} requested; this build runs the synchronous engine without "
+                  f"CUDA graphs on {self.engine.device} (set them to false to silence this)", file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:
             raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "

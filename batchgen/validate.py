@@ -51,10 +51,11 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     for n, p in enumerate(shown):
         lines.append(f"prompt #{n}:\n    " + p.replace("\n", "\n    "))
     if lengths:
-        q = statistics.quantiles(lengths, n=20) if len(lengths) > 1 else [lengths[0]] * 19
+        ordered = sorted(lengths)
+        p95 = ordered[int(0.95 * (len(ordered) - 1))]
         over = sum(1 for n in lengths if n > max_prompt)
         lines.append(f"prompt tokens over {len(lengths)} rendered rows: min {min(lengths)}, median "
-                     f"{statistics.median(lengths):.0f}, p95 {q[18]:.0f}, max {max(lengths)}; {over} exceed the "
+                     f"{statistics.median(lengths):.0f}, p95 {p95}, max {max(lengths)}; {over} exceed the "
                      f"{max_prompt}-token limit (policy: {spec.prompt.on_too_long})")
     if rejects:
         lines.append("rows that would be rejected in the sample: "

@@ -1,0 +1,147 @@
+"""Bad input gets a clear message naming the key or value, and loses no data; fingerprint drift is refused."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from jobutil import read_rows, seed_rows, write_job, write_jsonl
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["run", *map(str, args), "--no-progress"])
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
+    return write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+
+
+def _edit(job, **sections):
+    raw = yaml.safe_load(job.read_text())
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value}
+    job.write_text(yaml.safe_dump(raw))
+    return job
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampling.temprature=0.5", "unknown key 'sampling.temprature': did you mean 'sampling.temperature'?"),
+    ("engin.max_num_seqs=4", "unknown key 'engin': did you mean 'engine'?"),
+    ("sampling.temperature=-1", "'sampling.temperature' = -1: Input should be greater than or equal to 0"),
+    ("sampling.top_p=1.5", "'sampling.top_p' = 1.5"),
+    ("sampling.n=0", "'sampling.n' = 0"),
+    ("engine.max_num_seqs=0", "'engine.max_num_seqs' = 0"),
+    ("sampling.max_new_tokens=lots", "'sampling.max_new_tokens' = 'lots'"),
+    ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
+])
+def test_spec_errors_name_the_key_and_value(job, override, message):
+    result = _run(job, "--set", override)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_invalid_yaml_and_missing_job_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: x\nsource: [")
+    result = _run(bad)
+    assert result.exit_code == 2 and "is not valid YAML" in result.output
+    result = _run(tmp_path / "nope.yaml")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_template_naming_a_missing_column(job):
+    result = _run(_edit(job, prompt={"template": "About {{ topik }}"}))
+    assert result.exit_code == 2
+    assert "prompt.template uses topik, which is not a column of the source; columns: id, topic, level" in result.output
+
+
+def test_jinja_syntax_error(job):
+    result = _run(_edit(job, prompt={"template": "About {{ topic "}))
+    assert result.exit_code == 2 and "Jinja2 syntax error at line 1" in result.output
+
+
+def test_missing_source_files_and_key_column(job, tmp_path):
+    result = _run(_edit(job, source={"path": "missing/*.jsonl"}))
+    assert result.exit_code == 2 and "matches no jsonl files" in result.output
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    result = _run(_edit(job, source={"path": "rows.jsonl", "key_column": "uid"}))
+    assert result.exit_code == 2 and "source.key_column 'uid' is not a column" in result.output
+
+
+def test_missing_model_path(job, tmp_path):
+    result = _run(_edit(job, model={"path": str(tmp_path / "no-model")}))
+    assert result.exit_code == 2 and "cannot load model.path" in result.output
+
+
+def test_corrupt_parquet_file_is_named(job, tmp_path):
+    pq.write_table(pa.Table.from_pylist(seed_rows(4)), tmp_path / "good.parquet")
+    (tmp_path / "bad.parquet").write_bytes((tmp_path / "good.parquet").read_bytes()[:100])
+    result = _run(_edit(job, source={"path": "*.parquet"}))
+    assert result.exit_code == 2 and "bad.parquet" in result.output and "corrupt or truncated" in result.output
+
+
+def test_bad_rows_go_to_rejects_and_the_job_goes_on(job, tmp_path):
+    rows = seed_rows(5)
+    rows[1]["topic"] = "   "  # renders fine
+    lines = [__import__("json").dumps(r) for r in rows]
+    lines.insert(2, '{"id": "broken", "topic": ')  # malformed JSON line
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    _edit(job, prompt={"template": None, "column": "topic", "chat": False},
+          output={"keep_columns": ["level"]})
+    result = _run(job, "--set", "prompt.max_prompt_tokens=3")
+    assert result.exit_code == 0, result.output
+    rejects = {r["row_position"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert rejects[1]["error_class"] == "empty_prompt"
+    assert rejects[2]["error_class"] == "malformed_row" and "malformed JSON" in rejects[2]["message"]
+    assert rejects[2]["id"] == "<unparsed row 2>"
+    assert {r["error_class"] for p, r in rejects.items() if p not in (1, 2)} <= {"prompt_too_long"}
+    done = {r["id"] for r in read_rows(tmp_path / "out")} | {r["id"] for r in rejects.values()}
+    assert len(done) == 6  # every row accounted for, once
+    again = _run(job, "--set", "prompt.max_prompt_tokens=3")
+    assert "0 rows committed" in again.output  # rejects count as done: not retried forever
+
+
+def test_truncation_policy_keeps_over_long_prompts(job, tmp_path):
+    result = _run(job, "--set", "prompt.max_prompt_tokens=4", "--set", "prompt.on_too_long=truncate_left")
+    assert result.exit_code == 0, result.output
+    out = read_rows(tmp_path / "out")
+    assert len(out) == 6 and all(r["num_prompt_tokens"] == 4 for r in out)
+
+
+def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
+    assert _run(job).exit_code == 0
+    result = _run(job, "--set", "sampling.temperature=0.5")
+    assert result.exit_code == 2
+    assert "sampling.temperature: 0.0 -> 0.5" in result.output and "--fresh" in result.output
+    result = _run(job, "--set", "prompt.template=Other {{ topic }}")
+    assert result.exit_code == 2 and "prompt.template" in result.output
+
+
+def test_engine_knob_change_is_accepted_and_fresh_starts_over(job, tmp_path):
+    assert _run(job, "--set", "output.rows_per_shard=100").exit_code == 0
+    assert _run(job, "--set", "engine.max_num_seqs=2", "--set", "engine.block_size=4").exit_code == 0
+    changed = _run(job, "--set", "sampling.seed=9", "--fresh")
+    assert changed.exit_code == 0 and "6 rows committed" in changed.output
+    assert len(read_rows(tmp_path / "out")) == 6
+
+
+def test_second_process_on_the_same_output_and_worker_is_refused(job, tmp_path):
+    from batchgen.output.lock import WorkerLock
+
+    (tmp_path / "out").mkdir()
+    held = WorkerLock(tmp_path / "out", "w00000")
+    try:
+        result = _run(job)
+        assert result.exit_code == 2 and "another batchgen run" in result.output
+    finally:
+        held.release()
+    assert _run(job).exit_code == 0
