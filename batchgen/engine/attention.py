@@ -30,6 +30,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
+    use_triton: bool = False  # decode-only steps on CUDA run the Triton kernel; everything else the reference
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -43,9 +44,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, H, D]
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if meta.use_triton and meta.max_query_len == 1 and softcap is None and \
+            (sliding_window is None or sliding_window >= meta.max_seq_len):
+        from batchgen.kernels.paged_decode import paged_decode_attention
+
+        out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return out.unsqueeze(0), None
     out = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               meta.max_query_len, meta.max_seq_len, scale,
-                              sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+                              sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
 
 

@@ -18,6 +18,14 @@ from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.sampler import SamplingTensors, sample
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [1, T] int64
@@ -35,6 +43,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
+        self.use_triton = device.type == "cuda" and _triton_available()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         seqs = batch.seqs
@@ -68,6 +77,7 @@ class ModelRunner:
             kv_cache=self.kv_cache, slot_mapping=dev(slot_mapping),
             query_start_loc=dev(query_start_loc.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
             block_tables=dev(block_tables), max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+            use_triton=self.use_triton,
         )
         return StepInputs(input_ids=dev(input_ids)[None], position_ids=dev(positions)[None],
                           logits_indices=dev(logits_indices), attention=attention, sampling=sampling)
