@@ -94,6 +94,24 @@ def status(output_dir: Annotated[Path, typer.Argument(help="A job's output direc
     typer.echo(describe(output_dir))
 
 
+@app.command()
+def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (W1: 1024, W2: 8192).")] = 1024,
+          requests: Annotated[int, typer.Option(help="Concurrent requests.")] = 32,
+          prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 256,
+          transformers: Annotated[str, typer.Option(help="Also run transformers' generate_batch: 'sync,async'.")] = "",
+          json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
+    """Engine benchmark on one GPU: the seed workload, against transformers and the bandwidth floor."""
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    from batchgen.bench import main as bench_main
+
+    bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
+               json_path=json_out)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,168 @@
+"""`batchgen bench`: the seed workload on one GPU, ours against transformers and the bandwidth floor.
+
+Workload (design.md section 6): Llama-3.1-8B geometry with random bf16 weights (seed 0), `--requests`
+random 256-token prompts (ids 3..16000, seed 0), greedy, EOS off, `--new-tokens` each.
+Floor: bytes every decode step must read (weights less the embedding, plus all cached K/V) over the copy
+bandwidth measured in the same run, plus prefill FLOPs at the measured bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+                bos_token_id=128000, eos_token_id=128001)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_s: float  # device-to-device copy, bytes read + written per second
+    matmul_flop_s: float  # bf16 8192^3 matmul
+
+
+def measure_ceilings() -> Ceilings:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(20):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    bw = 2 * 20 * x.numel() / (s.elapsed_time(e) / 1e3)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    flops = 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
+    return Ceilings(bw, flops)
+
+
+def floor_seconds(config, num_params: int, requests: int, prompt: int, new: int, c: Ceilings) -> float:
+    head_dim = config.hidden_size // config.num_attention_heads
+    weights = (num_params - config.vocab_size * config.hidden_size) * 2  # embedding rows are gathered
+    kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
+    kv = requests * kv_per_token * sum(prompt + k for k in range(new))
+    return (new * weights + kv) / c.copy_bytes_s + 2 * num_params * requests * prompt / c.matmul_flop_s
+
+
+def build_model(num_layers: int | None = None):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    kw = dict(LLAMA_8B)
+    if num_layers:
+        kw["num_hidden_layers"] = num_layers
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**kw), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").eval()
+    return model
+
+
+def seed_prompts(requests: int, prompt_len: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 16000, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+
+
+def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> dict:
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.engine import Engine
+    from batchgen.sampling_params import SamplingParams
+
+    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
+    steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = engine.num_steps - steps0
+    tokens = sum(len(r.samples[0].token_ids) for r in results)
+    kernels = count_kernels_per_decode_step(engine, prompts[0])
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps,
+            "cpu_ms_per_step": 1e3 * ((engine.schedule_s - sched0) + (engine.runner.prepare_s - prep0)) / steps,
+            "kernels_per_decode_step": kernels, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "first_tokens": [r.samples[0].token_ids[:8] for r in results[:2]]}
+
+
+def count_kernels_per_decode_step(engine, prompt: list[int]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from batchgen.sampling_params import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished:
+        engine.step()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    blocks = len(prompts) * ((len(prompts[0]) + new_tokens) // 256 + 2)
+    cb = ContinuousBatchingConfig(num_blocks=blocks, block_size=256, max_batch_tokens=2048,
+                                  use_cuda_graph=(mode == "async"), use_async_batching=(mode == "async"))
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "first_tokens": [out[k].generated_tokens[:8] for k in sorted(out)[:2]]}
+
+
+def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
+         json_path: str | None = None, max_num_seqs: int = 256) -> dict:
+    ceilings = measure_ceilings()
+    model = build_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    prompts = seed_prompts(requests, prompt_len)
+    floor = floor_seconds(model.config, num_params, requests, prompt_len, new_tokens, ceilings)
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
+              "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "floor_s": floor,
+              "floor_tok_s": requests * new_tokens / floor}
+    report["ours_sync"] = ours = run_ours(model, prompts, new_tokens, max_num_seqs)
+    ours["x_floor"] = ours["wall_s"] / floor
+    print(json.dumps(report, indent=1), flush=True)
+    for mode in filter(None, transformers_modes.split(",")):
+        torch.cuda.empty_cache()
+        report[f"transformers_{mode}"] = r = run_transformers(model, prompts, new_tokens, mode)
+        r["ours_speedup"] = r["wall_s"] / ours["wall_s"]
+        print(mode, json.dumps(r), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    rows = [("mode", "wall s", "tok/s", "x floor")]
+    rows.append(("floor", f"{floor:.2f}", f"{report['floor_tok_s']:.0f}", "1.00"))
+    for key in [k for k in report if k.startswith(("ours", "transformers"))]:
+        r = report[key]
+        rows.append((key, f"{r['wall_s']:.2f}", f"{r['tok_s']:.0f}", f"{r['wall_s'] / floor:.2f}"))
+    print("\n".join(f"{a:<22}{b:>10}{c:>10}{d:>9}" for a, b, c, d in rows))
+    return report
