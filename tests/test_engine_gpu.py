@@ -12,13 +12,15 @@ from conftest import ARCHS, hf_greedy, make_model, random_prompts
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_on_gpu_matches_transformers_generate_fp32(arch):
+def test_greedy_on_gpu_matches_transformers_generate_fp32(arch, cuda_graphs):
     model = make_model(arch).cuda()
-    prompts = random_prompts((5, 17, 33, 8, 64, 1))
+    prompts = random_prompts((5, 17, 33, 8, 64, 1))  # 6 sequences: the graph bucket of 8 pads 2 rows
     expected = [hf_greedy(model, p, 16) for p in prompts]
-    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16))
-    assert engine.runner.use_triton
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
+                                              cuda_graphs=cuda_graphs))
+    assert engine.runner.use_triton and (engine.runner.graphs is not None) == cuda_graphs
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected

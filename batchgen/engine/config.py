@@ -15,6 +15,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # KV cache budget on CPU when num_kv_blocks is None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -27,14 +27,18 @@ class KVGeometry:
 
 
 class KVCache:
-    """K and V for every layer: `k_cache`, `v_cache` of shape [num_layers, num_blocks, block_size, Hkv, D]."""
+    """K and V for every layer: `k_cache`, `v_cache` of shape [num_layers, num_blocks + 1, block_size, Hkv, D].
+
+    Blocks 0..num_blocks-1 belong to the BlockManager; the extra last block is a write sink for the padding
+    rows of CUDA-graph buckets (`trash_slot`), never read by a real sequence."""
 
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (geometry.num_layers, num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
+        self.trash_slot = num_blocks * block_size
+        shape = (geometry.num_layers, num_blocks + 1, block_size, geometry.num_kv_heads, geometry.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
 

@@ -36,7 +36,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -44,8 +45,18 @@ class ModelRunner:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
         self.use_triton = device.type == "cuda" and _triton_available()
+        self.graphs = None
+        if cuda_graphs and self.use_triton:
+            from batchgen.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len)
+            self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        return self._to_device(*self._host_arrays(batch), batch)
+
+    def _host_arrays(self, batch: ScheduledBatch):
+        """The step's index math on the host (numpy): the same for the eager and the graph path."""
         seqs = batch.seqs
         bs = self.block_size
         q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -62,13 +73,22 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(len(input_ids)) - query_start_loc[:-1][seq_of_token] + (seq_lens - q_lens)[seq_of_token]
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        return input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables
 
+    def _sampling(self, batch: ScheduledBatch, seq_lens: np.ndarray) -> SamplingTensors | None:
+        seqs = batch.seqs
+        sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        if not sampled:
+            return None
+        return SamplingTensors.build([seqs[i].sampling for i in sampled], [int(seq_lens[i]) for i in sampled],
+                                     self.vocab_size, self.device)
+
+    def _to_device(self, input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables,
+                   batch: ScheduledBatch) -> StepInputs:
+        seqs = batch.seqs
         sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
         logits_indices = query_start_loc[1:][sampled] - 1
-        sampling = None
-        if sampled:
-            sampling = SamplingTensors.build([seqs[i].sampling for i in sampled],
-                                             [int(seq_lens[i]) for i in sampled], self.vocab_size, self.device)
+        sampling = self._sampling(batch, seq_lens)
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -86,7 +106,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns one sampled token per sequence with `sampling`, in batch order."""
         t0 = time.perf_counter()
-        inputs = self.prepare(batch)
+        host = self._host_arrays(batch)
+        if self.graphs is not None and batch.num_prefill_tokens == 0 and self.graphs.bucket_for(len(batch.seqs)):
+            input_ids, positions, slot_mapping, _, seq_lens, _, block_tables = host
+            sampling = self._sampling(batch, seq_lens)
+            self.prepare_s += time.perf_counter() - t0
+            logits, greedy = self.graphs.replay(input_ids, positions, slot_mapping, seq_lens, block_tables)
+            if sampling.any_random or sampling.penalty is not None or sampling.suppress_rows is not None:
+                return sample(logits, sampling).tolist()
+            return greedy.tolist()
+        inputs = self._to_device(*host, batch)
         self.prepare_s += time.perf_counter() - t0
         with paged_attention_enabled(self.model):
             out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,

@@ -1,0 +1,90 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured largest first, all sharing one
+memory pool (they never run at once). A decode step of n sequences replays the smallest bucket >= n;
+rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the cache's trash slot.
+
+Static inputs live here; `replay` copies a step's values into them. Captured region: the whole model
+forward (Triton decode attention included) and the greedy argmax; other sampling runs after, eagerly,
+on the graph's logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
+from batchgen.engine.kv_cache import KVCache
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch = max_batch
+        dev = kv_cache.k_cache.device
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        self.input_ids = torch.zeros(1, max_batch, dtype=torch.int64, device=dev)  # [1, Bmax]
+        self.position_ids = torch.zeros(1, max_batch, dtype=torch.int64, device=dev)  # [1, Bmax]
+        self.slot_mapping = torch.full((max_batch,), kv_cache.trash_slot, dtype=torch.int64, device=dev)  # [Bmax]
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)  # [Bmax]
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)  # [Bmax, blocks]
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)  # [Bmax + 1]
+        self.max_model_len = max_model_len
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # [B, V] graph-owned output per bucket
+        self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
+        self.pool = None
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache, slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=1,
+            max_seq_len=self.max_model_len, use_triton=True)
+        with paged_attention_enabled(self.model):
+            out = self.model(input_ids=self.input_ids[:, :b], position_ids=self.position_ids[:, :b], use_cache=False,
+                             **{METADATA_KWARG: meta})
+        logits = out.logits[0]  # [B, V]
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
+                self._forward(b)  # warm-up run: Triton JIT, cuBLAS handles, lazy init
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self._logits[b], self._greedy[b] = self._forward(b)
+                self._graphs[b] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+               block_tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step of n = len(input_ids) sequences; returns (logits [n, V], greedy ids [n])."""
+        n = len(input_ids)
+        b = self.bucket_for(n)
+        width = block_tables.shape[1]
+        self.input_ids[0, :n].copy_(torch.from_numpy(input_ids))
+        self.position_ids[0, :n].copy_(torch.from_numpy(positions))
+        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
+        self.slot_mapping[n:b].fill_(self.kv_cache.trash_slot)
+        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens.astype(np.int32)))
+        self.seq_lens[n:b].zero_()
+        self.block_tables[:n, :width].copy_(torch.from_numpy(block_tables))
+        self._graphs[b].replay()
+        return self._logits[b][:n], self._greedy[b][:n]
