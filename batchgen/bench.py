@@ -80,12 +80,24 @@ def seed_prompts(requests: int, prompt_len: int) -> list[list[int]]:
     return [torch.randint(3, 16000, (prompt_len,), generator=g).tolist() for _ in range(requests)]
 
 
-def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> dict:
+VARIANTS = {  # name -> EngineConfig overrides
+    "eager": dict(cuda_graphs=False),
+    "graphs": dict(cuda_graphs=True),
+    "compiled": dict(cuda_graphs=True, compile_model=True),
+}
+
+
+def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int, variant: str) -> dict:
+    import gc
+
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.engine import Engine
     from batchgen.sampling_params import SamplingParams
 
-    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
+    t_setup = time.perf_counter()
+    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                              **VARIANTS[variant]))
+    setup_s = time.perf_counter() - t_setup
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
     steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
@@ -98,10 +110,16 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     steps = engine.num_steps - steps0
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     kernels = count_kernels_per_decode_step(engine, prompts[0])
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps,
+    tokens_out = [r.samples[0].token_ids for r in results]
+    engine.kv_cache.release()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
+            "_token_ids": tokens_out,
             "cpu_ms_per_step": 1e3 * ((engine.schedule_s - sched0) + (engine.runner.prepare_s - prep0)) / steps,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "first_tokens": [r.samples[0].token_ids[:8] for r in results[:2]]}
+            "first_tokens": [t[:8] for t in tokens_out[:2]]}
 
 
 def count_kernels_per_decode_step(engine, prompt: list[int]) -> int:
@@ -138,7 +156,7 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str
 
 
 def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
-         json_path: str | None = None, max_num_seqs: int = 256) -> dict:
+         json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs") -> dict:
     ceilings = measure_ceilings()
     model = build_model()
     num_params = sum(p.numel() for p in model.parameters())
@@ -148,9 +166,16 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "floor_s": floor,
               "floor_tok_s": requests * new_tokens / floor}
-    report["ours_sync"] = ours = run_ours(model, prompts, new_tokens, max_num_seqs)
-    ours["x_floor"] = ours["wall_s"] / floor
-    print(json.dumps(report, indent=1), flush=True)
+    reference_tokens = None
+    for variant in variants.split(","):
+        r = report[f"ours_sync_{variant}"] = run_ours(model, prompts, new_tokens, max_num_seqs, variant)
+        r["x_floor"] = r["wall_s"] / floor
+        token_ids = r.pop("_token_ids")
+        if reference_tokens is None:
+            reference_tokens = token_ids
+        r["same_tokens_as_first_variant"] = sum(a == b for a, b in zip(token_ids, reference_tokens))
+        print(f"ours_sync_{variant}", json.dumps(r), flush=True)
+    ours = report[f"ours_sync_{variants.split(',')[0]}"]
     for mode in filter(None, transformers_modes.split(",")):
         torch.cuda.empty_cache()
         report[f"transformers_{mode}"] = r = run_transformers(model, prompts, new_tokens, mode)

@@ -99,6 +99,7 @@ def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (
           requests: Annotated[int, typer.Option(help="Concurrent requests.")] = 32,
           prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 256,
           transformers: Annotated[str, typer.Option(help="Also run transformers' generate_batch: 'sync,async'.")] = "",
+          variants: Annotated[str, typer.Option(help="Our engine's variants: eager, graphs, compiled.")] = "graphs",
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Engine benchmark on one GPU: the seed workload, against transformers and the bandwidth floor."""
     import torch
@@ -109,7 +110,7 @@ def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (
     from batchgen.bench import main as bench_main
 
     bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
-               json_path=json_out)
+               json_path=json_out, variants=variants)
 
 
 def main() -> None:  # pragma: no cover

@@ -42,19 +42,39 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError(f"attention '{ATTENTION_NAME}' needs `{METADATA_KWARG}=` in the model call")
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if meta.use_triton and meta.max_query_len == 1 and softcap is None and \
             (sliding_window is None or sliding_window >= meta.max_seq_len):
-        from batchgen.kernels.paged_decode import paged_decode_attention
-
-        out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        n = q.shape[0]  # one token per sequence; metadata may be a larger static buffer (CUDA graphs)
+        out = torch.ops.batchgen.decode_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                                  meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
+                                                  meta.kv_cache.cache_id, module.layer_idx, scale)
         return out.unsqueeze(0), None
+    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
     out = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               meta.max_query_len, meta.max_seq_len, scale,
                               sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
+
+
+@torch.library.custom_op("batchgen::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, cache_id: int, layer_idx: int,
+                     scale: float) -> torch.Tensor:
+    """Write the step's K/V of layer `layer_idx` into the cache, then Triton decode attention. One opaque op
+    for torch.compile; the cache is reached by id, so the compiler never sees (or copies) the mutation.
+    Order is safe: the op's output feeds the next layer, so layers cannot be reordered around it."""
+    from batchgen.kernels.paged_decode import paged_decode_attention
+
+    k_cache, v_cache = KVCache.lookup(cache_id).layer(layer_idx)
+    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(query, key, value, slot_mapping, block_tables, seq_lens, cache_id, layer_idx, scale):
+    return torch.empty_like(query)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -16,6 +16,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
+    compile_model: bool = False  # torch.compile the graphed decode forward (fuses norms, rotary, activations)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -22,8 +22,10 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int,
+                 compile_model: bool = False) -> None:
         self.model = model
+        self.compile_model = compile_model
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
@@ -40,6 +42,12 @@ class DecodeGraphs:
         self._logits: dict[int, torch.Tensor] = {}  # [B, V] graph-owned output per bucket
         self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
         self.pool = None
+        # One metadata object over the full static buffers: attention slices it to the step's batch, so a
+        # compiled forward sees the same object for every bucket (no recompilation per bucket).
+        self.meta = AttentionMetadata(
+            kv_cache=kv_cache, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, block_tables=self.block_tables, max_query_len=1, max_seq_len=max_model_len,
+            use_triton=True)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         for b in self.buckets:
@@ -47,28 +55,24 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(
-            kv_cache=self.kv_cache, slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[: b + 1],
-            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=1,
-            max_seq_len=self.max_model_len, use_triton=True)
-        with paged_attention_enabled(self.model):
-            out = self.model(input_ids=self.input_ids[:, :b], position_ids=self.position_ids[:, :b], use_cache=False,
-                             **{METADATA_KWARG: meta})
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: self.meta})
         logits = out.logits[0]  # [B, V]
         return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self) -> None:
+        forward = torch.compile(self._forward, dynamic=True) if self.compile_model else self._forward
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), paged_attention_enabled(self.model):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
-                self._forward(b)  # warm-up run: Triton JIT, cuBLAS handles, lazy init
+                ids, pos = self.input_ids[:, :b], self.position_ids[:, :b]
+                forward(ids, pos)  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self._logits[b], self._greedy[b] = self._forward(b)
+                    self._logits[b], self._greedy[b] = forward(ids, pos)
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

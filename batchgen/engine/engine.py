@@ -70,7 +70,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                  max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len)
+                                  max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len,
+                                  compile_model=config.compile_model)
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0

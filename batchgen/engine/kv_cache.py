@@ -26,6 +26,9 @@ class KVGeometry:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
 
+_LIVE_CACHES: dict[int, "KVCache"] = {}  # cache_id -> cache, see KVCache.cache_id
+
+
 class KVCache:
     """K and V for every layer: `k_cache`, `v_cache` of shape [num_layers, num_blocks + 1, block_size, Hkv, D].
 
@@ -39,8 +42,19 @@ class KVCache:
         self.block_size = block_size
         self.trash_slot = num_blocks * block_size
         shape = (geometry.num_layers, num_blocks + 1, block_size, geometry.num_kv_heads, geometry.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, bs, Hkv, D]
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
+        # Compiled graphs reach the cache through this id (an op argument), never as a graph input: a graph
+        # input that an op mutates would be functionalized, i.e. copied whole, by torch.compile.
+        self.cache_id = id(self)
+        _LIVE_CACHES[self.cache_id] = self
+
+    @staticmethod
+    def lookup(cache_id: int) -> KVCache:
+        return _LIVE_CACHES[cache_id]
+
+    def release(self) -> None:
+        _LIVE_CACHES.pop(self.cache_id, None)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache[layer_idx], self.v_cache[layer_idx]

@@ -37,7 +37,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192) -> None:
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
+                 compile_model: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -49,7 +50,7 @@ class ModelRunner:
         if cuda_graphs and self.use_triton:
             from batchgen.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len)
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model)
             self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
