@@ -37,3 +37,13 @@ def test_seeded_sampling_on_gpu_is_batch_independent_bf16():
     # bf16 batched matmuls may round differently by batch size; require agreement on most tokens
     same = sum(a == b for a, b in zip(alone, mixed[-1].samples[0].token_ids))
     assert same >= 12
+
+
+def test_compiled_graphed_decode_matches_transformers_generate_fp32():
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts((5, 17, 33, 8, 64, 1, 9, 2, 40))  # 9 sequences: bucket 16
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32, compile_model=True))
+    got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0,
+                                                                                   ignore_eos=True))]
+    assert got == expected
