@@ -111,13 +111,14 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     kernels = count_kernels_per_decode_step(engine, prompts[0])
     tokens_out = [r.samples[0].token_ids for r in results]
+    cpu_ms_per_step = 1e3 * ((engine.schedule_s - sched0) + (engine.runner.prepare_s - prep0)) / steps
     engine.kv_cache.release()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
             "_token_ids": tokens_out,
-            "cpu_ms_per_step": 1e3 * ((engine.schedule_s - sched0) + (engine.runner.prepare_s - prep0)) / steps,
+            "cpu_ms_per_step": cpu_ms_per_step,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
             "first_tokens": [t[:8] for t in tokens_out[:2]]}
 

@@ -100,6 +100,8 @@ def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (
           prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 256,
           transformers: Annotated[str, typer.Option(help="Also run transformers' generate_batch: 'sync,async'.")] = "",
           variants: Annotated[str, typer.Option(help="Our engine's variants: eager, graphs, compiled.")] = "graphs",
+          max_num_seqs: Annotated[Optional[int], typer.Option(help="Engine max_num_seqs (default: --requests).")]
+          = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Engine benchmark on one GPU: the seed workload, against transformers and the bandwidth floor."""
     import torch
@@ -110,7 +112,7 @@ def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (
     from batchgen.bench import main as bench_main
 
     bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
-               json_path=json_out, variants=variants)
+               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests)
 
 
 def main() -> None:  # pragma: no cover
