@@ -44,7 +44,8 @@ def engine_config(spec: JobSpec):
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
                         num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
-                        enable_prefix_caching=e.enable_prefix_caching)
+                        enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=e.cuda_graphs,
+                        compile_model=e.compile)
 
 
 def sampling_params(spec: JobSpec) -> SamplingParams:
@@ -76,11 +77,14 @@ class JobLoop:
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.params = sampling_params(spec)
         self.engine = Engine(model, tokenizer, engine_config(spec))
-        asked = [k for k, on in (("engine.cuda_graphs", spec.engine.cuda_graphs), ("engine.async", spec.engine.async_))
-                 if on]
-        if asked:  # accepted for forward compatibility, never silently: say what actually runs
-            print(f"batchgen: {' and '.join(asked)} requested; this build runs the synchronous engine without "
-                  f"CUDA graphs on {self.engine.device} (set them to false to silence this)", file=sys.stderr)
+        # Say what actually runs, so no engine key is silently without effect.
+        graphs = self.engine.runner.graphs is not None
+        print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
+              f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
+              f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
+              f"{', compiled' if graphs and spec.engine.compile else ''}; "
+              f"async pipeline {'requested but not built yet: synchronous' if spec.engine.async_ else 'off'}",
+              file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:
             raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
