@@ -49,27 +49,49 @@ def run(job: JobArg, set_: SetOpt = None,
         output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory (overrides "
                                                                              "output.dir).")] = None,
         fresh: Annotated[bool, typer.Option("--fresh", help="Delete this output's results and start over.")] = False,
-        worker_index: Annotated[Optional[int], typer.Option(help="This worker's index (0-based).")] = None,
+        worker_index: Annotated[Optional[int], typer.Option(help="This worker's index (0-based); default from "
+                                                                 "Slurm/torchrun/Kubernetes variables.")] = None,
         num_workers: Annotated[Optional[int], typer.Option(help="How many workers share the job.")] = None,
+        workers: Annotated[Optional[int], typer.Option(help="Start this many local worker processes.")] = None,
+        gpus: Annotated[Optional[str], typer.Option(help="Start one worker process per GPU: a number or 'all'.")]
+        = None,
         progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
     """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
-    from batchgen.job import run_job
+    from batchgen.job import fresh_start, run_job
     from batchgen.spec import load_spec
-    from batchgen.workers import WorkerInfo
+    from batchgen.workers import resolve_worker
 
     spec = load_spec(job, set_ or [], output)
-    if (worker_index is None) != (num_workers is None):
-        raise typer.BadParameter("--worker-index and --num-workers go together")
-    worker = WorkerInfo(worker_index or 0, num_workers or 1)
+    if workers is not None or gpus is not None:
+        from batchgen.errors import JobError
+        from batchgen.launcher import launch, resolve_gpus
+
+        if worker_index is not None or num_workers is not None or (workers is not None and gpus is not None):
+            raise JobError("--workers/--gpus start their own workers: drop --worker-index/--num-workers, and give "
+                           "only one of --workers and --gpus")
+        gpu_ids = resolve_gpus(gpus) if gpus is not None else None
+        count = len(gpu_ids) if gpu_ids is not None else workers
+        if count is None or count < 1:
+            raise JobError("--workers must be >= 1")
+        if fresh:
+            fresh_start(spec)
+        raise typer.Exit(launch(job, set_ or [], output, count, gpu_ids))
+    worker = resolve_worker(worker_index, num_workers)
+    if fresh and worker.count > 1:
+        from batchgen.errors import JobError
+
+        raise JobError("--fresh with several workers would let each one delete the others' results: delete the "
+                       "output directory once before starting them, or use --workers/--gpus, which does it once")
     result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
     r = result.report
     summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
                f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "
                f"{r['generated_tok_s']:.1f} tok/s -> {result.out_dir}")
+    who = f" (worker {worker.index} of {worker.count})" if worker.count > 1 else ""
     if result.interrupted_by is not None:
-        typer.echo(f"batchgen: interrupted; {summary}. Run the same command again to resume.", err=True)
+        typer.echo(f"batchgen: interrupted{who}; {summary}. Run the same command again to resume.", err=True)
         raise typer.Exit(128 + result.interrupted_by)
-    typer.echo(f"batchgen: done; {summary}")
+    typer.echo(f"batchgen: done{who}; {summary}")
 
 
 @app.command()

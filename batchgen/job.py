@@ -76,8 +76,26 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fresh_start(spec: JobSpec) -> None:
+    """Delete what batchgen wrote in the output directory (nothing else), holding worker 0's lock."""
+    out_dir = Path(spec.output.dir).resolve()
+    if not out_dir.exists():
+        return
+    lock = WorkerLock(out_dir, mf.worker_tag(0))
+    try:
+        _fresh(out_dir)
+    finally:
+        lock.release()
+
+
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
             show_progress: bool = True) -> RunResult:
+    worker = worker.with_unit_rows(spec.source.worker_unit_rows)
+    if worker.local_rank is not None and spec.model.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():  # torchrun: LOCAL_RANK picks this worker's GPU
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": f"cuda:{worker.local_rank}"})})
     out_dir = Path(spec.output.dir).resolve()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ class SourceSpec(_Strict):
     streaming: bool = True
     key_column: str | None = None  # row identity; without it, the row's position in the source
     limit: PositiveInt | None = None
+    worker_unit_rows: PositiveInt = 1024  # rows are dealt to workers in units of this many consecutive rows
 
 
 class PromptSpec(_Strict):

@@ -1,20 +1,98 @@
-"""Workers: which part of the rows this process generates. Each worker computes its part alone."""
+"""Workers: which part of the rows this process generates, and who it is in a cluster job.
+
+Identity comes from --worker-index/--num-workers, else from the scheduler's environment: a Slurm job array
+(SLURM_ARRAY_TASK_ID with SLURM_ARRAY_TASK_COUNT, or MIN/MAX), torchrun (RANK/WORLD_SIZE; LOCAL_RANK picks
+the GPU), or a Kubernetes indexed job (JOB_COMPLETION_INDEX with BATCHGEN_NUM_WORKERS). Flags win over the
+environment; two environments that disagree are an error.
+
+Partition: rows are dealt to workers in units of `unit_rows` consecutive rows, round-robin, so each worker
+reads its source sequentially and computes its part alone, with no coordinator.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-ROWS_PER_UNIT = 1024  # rows are dealt to workers in contiguous units, so each reads its source sequentially
+from batchgen.errors import JobError
+
+DEFAULT_UNIT_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class WorkerInfo:
     index: int
     count: int
+    unit_rows: int = DEFAULT_UNIT_ROWS
+    source: str = "default"  # where the identity came from, for messages
+    local_rank: int | None = None  # the GPU to use, when the launcher says so
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(f"worker index {self.index} is not in [0, {self.count})")
+            raise JobError(f"worker index {self.index} is not in [0, {self.count}) (from {self.source})")
+        if self.unit_rows < 1:
+            raise JobError(f"source.worker_unit_rows must be >= 1, got {self.unit_rows}")
 
     def owns(self, position: int) -> bool:
-        return (position // ROWS_PER_UNIT) % self.count == self.index
+        return (position // self.unit_rows) % self.count == self.index
+
+    def with_unit_rows(self, unit_rows: int) -> WorkerInfo:
+        return WorkerInfo(self.index, self.count, unit_rows, self.source, self.local_rank)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise JobError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _from_environment(env: Mapping[str, str], count: int | None) -> list[tuple[str, int, int, int | None]]:
+    found = []
+    if "SLURM_ARRAY_TASK_ID" in env:
+        task = _int(env, "SLURM_ARRAY_TASK_ID")
+        if "SLURM_ARRAY_TASK_COUNT" in env and "SLURM_ARRAY_TASK_MIN" not in env:
+            found.append(("Slurm array", task, _int(env, "SLURM_ARRAY_TASK_COUNT"), None))
+        elif "SLURM_ARRAY_TASK_MIN" in env and "SLURM_ARRAY_TASK_MAX" in env:
+            lo, hi = _int(env, "SLURM_ARRAY_TASK_MIN"), _int(env, "SLURM_ARRAY_TASK_MAX")
+            found.append(("Slurm array", task - lo, hi - lo + 1, None))
+        else:
+            raise JobError("SLURM_ARRAY_TASK_ID is set without SLURM_ARRAY_TASK_COUNT or MIN/MAX; pass "
+                           "--worker-index and --num-workers")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else None
+        found.append(("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local))
+    if "JOB_COMPLETION_INDEX" in env:
+        if count is not None:
+            found.append(("Kubernetes indexed job", _int(env, "JOB_COMPLETION_INDEX"), count, None))
+        elif "BATCHGEN_NUM_WORKERS" not in env:
+            raise JobError("JOB_COMPLETION_INDEX (Kubernetes indexed job) is set but the worker count is not: set "
+                           "BATCHGEN_NUM_WORKERS to the job's completions, or pass --num-workers")
+        else:
+            found.append(("Kubernetes indexed job", _int(env, "JOB_COMPLETION_INDEX"),
+                          _int(env, "BATCHGEN_NUM_WORKERS"), None))
+    return found
+
+
+def resolve_worker(index: int | None, count: int | None, env: Mapping[str, str] | None = None) -> WorkerInfo:
+    env = os.environ if env is None else env
+    if index is not None and count is not None:
+        return WorkerInfo(index, count, source="--worker-index/--num-workers")
+    if index is not None:
+        raise JobError("--worker-index needs --num-workers")
+    found = _from_environment(env, count)
+    if count is not None:  # --num-workers alone: the index must come from the environment
+        found = [(name, i, count, lr) for name, i, _, lr in found]
+        if not found:
+            raise JobError("--num-workers needs --worker-index (or a scheduler variable such as "
+                           "SLURM_ARRAY_TASK_ID, RANK or JOB_COMPLETION_INDEX)")
+    if not found:
+        return WorkerInfo(0, 1)
+    if len({(i, c) for _, i, c, _ in found}) > 1:
+        described = "; ".join(f"{name}: worker {i} of {c}" for name, i, c, _ in found)
+        raise JobError(f"the environment names conflicting worker identities ({described}); pass --worker-index "
+                       f"and --num-workers to choose")
+    name, i, c, local = found[0]
+    local = next((lr for _, _, _, lr in found if lr is not None), local)
+    return WorkerInfo(i, c, source=name, local_rank=local)

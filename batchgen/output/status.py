@@ -21,7 +21,10 @@ def _expected_rows(out_dir: Path) -> int | None:
         from batchgen.spec import SourceSpec
 
         spec = SourceSpec.model_validate(yaml.safe_load(job.read_text())["source"])
-        return open_source(spec).expected_rows
+        source = open_source(spec)
+        if source.expected_rows is None and hasattr(source, "count_rows"):
+            return source.count_rows()
+        return source.expected_rows
     except Exception:  # the source may have moved; status still reports what is on disk
         return None
 

@@ -66,3 +66,8 @@ class JsonlSource(Source):
         for position, line in enumerate(self._nonblank()):
             obj, error = _parse(line)
             yield SourceRow(position, obj, error)
+
+    def count_rows(self) -> int:
+        """A full scan (for `batchgen status`): non-blank lines, capped by the limit."""
+        n = sum(1 for _ in self._nonblank())
+        return min(n, self.limit) if self.limit is not None else n

@@ -1,0 +1,91 @@
+"""Several worker processes on one output directory: their union equals a single-worker run, row for row,
+also after one of them is killed and the job is resumed with a different number of workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+
+NUM_ROWS = 40
+
+
+def _content(out):
+    rows = read_rows(out)
+    keys = [(r["id"], r["sample_idx"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
+                  key=lambda r: (r["id"], r["sample_idx"]))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("workers")
+    write_jsonl(tmp / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "worker_unit_rows": 3},
+                    sampling={"temperature": 0.8, "max_new_tokens": 10}, engine={"max_num_seqs": 2},
+                    output={"rows_per_shard": 2})
+    single = tmp / "single"
+    assert run_cli("run", str(job), "-o", str(single)).returncode == 0
+    return tmp, job, _content(single)
+
+
+def _start(job, out, index, count):
+    return subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), "--no-progress",
+                             "--worker-index", str(index), "--num-workers", str(count)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_three_concurrent_workers_equal_one_worker(setup):
+    tmp, job, reference = setup
+    out = tmp / "three"
+    procs = [_start(job, out, i, 3) for i in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert _content(out) == reference
+    assert {f.name for f in (out / "manifest").iterdir()} == {"w00000.jsonl", "w00001.jsonl", "w00002.jsonl"}
+    status = run_cli("status", str(out))
+    assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout and "w00002:" in status.stdout
+
+
+def test_kill_one_of_three_then_resume_with_two_workers_is_exact(setup):
+    tmp, job, reference = setup
+    out = tmp / "killed"
+    procs = [_start(job, out, i, 3) for i in range(3)]
+    manifest = out / "manifest" / "w00001.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 1):
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGKILL)
+    for p in procs:
+        p.communicate(timeout=300)
+    assert procs[1].returncode == -signal.SIGKILL
+    assert len(read_rows(out)) < len(reference)
+    resumed = [_start(job, out, i, 2) for i in range(2)]
+    for p in resumed:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert _content(out) == reference
+
+
+def test_local_launcher_runs_n_workers_and_equals_one_worker(setup):
+    tmp, job, reference = setup
+    out = tmp / "launched"
+    result = run_cli("run", str(job), "-o", str(out), "--workers", "3")
+    assert result.returncode == 0, result.stderr
+    assert "all 3 workers done" in result.stderr
+    assert _content(out) == reference
+
+
+def test_fresh_with_several_workers_is_refused(setup):
+    tmp, job, _ = setup
+    result = run_cli("run", str(job), "-o", str(tmp / "x"), "--fresh", "--worker-index", "0", "--num-workers", "2")
+    assert result.returncode == 2 and "--fresh with several workers" in result.stderr
