@@ -1,0 +1,169 @@
+"""Data-parallel scaling of `batchgen run`: the same job with --gpus 1 and --gpus 2 (or --workers on CPU),
+then a run where one worker is killed midway and resumed. Prints one JSON report and writes it to $OUT.
+
+The job: a random-weight Llama (fp32, so greedy outputs are comparable across batch compositions) saved with a
+byte-level BPE tokenizer, 2,000+ rows of mixed prompt lengths (24-600 words), greedy, outputs ended by
+two stop token ids or max_new_tokens (mixed lengths).
+
+    python3 bench/multi_gpu.py --rows 2000 --launcher gpus     # on a 2-GPU machine
+    python3 bench/multi_gpu.py --rows 60 --launcher workers --small   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ("alpha beta gamma delta river stone cloud paper music garden silver ocean forest candle rocket "
+         "window bridge lantern harbor meadow").split()
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def make_model_dir(path: Path, small: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer()
+    geometry = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2) if small else \
+        dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+             num_key_value_heads=8)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=False,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **geometry))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharper logits: no greedy near-ties
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def make_source(path: Path, rows: int, small: bool) -> None:
+    rng = random.Random(0)
+    hi = 60 if small else 600
+    data = [{"id": f"r{i:06d}", "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(24, hi)))}
+            for i in range(rows)]
+    pq.write_table(pa.Table.from_pylist(data), path)
+
+
+def write_job(tmp: Path, small: bool) -> Path:
+    job = {
+        "model": {"path": str(tmp / "model"), "dtype": "float32"},
+        "source": {"path": str(tmp / "rows.parquet"), "key_column": "id", "worker_unit_rows": 16},
+        "prompt": {"column": "text", "chat": False, "max_prompt_tokens": 3000},
+        "sampling": {"max_new_tokens": 24 if small else 512, "temperature": 0.0, "stop_token_ids": [37, 211]},
+        "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+        "output": {"dir": str(tmp / "out"), "rows_per_shard": 100, "keep_columns": "none"},
+    }
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run(job: Path, out: Path, launcher: str, n: int) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), f"--{launcher}", str(n)],
+                       cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"run failed ({p.returncode}): {p.stderr[-3000:]}")
+    return {"wall_s": wall, **summarize(out)}
+
+
+def summarize(out: Path) -> dict:
+    reports = [json.loads(f.read_text()) for f in sorted((out / "reports").glob("*.json"))]
+    rows = read(out)
+    tokens = sum(r["num_completion_tokens"] for r in rows)
+    lengths = sorted(r["num_completion_tokens"] for r in rows)
+    return {"rows": len(rows), "completion_tokens": tokens,
+            "completion_len_p10_p50_p90": [lengths[len(lengths) // 10], lengths[len(lengths) // 2],
+                                           lengths[9 * len(lengths) // 10]],
+            "worker_wall_s": [round(r["wall_s"], 2) for r in reports],
+            "worker_gen_tok_s": [r["generated_tok_s"] for r in reports]}
+
+
+def read(out: Path) -> list[dict]:
+    rows = []
+    for f in sorted((out / "data").glob("*.parquet")):
+        rows += pq.read_table(f, columns=["id", "sample_idx", "completion", "num_completion_tokens"]).to_pylist()
+    return rows
+
+
+def compare(a: Path, b: Path) -> dict:
+    ra, rb = read(a), read(b)
+    ka, kb = [(r["id"], r["sample_idx"]) for r in ra], [(r["id"], r["sample_idx"]) for r in rb]
+    da, db = {k: r["completion"] for k, r in zip(ka, ra)}, {k: r["completion"] for k, r in zip(kb, rb)}
+    return {"exactly_once": len(ka) == len(set(ka)) and len(kb) == len(set(kb)), "same_rows": set(ka) == set(kb),
+            "identical_completions": sum(da[k] == db.get(k) for k in da), "rows": len(da)}
+
+
+def kill_one_and_resume(job: Path, out: Path, launcher: str, n: int) -> dict:
+    parent = subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out),
+                               f"--{launcher}", str(n)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    manifest = out / "manifest" / "w00001.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    victim = subprocess.run(["pgrep", "-f", "worker-index 1 "], capture_output=True, text=True)
+    pids = [int(x) for x in victim.stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _, err = parent.communicate()
+    killed = {"killed_pids": pids, "launcher_exit": parent.returncode, "rows_before_resume": len(read(out))}
+    resumed = run(job, out, launcher, n)
+    return {**killed, "resume": resumed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=2000)
+    ap.add_argument("--launcher", choices=["gpus", "workers"], default="gpus")
+    ap.add_argument("--small", action="store_true", help="tiny model and short rows (CPU smoke run)")
+    ap.add_argument("--tmp", default="/tmp/batchgen-multi")
+    args = ap.parse_args()
+    tmp = Path(args.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    make_model_dir(tmp / "model", args.small)
+    make_source(tmp / "rows.parquet", args.rows, args.small)
+    job = write_job(tmp, args.small)
+    report = {"rows": args.rows, "launcher": args.launcher}
+    report["one"] = run(job, tmp / "out1", args.launcher, 1)
+    report["two"] = run(job, tmp / "out2", args.launcher, 2)
+    for k in ("one", "two"):
+        report[k]["tok_s_end_to_end"] = report[k]["completion_tokens"] / report[k]["wall_s"]
+    report["speedup_end_to_end"] = report["one"]["wall_s"] / report["two"]["wall_s"]
+    report["one_vs_two"] = compare(tmp / "out1", tmp / "out2")
+    report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
+    report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
+    text = json.dumps(report, indent=1)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "multi_gpu.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
