@@ -83,9 +83,11 @@ def write_job(tmp: Path, small: bool) -> Path:
     return path
 
 
-def run(job: Path, out: Path, launcher: str, n: int) -> dict:
+def run(job: Path, out: Path, launcher: str | None, n: str | int) -> dict:
+    """`batchgen run` with --gpus/--workers n, or plain (launcher None)."""
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), f"--{launcher}", str(n)],
+    extra = [f"--{launcher}", str(n)] if launcher else ["--no-progress"]
+    p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), *extra],
                        cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--launcher", choices=["gpus", "workers"], default="gpus")
     ap.add_argument("--small", action="store_true", help="tiny model and short rows (CPU smoke run)")
     ap.add_argument("--tmp", default="/tmp/batchgen-multi")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="a one-GPU machine: plain run vs --gpus all (one worker), no scaling or kill runs")
     args = ap.parse_args()
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -151,6 +155,17 @@ def main() -> None:
     make_source(tmp / "rows.parquet", args.rows, args.small)
     job = write_job(tmp, args.small)
     report = {"rows": args.rows, "launcher": args.launcher}
+    if args.one_gpu:
+        report["plain"] = run(job, tmp / "plain", None, 0)
+        report["gpus_all"] = run(job, tmp / "all", "gpus", "all")
+        for k in ("plain", "gpus_all"):
+            report[k]["tok_s_end_to_end"] = report[k]["completion_tokens"] / report[k]["wall_s"]
+        report["plain_vs_gpus_all"] = compare(tmp / "plain", tmp / "all")
+        text = json.dumps(report, indent=1)
+        print(text)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "one_gpu.json").write_text(text)
+        return
     report["one"] = run(job, tmp / "out1", args.launcher, 1)
     report["two"] = run(job, tmp / "out2", args.launcher, 2)
     for k in ("one", "two"):
