@@ -35,6 +35,15 @@ def _user_errors(fn):
             typer.echo(f"batchgen: error: {e} (committed rows are safe; fix the cause and run again to resume)",
                        err=True)
             raise typer.Exit(1) from None
+        except (typer.Exit, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # a bug or a fault inside the engine: say what, keep the traceback on request
+            if os.environ.get("BATCHGEN_DEBUG") == "1":
+                raise
+            typer.echo(f"batchgen: error: the run failed: {type(e).__name__}: {e}. Rows committed so far are safe and "
+                       f"in-flight rows were not recorded; run the same command again to resume (set "
+                       f"BATCHGEN_DEBUG=1 for a traceback).", err=True)
+            raise typer.Exit(1) from None
     return wrapper
 
 

@@ -3,16 +3,19 @@ writer, engine), then the loop: keep the engine fed, step it, hand finished rows
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import torch
 
 from batchgen import __version__
 from batchgen.errors import JobError
 from batchgen.metrics import ThroughputMeter
+from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.shard_writer import ShardWriter
@@ -68,6 +71,7 @@ class JobLoop:
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
         self.kept = self._kept_columns()
+        self._kept_types = {c: self.source.schema.field(c).type for c in self.kept}
         try:
             model, tokenizer = load_model_and_tokenizer(spec.model.path, spec.model.gguf_file, spec.model.dtype,
                                                         spec.model.device)
@@ -76,7 +80,14 @@ class JobLoop:
                            + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.params = sampling_params(spec)
-        self.engine = Engine(model, tokenizer, engine_config(spec))
+        try:
+            self.engine = Engine(model, tokenizer, engine_config(spec))
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise JobError(f"out of memory while setting up the engine on {spec.model.device}: "
+                           f"{str(e).splitlines()[0]}. Lower engine.gpu_memory_utilization (now "
+                           f"{spec.engine.gpu_memory_utilization}), engine.max_num_batched_tokens (now "
+                           f"{spec.engine.max_num_batched_tokens}) or engine.max_num_seqs (now "
+                           f"{spec.engine.max_num_seqs}), set engine.num_kv_blocks, or use a smaller dtype") from None
         # Say what actually runs, so no engine key is silently without effect.
         graphs = self.engine.runner.graphs is not None
         print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
@@ -147,54 +158,70 @@ class JobLoop:
     def run(self, stop) -> Any:
         from batchgen.job import RunResult
 
-        spec, engine, writer, totals = self.spec, self.engine, self.writer, self.meter.totals
-        key_column = spec.source.key_column
-        lookahead = 2 * spec.engine.max_num_seqs
+        started = time.monotonic()
+        try:
+            skipped = self._loop(stop)
+        except BaseException:
+            # Rows already finished are complete and correct: commit them, unless writing is what failed.
+            if not self.writer.failed:
+                try:
+                    while self._commit():
+                        pass
+                except Exception:  # the original error is the one to report
+                    pass
+            raise
+        while self._commit():
+            pass
+        self.meter.maybe_log(self.engine.stats(), force=True)
+        self.meter.close()
+        t = self.meter.totals
+        report = self._report(time.monotonic() - started, skipped, stop.signum)
+        return RunResult(self.out_dir, t.rows_committed, t.rows_rejected, skipped, stop.signum, report)
+
+    def _key(self, row, first_seen: dict) -> Any:
+        key_column = self.spec.source.key_column
+        if key_column is None:
+            return row.position
+        if row.columns is None:  # unparseable: no key of its own; its position identifies it
+            return f"<unparsed row {row.position}>"
+        key = normalize_key(row.columns.get(key_column), row.position, key_column)
+        if key in first_seen:
+            raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows "
+                           f"{first_seen[key]} and {row.position}); keys must be unique, or drop key_column to "
+                           f"key rows by position")
+        first_seen[key] = row.position
+        return key
+
+    def _loop(self, stop) -> int:
+        """Keep the engine fed, step it, commit. Returns how many rows earlier runs had committed."""
+        engine, writer, totals = self.engine, self.writer, self.meter.totals
+        lookahead = 2 * self.spec.engine.max_num_seqs
         pending: dict[str, tuple] = {}  # request id -> (key, position, kept values, prompt, num prompt tokens)
-        seen: set = set()
+        first_seen: dict = {}  # key -> position, for duplicate detection (key column only)
         skipped = 0
         rows = iter(self.source)
         exhausted = False
-        started = time.monotonic()
         while True:
             while stop.signum is None and not exhausted and engine.num_unfinished_prompts < lookahead:
                 row = next(rows, None)
                 if row is None:
                     exhausted = True
-                    break
-                if not self.worker.owns(row.position):
-                    continue
-                if key_column is None:
-                    key = row.position
-                elif row.columns is None:  # unparseable: no key of its own; its position identifies it
-                    key = f"<unparsed row {row.position}>"
-                else:
-                    key = normalize_key(row.columns.get(key_column), row.position, key_column)
-                if key in seen:
-                    raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (again at row "
-                                   f"{row.position}); keys must be unique")
-                seen.add(key)
-                if key in self.done_keys:
-                    skipped += 1
-                    continue
-                self._admit(row, key, pending)
-            if not engine.has_unfinished and (exhausted or stop.signum is not None):
-                break
-            if stop.signum is not None:
-                break  # in-flight rows are abandoned: not committed, so the next run generates them
-            if engine.has_unfinished:
-                t0 = time.perf_counter()
-                for result in engine.step():
-                    self._finish(result, pending.pop(result.request_id))
-                totals.step_s += time.perf_counter() - t0
-            if writer.should_commit():
+                elif self.worker.owns(row.position):
+                    key = self._key(row, first_seen)
+                    if key in self.done_keys:
+                        skipped += 1
+                    else:
+                        self._admit(row, key, pending)
+            if stop.signum is not None or (exhausted and not engine.has_unfinished):
+                return skipped  # on a signal, in-flight rows are abandoned: the next run generates them
+            faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
+            t0 = time.perf_counter()
+            for result in engine.step():
+                self._finish(result, pending.pop(result.request_id))
+            totals.step_s += time.perf_counter() - t0
+            while writer.should_commit():
                 self._commit()
             self.meter.maybe_log(engine.stats())
-        self._commit()
-        self.meter.maybe_log(engine.stats(), force=True)
-        self.meter.close()
-        report = self._report(time.monotonic() - started, skipped, stop.signum)
-        return RunResult(self.out_dir, totals.rows_committed, totals.rows_rejected, skipped, stop.signum, report)
 
     def _admit(self, row, key, pending: dict) -> None:
         if row.columns is None:
@@ -206,11 +233,36 @@ class JobLoop:
         except RowError as e:
             self._reject(key, row.position, e.error_class, str(e))
             return
+        kept = {c: row.columns.get(c) for c in self.kept}
+        if not self.source.typed:
+            try:
+                kept = self._coerce(kept)
+            except RowError as e:
+                self._reject(key, row.position, e.error_class, str(e))
+                return
         seeds = [derive_seed(self.spec.sampling.seed, key, i) for i in range(self.params.n)]
         rid = self.engine.add_request(ids, self.params, sample_seeds=seeds)
-        kept = {c: row.columns.get(c) for c in self.kept}
         pending[rid] = (key, row.position, kept, text, len(ids))
         self.meter.totals.prompt_tokens += len(ids)
+
+    def _coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
+        """Fit an untyped source's values (JSONL) to the output schema: text columns take any value (non-text
+        JSON-encoded); a value that fits no other column type rejects the row instead of failing the shard."""
+        out = {}
+        for name, value in kept.items():
+            field_type = self._kept_types[name]
+            if value is None or (pa.types.is_string(field_type) and isinstance(value, str)):
+                out[name] = value
+            elif pa.types.is_string(field_type):
+                out[name] = json.dumps(value, ensure_ascii=False, default=str)
+            else:
+                try:
+                    pa.array([value], type=field_type)
+                except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                    raise RowError("schema_mismatch", f"column {name!r} holds {value!r}, which does not fit the "
+                                                      f"column type {field_type} seen in the first rows") from None
+                out[name] = value
+        return out
 
     def _reject(self, key, position: int, error_class: str, message: str) -> None:
         t = self.meter.totals
@@ -243,10 +295,10 @@ class JobLoop:
         t.rows_done += 1
         self.meter.row_finished(sum(len(s.token_ids) for s in result.samples))
 
-    def _commit(self) -> None:
-        n = self.writer.num_buffered_keys
-        if self.writer.commit():
-            self.meter.totals.rows_committed += n
+    def _commit(self) -> int:
+        n = self.writer.commit()
+        self.meter.totals.rows_committed += n
+        return n
 
     def _report(self, wall_s: float, skipped: int, signum: int | None) -> dict[str, Any]:
         t = self.meter.totals

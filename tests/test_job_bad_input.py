@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -145,3 +147,78 @@ def test_second_process_on_the_same_output_and_worker_is_refused(job, tmp_path):
     finally:
         held.release()
     assert _run(job).exit_code == 0
+
+
+def test_duplicate_keys_are_refused_naming_the_key_and_rows(job, tmp_path):
+    rows = seed_rows(5)
+    rows[3]["id"] = rows[1]["id"]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    result = _run(job)
+    assert result.exit_code == 2
+    assert "duplicate key 'row-0001' (rows 1 and 3)" in result.output
+
+
+def test_empty_parquet_source_is_an_error(job, tmp_path):
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "topic": pa.array([], pa.string()),
+                             "level": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
+    result = _run(_edit(job, source={"path": "empty.parquet"}))
+    assert result.exit_code == 2 and "holds no rows (empty source)" in result.output
+
+
+def test_null_non_string_and_non_utf8_prompt_values(job, tmp_path):
+    lines = [b'{"id": "a", "topic": null, "level": 1}', b'{"id": "b", "topic": 12345, "level": 1}',
+             b'{"id": "c", "topic": "caf\xe9 \xff bytes", "level": 1}', b'{"id": "d", "topic": "fine", "level": 1}']
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    _edit(job, prompt={"template": None, "column": "topic", "chat": False})
+    result = _run(job)
+    assert result.exit_code == 0, result.output
+    rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert set(rejects) == {"a"} and rejects["a"]["error_class"] == "null_value"
+    assert {r["id"] for r in read_rows(tmp_path / "out")} == {"b", "c", "d"}  # 12345 rendered as text; bad bytes replaced
+
+
+def test_chat_template_that_raises_for_a_row_rejects_only_that_row(job, tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model-raising"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if 'rome' in m['content'] %}"
+                               "{{ raise_exception('no Rome allowed') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    result = _run(_edit(job, model={"path": str(model)}))
+    assert result.exit_code == 0, result.output
+    rejects = read_rows(tmp_path / "out", "rejects")
+    assert [r["id"] for r in rejects] == ["row-0002"]
+    assert rejects[0]["error_class"] == "chat_template_error" and "no Rome allowed" in rejects[0]["message"]
+    assert len(read_rows(tmp_path / "out")) == 5
+
+
+def test_model_folder_without_weights_and_a_fake_gguf_are_named(job, tmp_path, tiny_model_dir):
+    import shutil
+
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    result = _run(_edit(job, model={"path": str(no_weights)}))
+    assert result.exit_code == 2 and f"cannot load model.path '{no_weights}'" in result.output
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "model.gguf").write_text("this is not a GGUF file")
+    result = _run(_edit(job, model={"path": str(fake), "gguf_file": "model.gguf"}))
+    assert result.exit_code == 2 and "gguf_file 'model.gguf'" in result.output
+
+
+def test_a_run_with_a_thousand_shards_loads_with_datasets(job, tmp_path):
+    import datasets
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(1000))
+    result = _run(job, "--set", "output.rows_per_shard=1", "--set", "sampling.max_new_tokens=1",
+                  "--set", "engine.max_num_seqs=64")
+    assert result.exit_code == 0, result.output
+    files = sorted(str(p) for p in (tmp_path / "out" / "data").glob("*.parquet"))
+    assert len(files) >= 1000
+    ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    assert ds.num_rows == 1000 and len(set(ds["id"])) == 1000

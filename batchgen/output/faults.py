@@ -1,5 +1,6 @@
-"""Fault injection for the crash tests: BATCHGEN_FAULT=POINT:N kills this process with SIGKILL the Nth
-time POINT is reached (points: commit_start, shard_renamed, manifest_torn, commit_done).
+"""Fault injection for the crash tests: BATCHGEN_FAULT=POINT:N acts the Nth time POINT is reached.
+Kill points (SIGKILL): commit_start, shard_renamed, manifest_torn, commit_done.
+Raise points: shard_write (OSError ENOSPC while writing a shard), engine_step (RuntimeError in the loop).
 
 Unset (always, outside tests) it costs one dictionary lookup per commit."""
 
@@ -30,3 +31,8 @@ def die() -> None:
 def crash_if_armed(point: str) -> None:
     if armed(point):
         die()
+
+
+def raise_if_armed(point: str, error: BaseException) -> None:
+    if armed(point):
+        raise error

@@ -7,6 +7,7 @@ samples always land in the same shard; a row is done only once its record is in 
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -35,34 +36,30 @@ class ShardWriter:
         self.commit_interval_s = commit_interval_s
         for d in ("data", "rejects"):
             (out_dir / d).mkdir(parents=True, exist_ok=True)
-        self._data: list[dict[str, Any]] = []
-        self._rejects: list[dict[str, Any]] = []
-        self._keys: list[Any] = []
+        # One entry per finished input row, in finishing order: (key, its sample rows, its reject row or None).
+        self._entries: list[tuple[Any, list[dict[str, Any]], dict[str, Any] | None]] = []
+        self._num_generated = 0  # entries with sample rows
         self._last_commit = time.monotonic()
-        self.num_committed_rows = 0  # input rows (not samples) committed by this writer
-        self.num_committed_rejects = 0
-        self._tokens = {"prompt": 0, "completion": 0}
+        self.failed = False  # a write failed: buffered rows stay uncommitted (the next run redoes them)
 
     @property
     def num_buffered_keys(self) -> int:
-        return len(self._keys)
+        return len(self._entries)
 
     def add_row(self, key: Any, sample_rows: list[dict[str, Any]]) -> None:
-        """All samples of one input row (one output row each)."""
-        self._data.extend(sample_rows)
-        self._keys.append(key)
-        self._tokens["completion"] += sum(r["num_completion_tokens"] for r in sample_rows)
-        self._tokens["prompt"] += sample_rows[0]["num_prompt_tokens"] if sample_rows else 0
+        """All samples of one input row (one output row each); they always land in the same shard."""
+        self._entries.append((key, sample_rows, None))
+        self._num_generated += 1
 
     def add_reject(self, key: Any, position: int, error_class: str, message: str) -> None:
-        self._rejects.append({self.key_name: str(key), "row_position": position, "error_class": error_class,
-                              "message": message[:2000]})
-        self._keys.append(key)
+        self._entries.append((key, [], {self.key_name: str(key), "row_position": position,
+                                        "error_class": error_class, "message": message[:2000]}))
 
     def should_commit(self) -> bool:
-        if len(self._data) >= self.rows_per_shard:
+        """A full shard is buffered, or the commit interval has passed with anything buffered."""
+        if self._num_generated >= self.rows_per_shard:
             return True
-        return bool(self._keys) and time.monotonic() - self._last_commit >= self.commit_interval_s
+        return bool(self._entries) and time.monotonic() - self._last_commit >= self.commit_interval_s
 
     def _write(self, folder: str, rows: list[dict], schema: pa.Schema) -> str:
         name = f"part-{self.manifest.tag}-{self.manifest.next_commit:06d}.parquet"
@@ -71,35 +68,44 @@ class ShardWriter:
         try:
             table = pa.Table.from_pylist(rows, schema=schema)
             with open(tmp, "wb") as f:
+                faults.raise_if_armed("shard_write", OSError(errno.ENOSPC, "No space left on device"))
                 pq.write_table(table, f, compression="zstd")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             fsync_dir(final.parent)
         except OSError as e:
+            self.failed = True
             tmp.unlink(missing_ok=True)
             raise OSError(e.errno, f"cannot write shard in {final.parent}: {e.strerror or e}") from e
         return f"{folder}/{name}"
 
-    def commit(self) -> bool:
-        """Make every buffered row durable and done. Returns False when there was nothing to commit."""
-        if not self._keys:
-            return False
+    def commit(self) -> int:
+        """Make the oldest buffered rows durable and done: at most `rows_per_shard` generated rows (one data
+        shard) plus the rejects among them. Returns how many input rows were committed (0: nothing buffered)."""
+        if not self._entries:
+            return 0
         faults.crash_if_armed("commit_start")
+        taken, generated = 0, 0
+        while taken < len(self._entries) and generated < self.rows_per_shard:
+            generated += bool(self._entries[taken][1])
+            taken += 1
+        entries = self._entries[:taken]
+        data = [r for _, rows, _ in entries for r in rows]
+        rejects = [rej for _, _, rej in entries if rej is not None]
         record: dict[str, Any] = {"data": None, "rejects": None}
-        if self._data:
-            record["data"] = self._write("data", self._data, self.data_schema)
-        if self._rejects:
-            record["rejects"] = self._write("rejects", self._rejects, self.reject_schema)
+        if data:
+            record["data"] = self._write("data", data, self.data_schema)
+        if rejects:
+            record["rejects"] = self._write("rejects", rejects, self.reject_schema)
         faults.crash_if_armed("shard_renamed")
-        record.update(num_rows=len(self._keys), num_samples=len(self._data), num_rejects=len(self._rejects),
-                      num_prompt_tokens=self._tokens["prompt"], num_completion_tokens=self._tokens["completion"],
-                      time=time.time(), keys=self._keys)
+        record.update(num_rows=taken, num_samples=len(data), num_rejects=len(rejects),
+                      num_prompt_tokens=sum(rows[0]["num_prompt_tokens"] for _, rows, _ in entries if rows),
+                      num_completion_tokens=sum(r["num_completion_tokens"] for r in data),
+                      time=time.time(), keys=[key for key, _, _ in entries])
         self.manifest.append(record)
         faults.crash_if_armed("commit_done")
-        self.num_committed_rows += len(self._keys)
-        self.num_committed_rejects += len(self._rejects)
-        self._data, self._rejects, self._keys = [], [], []
-        self._tokens = {"prompt": 0, "completion": 0}
+        del self._entries[:taken]
+        self._num_generated -= generated
         self._last_commit = time.monotonic()
-        return True
+        return taken

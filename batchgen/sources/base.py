@@ -25,6 +25,7 @@ class Source:
     schema: pa.Schema
     num_rows: int | None
     description: str
+    typed: bool = True  # values always match `schema` (Parquet, datasets); False for JSONL (inferred)
 
     def __init__(self, limit: int | None, key_column: str | None) -> None:
         self.limit = limit

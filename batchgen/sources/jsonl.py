@@ -33,6 +33,7 @@ def _parse(line: str) -> tuple[dict | None, str | None]:
 
 
 class JsonlSource(Source):
+    typed = False  # the schema is inferred from the first rows; later rows may disagree
     def __init__(self, files: list[str], spec: SourceSpec) -> None:
         super().__init__(spec.limit, spec.key_column)
         self.files = files
