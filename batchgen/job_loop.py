@@ -14,10 +14,11 @@ import torch
 
 from batchgen import __version__
 from batchgen.errors import JobError
-from batchgen.metrics import ThroughputMeter
+from batchgen.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import check_or_write, components
+from batchgen.output.keyset import KeySet
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.sampling_params import SamplingParams
@@ -108,7 +109,7 @@ class JobLoop:
             owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
                       if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
         mf.remove_orphans(out_dir, owned)
-        self.done_keys = {k for _, r in mf.read_all(out_dir) for k in r["keys"]}
+        self.done_keys = KeySet.from_keys(k for _, r in mf.read_all(out_dir) for k in r["keys"])
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self._data_schema(),
                                   self._key_field(), spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = self.source.expected_rows
@@ -178,18 +179,18 @@ class JobLoop:
         report = self._report(time.monotonic() - started, skipped, stop.signum)
         return RunResult(self.out_dir, t.rows_committed, t.rows_rejected, skipped, stop.signum, report)
 
-    def _key(self, row, first_seen: dict) -> Any:
+    def _key(self, row, first_seen: KeySet) -> Any:
         key_column = self.spec.source.key_column
         if key_column is None:
             return row.position
         if row.columns is None:  # unparseable: no key of its own; its position identifies it
             return f"<unparsed row {row.position}>"
         key = normalize_key(row.columns.get(key_column), row.position, key_column)
-        if key in first_seen:
+        earlier = first_seen.add(key, row.position)
+        if earlier is not None:
             raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows "
-                           f"{first_seen[key]} and {row.position}); keys must be unique, or drop key_column to "
+                           f"{earlier} and {row.position}); keys must be unique, or drop key_column to "
                            f"key rows by position")
-        first_seen[key] = row.position
         return key
 
     def _loop(self, stop) -> int:
@@ -197,7 +198,7 @@ class JobLoop:
         engine, writer, totals = self.engine, self.writer, self.meter.totals
         lookahead = 2 * self.spec.engine.max_num_seqs
         pending: dict[str, tuple] = {}  # request id -> (key, position, kept values, prompt, num prompt tokens)
-        first_seen: dict = {}  # key -> position, for duplicate detection (key column only)
+        first_seen = KeySet()  # keys seen in this run with their first position (key column only)
         skipped = 0
         rows = iter(self.source)
         exhausted = False
@@ -311,5 +312,5 @@ class JobLoop:
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
-            "engine": self.engine.stats(), "time": time.time(),
+            "engine": self.engine.stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,22 @@ class Totals:
     step_s: float = 0.0  # time in engine steps (prepare + forward + sample)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rejects_by_class: dict[str, int] = field(default_factory=dict)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return 0.0
 
 
 class ThroughputMeter:
@@ -61,7 +78,7 @@ class ThroughputMeter:
             "gen_tok_s_window": round((t.generated_tokens - self._last_gen) / window, 2),
             "gen_tok_s_overall": round(t.generated_tokens / max(now - self.start, 1e-9), 2),
             "rows_s_window": round((t.rows_done - self._last_rows) / window, 3),
-            "step_s": round(t.step_s, 3),
+            "step_s": round(t.step_s, 3), "rss_mib": round(rss_mib(), 1),
             **engine_stats,
         }
         with open(self.log_path, "a") as f:
