@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -57,17 +56,17 @@ def main() -> None:
             "output": {"dir": str(tmp / f"out-{n}"), "rows_per_shard": 10000, "keep_columns": "none"},
         }))
         t0 = time.perf_counter()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "--no-progress"], cwd=REPO,
                            capture_output=True, text=True)
         wall = time.perf_counter() - t0
-        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if p.returncode != 0:
             raise SystemExit(p.stderr[-2000:])
-        # ru_maxrss of children is the max over all children so far: sizes run in increasing order, so a
-        # value that does not rise means this run peaked no higher than the earlier ones.
-        results.append({"rows": n, "wall_s": round(wall, 1), "peak_rss_mib_children_so_far": round(peak_kib / 1024, 1),
-                        "rose_from_previous": peak_kib > before, "summary": p.stdout.strip().splitlines()[-1]})
+        out = tmp / f"out-{n}"
+        report = json.loads((out / "reports" / "w00000.json").read_text())
+        rss = [json.loads(line)["rss_mib"] for line in (out / "logs" / "throughput-w00000.jsonl").read_text().splitlines()]
+        results.append({"rows": n, "wall_s": round(wall, 1), "peak_rss_mib": report["peak_rss_mib"],
+                        "rss_mib_first_log": rss[0], "rss_mib_last_log": rss[-1], "rss_mib_max_log": max(rss),
+                        "rows_committed": report["rows_committed"]})
         print(json.dumps(results[-1]), flush=True)
 
 

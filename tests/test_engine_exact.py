@@ -73,3 +73,38 @@ def test_preempted_request_resumes_from_its_own_cached_blocks_exactly():
     got = [r.samples[0].token_ids for r in engine.generate(prompts, _greedy(24))]
     assert engine.scheduler.num_preemptions > 0
     assert got == expected
+
+
+def _more_archs():
+    import transformers as T
+
+    return {
+        "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(head_dim=16)),
+        # sliding window 16 < sequence lengths here, plus attention logit soft-capping
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=16)),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+        "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
+        "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM, {}),
+        "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
+                      dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                           num_experts_per_tok=2)),
+    }
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "phi3", "olmo2", "granite", "starcoder2", "qwen2_moe"])
+def test_greedy_matches_transformers_on_more_architectures(arch):
+    import torch
+
+    config_cls, model_cls, extra = _more_archs()[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    prompts = random_prompts((5, 30, 12))
+    expected = [hf_greedy(model, p, 24) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=8))
+    got = [r.samples[0].token_ids for r in engine.generate(prompts, _greedy(24))]
+    assert got == expected
