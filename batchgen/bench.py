@@ -84,6 +84,8 @@ VARIANTS = {  # name -> EngineConfig overrides
     "eager": dict(cuda_graphs=False),
     "graphs": dict(cuda_graphs=True),
     "compiled": dict(cuda_graphs=True, compile_model=True),
+    "graphs_async": dict(cuda_graphs=True, async_pipeline=True),
+    "compiled_async": dict(cuda_graphs=True, compile_model=True, async_pipeline=True),
 }
 
 
@@ -100,11 +102,13 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     setup_s = time.perf_counter() - t_setup
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
+    busy = GpuBusyMeter()
     steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
+    with busy.watch(engine):
+        results = engine.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = engine.num_steps - steps0
@@ -118,9 +122,45 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     torch.cuda.empty_cache()
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
             "_token_ids": tokens_out,
-            "cpu_ms_per_step": cpu_ms_per_step,
+            "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy.fraction(wall),
             "kernels_per_decode_step": kernels, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
             "first_tokens": [t[:8] for t in tokens_out[:2]]}
+
+
+class GpuBusyMeter:
+    """GPU busy fraction: event-timed device time of each dispatched step over wall time. Events are recorded
+    around every `runner.dispatch` on the compute stream, so gaps where the device waits for the host count
+    as idle."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def watch(self, engine):
+        import contextlib
+
+        runner = engine.runner
+        original = runner.dispatch
+
+        def timed(batch):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step = original(batch)
+            end.record()
+            self.events.append((start, end))
+            return step
+
+        @contextlib.contextmanager
+        def patched():
+            runner.dispatch = timed
+            try:
+                yield
+            finally:
+                runner.dispatch = original
+        return patched()
+
+    def fraction(self, wall_s: float) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3 / wall_s
 
 
 def count_kernels_per_decode_step(engine, prompt: list[int]) -> int:

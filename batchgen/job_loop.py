@@ -49,7 +49,7 @@ def engine_config(spec: JobSpec):
                         block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
                         num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
                         enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=e.cuda_graphs,
-                        compile_model=e.compile)
+                        compile_model=e.compile, async_pipeline=e.async_)
 
 
 def sampling_params(spec: JobSpec) -> SamplingParams:
@@ -95,7 +95,7 @@ class JobLoop:
               f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
-              f"async pipeline {'requested but not built yet: synchronous' if spec.engine.async_ else 'off'}",
+              f"async pipeline {'on' if spec.engine.async_ else 'off'}",
               file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:

@@ -47,3 +47,15 @@ def test_compiled_graphed_decode_matches_transformers_generate_fp32():
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_async_pipeline_on_gpu_matches_transformers_fp32(cuda_graphs):
+    model = make_model("llama").cuda()
+    prompts = random_prompts((5, 17, 33, 8, 64, 1, 40))
+    expected = [hf_greedy(model, p, 20) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
+                                              cuda_graphs=cuda_graphs, async_pipeline=True))
+    got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0,
+                                                                                   ignore_eos=True))]
+    assert got == expected

@@ -31,6 +31,9 @@ class SeqSchedule:
     start_pos: int  # position of input_token_ids[0] == tokens of this sequence already in the cache
     block_table: tuple[int, ...]  # covers start_pos + len(input_token_ids) tokens
     sampling: SeqSampling | None  # set iff this step reaches the end of the sequence: sample one token
+    # Async pipeline: the last input token was sampled by the step still in flight and is not known here.
+    # It is a placeholder (0); the runner replaces it on the device by that step's sampled token at this row.
+    carry_from: int | None = None
 
     @property
     def num_new_tokens(self) -> int:

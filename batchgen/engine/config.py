@@ -17,6 +17,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
     compile_model: bool = False  # torch.compile the graphed decode forward (fuses norms, rotary, activations)
+    async_pipeline: bool = False  # prepare step N+1 on the host while the device runs step N
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -78,12 +78,16 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-               block_tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one decode step of n = len(input_ids) sequences; returns (logits [n, V], greedy ids [n])."""
+               block_tables: np.ndarray, carry=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step of n = len(input_ids) sequences; returns (logits [n, V], greedy ids [n]).
+        `carry`: (rows [K], source rows [K], previous tokens) placeholders to fill on the device first."""
         n = len(input_ids)
         b = self.bucket_for(n)
         width = block_tables.shape[1]
         self.input_ids[0, :n].copy_(torch.from_numpy(input_ids))
+        if carry is not None:
+            rows, sources, prev = carry
+            self.input_ids[0, rows] = prev[sources]
         self.position_ids[0, :n].copy_(torch.from_numpy(positions))
         self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
         self.slot_mapping[n:b].fill_(self.kv_cache.trash_slot)

@@ -76,7 +76,8 @@ class Engine:
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables)
+        self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables, updates)
+        self._in_flight = None  # async pipeline: (batch, InFlight) dispatched and not yet applied
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",
@@ -136,12 +137,25 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.schedule_s += time.perf_counter() - t0
-        if batch:
-            sampled = self.runner.execute(batch)
-            self.scheduler.update(batch, sampled)
-            self.num_steps += 1
-            self.num_generated_tokens += len(sampled)
+        if not self.config.async_pipeline:
+            if batch:
+                self._apply(batch, self.runner.execute(batch))
+            return self._collect(self.scheduler.take_finished())
+        # Async: queue this step, then wait for the previous one, whose tokens this step's placeholders take
+        # on the device. The host prepares step N+1 while the device runs step N.
+        step = self.runner.dispatch(batch) if batch else None
+        if self._in_flight is not None:
+            prev_batch, prev_step = self._in_flight
+            self._apply(prev_batch, self.runner.collect(prev_step))
+        self._in_flight = (batch, step) if batch else None
         return self._collect(self.scheduler.take_finished())
+
+    def _apply(self, batch, sampled: list[int]) -> None:
+        t0 = time.perf_counter()
+        self.scheduler.update(batch, sampled)
+        self.schedule_s += time.perf_counter() - t0
+        self.num_steps += 1
+        self.num_generated_tokens += len(sampled)
 
     def _collect(self, finished: list[Request]) -> list[PromptResult]:
         done = []

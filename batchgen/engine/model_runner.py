@@ -27,6 +27,15 @@ def _triton_available() -> bool:
 
 
 @dataclass
+class InFlight:
+    """A dispatched step: its sampled ids on the device and (once `done`) in host memory."""
+
+    tokens_gpu: torch.Tensor  # [S] int64, also the carry-over source of the next step
+    tokens_host: torch.Tensor  # [S] int64, pinned on CUDA
+    done: torch.cuda.Event | None  # recorded after the copy back; None on CPU (already there)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
@@ -46,6 +55,8 @@ class ModelRunner:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
         self.use_triton = device.type == "cuda" and _triton_available()
+        self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
+        self._d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs = None
         if cuda_graphs and self.use_triton:
             from batchgen.engine.cuda_graphs import DecodeGraphs
@@ -104,24 +115,67 @@ class ModelRunner:
                           logits_indices=dev(logits_indices), attention=attention, sampling=sampling)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run one step; returns one sampled token per sequence with `sampling`, in batch order."""
+    def dispatch(self, batch: ScheduledBatch) -> InFlight:
+        """Queue one step on the device and return at once (on CUDA); `collect` gives its sampled tokens.
+        Placeholders (`carry_from`) are filled on the device from the previous dispatch's sampled tokens."""
         t0 = time.perf_counter()
         host = self._host_arrays(batch)
+        carry = self._carry(batch, host[5])
         if self.graphs is not None and batch.num_prefill_tokens == 0 and self.graphs.bucket_for(len(batch.seqs)):
             input_ids, positions, slot_mapping, _, seq_lens, _, block_tables = host
             sampling = self._sampling(batch, seq_lens)
             self.prepare_s += time.perf_counter() - t0
-            logits, greedy = self.graphs.replay(input_ids, positions, slot_mapping, seq_lens, block_tables)
+            logits, greedy = self.graphs.replay(input_ids, positions, slot_mapping, seq_lens, block_tables, carry)
             if sampling.any_random or sampling.penalty is not None or sampling.suppress_rows is not None:
-                return sample(logits, sampling).tolist()
-            return greedy.tolist()
+                tokens = sample(logits, sampling)
+            else:
+                tokens = greedy.clone()  # the graph's buffer is rewritten by the next replay
+            return self._start_copy_back(tokens)
         inputs = self._to_device(*host, batch)
+        if carry is not None:
+            positions_gpu, sources_gpu, prev = carry
+            inputs.input_ids[0, positions_gpu] = prev[sources_gpu]
         self.prepare_s += time.perf_counter() - t0
         with paged_attention_enabled(self.model):
             out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                              logits_to_keep=inputs.logits_indices, use_cache=False,
                              **{METADATA_KWARG: inputs.attention})
         if inputs.sampling is None:
-            return []
-        return sample(out.logits[0], inputs.sampling).tolist()
+            return self._start_copy_back(torch.empty(0, dtype=torch.int64, device=self.device))
+        return self._start_copy_back(sample(out.logits[0], inputs.sampling))
+
+    def _carry(self, batch: ScheduledBatch, query_start_loc: np.ndarray):
+        """(packed positions [K], source rows [K], previous step's tokens) for placeholders, or None."""
+        rows = [(int(query_start_loc[i + 1]) - 1, s.carry_from) for i, s in enumerate(batch.seqs)
+                if s.carry_from is not None]
+        if not rows:
+            return None
+        prev = self._last_tokens
+        assert prev is not None and max(src for _, src in rows) < prev.shape[0], "carry-over without its step"
+        pos, src = zip(*rows)
+        return (torch.tensor(pos, dtype=torch.int64).to(self.device, non_blocking=True),
+                torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True), prev)
+
+    def _start_copy_back(self, tokens: torch.Tensor) -> InFlight:
+        """Copy the sampled ids to pinned host memory on the copy stream; only that copy is ever waited on."""
+        self._last_tokens = tokens
+        if self.device.type != "cuda":
+            return InFlight(tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h_stream):
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        tokens.record_stream(self._d2h_stream)  # keep its memory alive until the copy is done
+        return InFlight(tokens, host, done)
+
+    def collect(self, step: InFlight) -> list[int]:
+        """Block until the step's tokens are on the host (the only wait on the device)."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens_host.tolist()
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step synchronously: one sampled token per sequence with `sampling`, in batch order."""
+        return self.collect(self.dispatch(batch))

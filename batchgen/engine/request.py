@@ -54,6 +54,10 @@ class Request:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_keys: list = field(default_factory=list)  # prefix-cache keys of the leading full blocks
+    # Async pipeline: tokens sampled by dispatched steps whose ids the host does not know yet (0, 1 or 2),
+    # and the sample row of the latest one in its step's output.
+    num_pending: int = 0
+    pending_row: int = -1
     finish_reason: FinishReason | None = None
     error: str | None = None
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
@@ -80,9 +84,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
+    def can_extend(self) -> bool:
+        """Whether another token may be scheduled now. With a token in flight: not if that token alone may
+        end the sequence by length, nor under a repetition penalty (which needs every token id)."""
+        if self.num_pending == 0:
+            return True
+        if self.params.repetition_penalty != 1.0:
+            return False
+        return (len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
+                and self.num_tokens + self.num_pending < self.max_model_len)
+
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Tokens that must not be sampled now (EOS and stop ids before min_new_tokens)."""
-        if len(self.output_token_ids) >= self.params.min_new_tokens:
+        if len(self.output_token_ids) + self.num_pending >= self.params.min_new_tokens:
             return ()
         eos = () if self.params.ignore_eos else tuple(self.eos_token_ids)
         return eos + self.params.stop_token_ids

@@ -27,7 +27,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self._done: list[Request] = []  # finished or failed since the last `take_finished`
-        self._in_step: dict[str, Request] = {}  # requests of the batch last returned by `schedule`
+        self._in_flight: dict[int, list[Request]] = {}  # id(batch) -> its requests, until `update`
         self.num_preemptions = 0
 
     # ---- admission -----------------------------------------------------------------------------
@@ -63,11 +63,14 @@ class Scheduler:
         bm = self.block_manager
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self._in_step = {}
+        reqs: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not req.can_extend():
+                i += 1
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             while not bm.ensure_capacity(req.block_table, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -75,12 +78,14 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                self._emit(batch, req, num_new)
+                self._emit(batch, reqs, req, num_new)
                 budget -= num_new
                 i += 1
         if not batch.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_pending:  # preempted with a token in flight: admit once it is known
+                    break
                 hits = bm.match_prefix(req.token_ids)
                 num_cached = len(hits) * bm.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
@@ -95,13 +100,23 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                self._emit(batch, req, num_new)
+                self._emit(batch, reqs, req, num_new)
                 budget -= num_new
+        if batch:
+            self._in_flight[id(batch)] = reqs
         return batch
 
-    def _emit(self, batch: ScheduledBatch, req: Request, num_new: int) -> None:
+    def _emit(self, batch: ScheduledBatch, reqs: list[Request], req: Request, num_new: int) -> None:
+        """Add `num_new` tokens of `req` to the batch. The GPU computes them in this step, so they count as
+        computed from now on; a sampled token counts as pending until `update` brings its id."""
         start = req.num_computed_tokens
-        samples = start + num_new == req.num_tokens
+        end = start + num_new
+        samples = end == req.num_tokens + req.num_pending
+        inputs = tuple(req.token_ids[start:end])
+        carry_from = None
+        if end > req.num_tokens:  # the last input is the token the in-flight step samples
+            assert req.num_pending == 1 and end == req.num_tokens + 1, "pipeline deeper than one step"
+            inputs, carry_from = inputs + (0,), req.pending_row
         sampling = None
         if samples:
             p = req.params
@@ -111,17 +126,22 @@ class Scheduler:
                 suppressed_token_ids=req.suppressed_token_ids(),
                 penalty_token_ids=tuple(req.token_ids) if p.repetition_penalty != 1.0 else None,
             )
+        if samples:
+            req.pending_row = batch.num_samples
+            req.num_pending += 1
         batch.seqs.append(SeqSchedule(
-            request_id=req.request_id, input_token_ids=tuple(req.token_ids[start : start + num_new]),
-            start_pos=start, block_table=tuple(req.block_table), sampling=sampling,
+            request_id=req.request_id, input_token_ids=inputs, start_pos=start, block_table=tuple(req.block_table),
+            sampling=sampling, carry_from=carry_from,
         ))
         if samples and num_new == 1:
             batch.num_decode_tokens += 1
         else:
             batch.num_prefill_tokens += num_new
-        self._in_step[req.request_id] = req
+        req.num_computed_tokens = end
+        reqs.append(req)
 
     def _preempt(self, req: Request) -> None:
+        # A token in flight stays pending: `update` appends it while the request waits.
         self.block_manager.free(req.block_table)
         req.block_table, req.block_keys, req.num_computed_tokens = [], [], 0
         req.status = RequestStatus.WAITING
@@ -132,31 +152,37 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
-        """Apply a finished step: advance computed tokens, append sampled tokens, finish sequences.
+        """Apply a step's results: append sampled tokens, finish sequences, register computed blocks.
 
-        `sampled_token_ids` holds one token per sequence with `sampling`, in `batch.seqs` order.
-        """
+        `sampled_token_ids` holds one token per sequence with `sampling`, in `batch.seqs` order. With the async
+        pipeline the next step is already dispatched: a sequence that finishes here may be in it; its token
+        from that step is dropped, and its blocks are freed now (the GPU runs steps in order, so that step's
+        writes land before any later owner of the blocks writes)."""
         bm = self.block_manager
         tokens = iter(sampled_token_ids)
-        for seq in batch.seqs:
-            req = self._in_step[seq.request_id]
-            req.num_computed_tokens += seq.num_new_tokens
-            bm.register_full_blocks(req.token_ids, req.block_table, req.block_keys, req.num_computed_tokens)
+        for seq, req in zip(batch.seqs, self._in_flight.pop(id(batch))):
             if seq.sampling is not None:
-                reason = req.append_token(next(tokens))
+                token = next(tokens)
+                if req.is_finished:
+                    continue  # finished at the previous step; this token was computed in vain
+                req.num_pending -= 1
+                reason = req.append_token(token)
                 if reason is not None:
                     self._finish(req, reason)
+                    continue
+            if req.status is RequestStatus.RUNNING:
+                bm.register_full_blocks(req.token_ids, req.block_table, req.block_keys,
+                                        min(req.num_computed_tokens, req.num_tokens))
             if req.followers and (req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens):
                 # The prompt's full blocks are now cached: siblings reuse them from the prefix cache.
                 followers, req.followers = req.followers, []
                 self.waiting.extendleft(reversed(followers))
-        self._in_step = {}
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.block_manager.free(req.block_table)
         req.block_table = []
+        (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        self.running.remove(req)
         self._done.append(req)
 
     def take_finished(self) -> list[Request]:
