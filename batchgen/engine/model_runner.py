@@ -41,7 +41,7 @@ class StepInputs:
     position_ids: torch.Tensor  # [1, T] int64
     logits_indices: torch.Tensor  # [S] int64: packed index of each sampling sequence's last token
     attention: AttentionMetadata
-    sampling: SamplingTensors | None  # None when no sequence samples this step
+    sampling: SamplingTensors | None  # None when every sampling row is plain greedy (or none samples)
 
 
 class ModelRunner:
@@ -88,12 +88,12 @@ class ModelRunner:
         return input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables
 
     def _sampling(self, batch: ScheduledBatch, seq_lens: np.ndarray) -> SamplingTensors | None:
-        seqs = batch.seqs
-        sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
-        if not sampled:
+        """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
+        and no host-to-device copy is needed)."""
+        rows = [(s.sampling, int(seq_lens[i])) for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        if all(r.temperature == 0 and r.repetition_penalty == 1.0 and not r.suppressed_token_ids for r, _ in rows):
             return None
-        return SamplingTensors.build([seqs[i].sampling for i in sampled], [int(seq_lens[i]) for i in sampled],
-                                     self.vocab_size, self.device)
+        return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device)
 
     def _to_device(self, input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables,
                    batch: ScheduledBatch) -> StepInputs:
@@ -126,10 +126,8 @@ class ModelRunner:
             sampling = self._sampling(batch, seq_lens)
             self.prepare_s += time.perf_counter() - t0
             logits, greedy = self.graphs.replay(input_ids, positions, slot_mapping, seq_lens, block_tables, carry)
-            if sampling.any_random or sampling.penalty is not None or sampling.suppress_rows is not None:
-                tokens = sample(logits, sampling)
-            else:
-                tokens = greedy.clone()  # the graph's buffer is rewritten by the next replay
+            # clone: the graph's buffer is rewritten by the next replay
+            tokens = greedy.clone() if sampling is None else sample(logits, sampling)
             return self._start_copy_back(tokens)
         inputs = self._to_device(*host, batch)
         if carry is not None:
@@ -140,9 +138,9 @@ class ModelRunner:
             out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                              logits_to_keep=inputs.logits_indices, use_cache=False,
                              **{METADATA_KWARG: inputs.attention})
-        if inputs.sampling is None:
-            return self._start_copy_back(torch.empty(0, dtype=torch.int64, device=self.device))
-        return self._start_copy_back(sample(out.logits[0], inputs.sampling))
+        logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head
+        tokens = logits.argmax(dim=-1) if inputs.sampling is None else sample(logits, inputs.sampling)
+        return self._start_copy_back(tokens)
 
     def _carry(self, batch: ScheduledBatch, query_start_loc: np.ndarray):
         """(packed positions [K], source rows [K], previous step's tokens) for placeholders, or None."""
