@@ -39,6 +39,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
     procs: list[subprocess.Popen] = []
     for i in range(num_workers):
         env = {k: v for k, v in os.environ.items() if k not in _IDENTITY_VARS}
+        env["BATCHGEN_WORKER_INDEX"] = str(i)  # informational (logs, user hooks, fault tests)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpus[i])
         cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--worker-index", str(i),

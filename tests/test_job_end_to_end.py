@@ -99,3 +99,16 @@ def test_same_seed_gives_same_completions_across_runs_and_engine_knobs(tmp_path,
     b = sorted(read_rows(tmp_path / "other"), key=key)
     assert [r["completion"] for r in a] == [r["completion"] for r in b]
     assert len({r["seed"] for r in a}) == 20
+
+
+def test_local_data_files_through_datasets(tmp_path, tiny_model_dir):
+    folder = tmp_path / "files"
+    folder.mkdir()
+    rows = seed_rows(8)
+    write_jsonl(folder / "part-0.jsonl", rows[:5])
+    write_jsonl(folder / "part-1.jsonl", rows[5:])
+    job = write_job(tmp_path, tiny_model_dir, {"path": "files", "type": "hf", "key_column": "id",
+                                               "streaming": False})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == [r["id"] for r in rows]

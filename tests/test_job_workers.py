@@ -89,3 +89,20 @@ def test_fresh_with_several_workers_is_refused(setup):
     tmp, job, _ = setup
     result = run_cli("run", str(job), "-o", str(tmp / "x"), "--fresh", "--worker-index", "0", "--num-workers", "2")
     assert result.returncode == 2 and "--fresh with several workers" in result.stderr
+
+
+def test_a_failing_worker_makes_the_launcher_exit_non_zero_after_the_others_commit(setup):
+    tmp, job, reference = setup
+    out = tmp / "launched-failing"
+    result = run_cli("run", str(job), "-o", str(out), "--workers", "3",
+                     env={"BATCHGEN_FAULT": "engine_step:2", "BATCHGEN_FAULT_WORKER": "1"})
+    assert result.returncode == 1, result.stderr
+    assert "worker 1 exited 1" in result.stderr and "injected engine failure" in result.stderr
+    manifests = {f.stem: f.read_text().count("\n") for f in (out / "manifest").iterdir()}
+    unit_rows = 3  # source.worker_unit_rows of this job: workers 0 and 2 finished their parts
+    done = {r["id"] for r in read_rows(out)}
+    for w in (0, 2):
+        mine = {f"row-{p:04d}" for p in range(NUM_ROWS) if (p // unit_rows) % 3 == w}
+        assert mine <= done, f"worker {w} did not finish ({manifests})"
+    assert run_cli("run", str(job), "-o", str(out), "--workers", "3").returncode == 0
+    assert _content(out) == reference

@@ -1,6 +1,7 @@
 """Fault injection for the crash tests: BATCHGEN_FAULT=POINT:N acts the Nth time POINT is reached.
 Kill points (SIGKILL): commit_start, shard_renamed, manifest_torn, commit_done.
 Raise points: shard_write (OSError ENOSPC while writing a shard), engine_step (RuntimeError in the loop).
+BATCHGEN_FAULT_WORKER=I limits it to the worker the launcher started with BATCHGEN_WORKER_INDEX=I.
 
 Unset (always, outside tests) it costs one dictionary lookup per commit."""
 
@@ -19,6 +20,9 @@ def armed(point: str) -> bool:
         return False
     name, _, nth = spec.partition(":")
     if name != point:
+        return False
+    only = os.environ.get("BATCHGEN_FAULT_WORKER")  # with --workers/--gpus: only this worker index fails
+    if only is not None and only != os.environ.get("BATCHGEN_WORKER_INDEX"):
         return False
     _hits[point] = _hits.get(point, 0) + 1
     return _hits[point] == int(nth or 1)
