@@ -41,7 +41,9 @@ def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     return value
 
 
-def engine_config(spec: JobSpec):
+def engine_config(spec: JobSpec, device_type: str):
+    """The engine's knobs from the job. The async pipeline only pays where a device runs beside the host,
+    so on CPU the job runs the synchronous loop (the engine can still run it there, as the tests do)."""
     from batchgen.engine.config import EngineConfig
 
     e = spec.engine
@@ -49,7 +51,7 @@ def engine_config(spec: JobSpec):
                         block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
                         num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
                         enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=e.cuda_graphs,
-                        compile_model=e.compile, async_pipeline=e.async_)
+                        compile_model=e.compile, async_pipeline=e.async_ and device_type == "cuda")
 
 
 def sampling_params(spec: JobSpec) -> SamplingParams:
@@ -82,7 +84,7 @@ class JobLoop:
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.params = sampling_params(spec)
         try:
-            self.engine = Engine(model, tokenizer, engine_config(spec))
+            self.engine = Engine(model, tokenizer, engine_config(spec, next(model.parameters()).device.type))
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise JobError(f"out of memory while setting up the engine on {spec.model.device}: "
                            f"{str(e).splitlines()[0]}. Lower engine.gpu_memory_utilization (now "
@@ -95,8 +97,13 @@ class JobLoop:
               f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
-              f"async pipeline {'on' if spec.engine.async_ else 'off'}",
+              f"async pipeline {'on' if self.engine.config.async_pipeline else 'off'}"
+              f"{' (CUDA only)' if spec.engine.async_ and not self.engine.config.async_pipeline else ''}",
               file=sys.stderr)
+        if self.engine.config.async_pipeline and spec.sampling.repetition_penalty != 1.0:
+            print("batchgen: sampling.repetition_penalty needs each token's id before the next step, so under "
+                  "engine.async its sequences decode every other step; set engine.async: false if that is slower",
+                  file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:
             raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "

@@ -108,3 +108,15 @@ def test_greedy_matches_transformers_on_more_architectures(arch):
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=8))
     got = [r.samples[0].token_ids for r in engine.generate(prompts, _greedy(24))]
     assert got == expected
+
+
+@pytest.mark.parametrize("async_pipeline", [False, True])
+def test_shared_prefix_is_computed_once_even_when_requests_arrive_in_the_same_step(async_pipeline):
+    model = make_model("llama")
+    system = random_prompts((40,), seed=7)[0]
+    prompts = [system + t for t in random_prompts((3, 9, 14, 6), seed=8)]
+    expected = [hf_greedy(model, p, 10) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=8, async_pipeline=async_pipeline))
+    results = engine.generate(prompts, _greedy(10))  # all four admitted in the first step
+    assert [r.samples[0].token_ids for r in results] == expected
+    assert [r.samples[0].num_cached_tokens for r in results] == [0, 40, 40, 40]

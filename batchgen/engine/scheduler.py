@@ -138,6 +138,10 @@ class Scheduler:
         else:
             batch.num_prefill_tokens += num_new
         req.num_computed_tokens = end
+        # Full blocks of known tokens become findable now, so a later request in this same step can share
+        # them: every layer writes the step's new K/V before any sequence attends, and later steps run after.
+        self.block_manager.register_full_blocks(req.token_ids, req.block_table, req.block_keys,
+                                                min(end, req.num_tokens))
         reqs.append(req)
 
     def _preempt(self, req: Request) -> None:
@@ -170,7 +174,7 @@ class Scheduler:
                 if reason is not None:
                     self._finish(req, reason)
                     continue
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING:  # blocks completed by the token just appended
                 bm.register_full_blocks(req.token_ids, req.block_table, req.block_keys,
                                         min(req.num_computed_tokens, req.num_tokens))
             if req.followers and (req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens):
