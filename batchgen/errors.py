@@ -5,3 +5,11 @@ The CLI prints its message (one actionable paragraph) and exits non-zero without
 
 class JobError(Exception):
     """A problem the user can fix; the message says what and how."""
+
+
+class RowError(Exception):
+    """A row that cannot be generated; it goes to rejects/ with `error_class` and the message."""
+
+    def __init__(self, error_class: str, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class

@@ -3,13 +3,11 @@ writer, engine), then the loop: keep the engine fed, step it, hand finished rows
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import torch
 
 from batchgen import __version__
@@ -19,6 +17,7 @@ from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
+from batchgen.output.schema import OutputSchema
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.sampling_params import SamplingParams
@@ -26,10 +25,6 @@ from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
 from batchgen.spec import JobSpec
 from batchgen.workers import WorkerInfo
-
-OUTPUT_COLUMNS = ("sample_idx", "prompt", "completion", "finish_reason", "num_prompt_tokens",
-                  "num_completion_tokens", "num_cached_tokens", "seed")
-
 
 def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     if value is None:
@@ -73,8 +68,7 @@ class JobLoop:
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
-        self.kept = self._kept_columns()
-        self._kept_types = {c: self.source.schema.field(c).type for c in self.kept}
+        self.schema = OutputSchema.build(spec, self.source.schema)
         try:
             model, tokenizer = load_model_and_tokenizer(spec.model.path, spec.model.gguf_file, spec.model.dtype,
                                                         spec.model.device)
@@ -117,50 +111,13 @@ class JobLoop:
                       if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
         mf.remove_orphans(out_dir, owned)
         self.done_keys = KeySet.from_keys(k for _, r in mf.read_all(out_dir) for k in r["keys"])
-        self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self._data_schema(),
-                                  self._key_field(), spec.output.rows_per_shard, spec.output.commit_interval_s)
+        self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
+                                  self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = self.source.expected_rows
         mine = None if expected is None else sum(1 for p in range(expected) if worker.owns(p)) if worker.count > 1 \
             else expected
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
                                      mine, show_progress=show_progress)
-
-    # ---- schema --------------------------------------------------------------------------------
-    def _kept_columns(self) -> list[str]:
-        keep = self.spec.output.keep_columns
-        columns = self.source.columns
-        if keep == "all":
-            kept = list(columns)
-        elif keep == "none":
-            kept = []
-        else:
-            missing = [c for c in keep if c not in columns]
-            if missing:
-                raise JobError(f"output.keep_columns names {', '.join(missing)}, not column(s) of the source; "
-                               f"columns: {', '.join(columns)}")
-            kept = list(keep)
-        kept = [c for c in kept if c != self.spec.source.key_column]
-        clash = [c for c in kept if c in OUTPUT_COLUMNS or c == "row_idx"]
-        if clash:
-            if keep == "all":
-                kept = [c for c in kept if c not in clash]  # batchgen's own columns win; say so in validate
-            else:
-                raise JobError(f"output.keep_columns {clash} clash with batchgen's output columns; drop them")
-        return kept
-
-    def _key_field(self) -> pa.Field:
-        key = self.spec.source.key_column
-        return self.source.schema.field(key) if key else pa.field("row_idx", pa.int64())
-
-    def _data_schema(self) -> pa.Schema:
-        fields = [self._key_field(), pa.field("sample_idx", pa.int32())]
-        fields += [self.source.schema.field(c) for c in self.kept]
-        if self.spec.output.keep_prompt:
-            fields.append(pa.field("prompt", pa.string()))
-        fields += [pa.field("completion", pa.string()), pa.field("finish_reason", pa.string()),
-                   pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
-                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64())]
-        return pa.schema(fields)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, stop) -> Any:
@@ -241,10 +198,10 @@ class JobLoop:
         except RowError as e:
             self._reject(key, row.position, e.error_class, str(e))
             return
-        kept = {c: row.columns.get(c) for c in self.kept}
+        kept = {c: row.columns.get(c) for c in self.schema.kept}
         if not self.source.typed:
             try:
-                kept = self._coerce(kept)
+                kept = self.schema.coerce(kept)
             except RowError as e:
                 self._reject(key, row.position, e.error_class, str(e))
                 return
@@ -252,25 +209,6 @@ class JobLoop:
         rid = self.engine.add_request(ids, self.params, sample_seeds=seeds)
         pending[rid] = (key, row.position, kept, text, len(ids))
         self.meter.totals.prompt_tokens += len(ids)
-
-    def _coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
-        """Fit an untyped source's values (JSONL) to the output schema: text columns take any value (non-text
-        JSON-encoded); a value that fits no other column type rejects the row instead of failing the shard."""
-        out = {}
-        for name, value in kept.items():
-            field_type = self._kept_types[name]
-            if value is None or (pa.types.is_string(field_type) and isinstance(value, str)):
-                out[name] = value
-            elif pa.types.is_string(field_type):
-                out[name] = json.dumps(value, ensure_ascii=False, default=str)
-            else:
-                try:
-                    pa.array([value], type=field_type)
-                except (pa.ArrowException, TypeError, ValueError, OverflowError):
-                    raise RowError("schema_mismatch", f"column {name!r} holds {value!r}, which does not fit the "
-                                                      f"column type {field_type} seen in the first rows") from None
-                out[name] = value
-        return out
 
     def _reject(self, key, position: int, error_class: str, message: str) -> None:
         t = self.meter.totals
@@ -286,7 +224,7 @@ class JobLoop:
         if errors:
             self._reject(key, position, "too_long_for_cache", errors[0].error)
             return
-        key_name = self._key_field().name
+        key_name = self.schema.key_field.name
         out_rows = []
         t = self.meter.totals
         for s in result.samples:

@@ -8,16 +8,10 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from batchgen.errors import JobError
+from batchgen.errors import JobError, RowError
 from batchgen.spec import PromptSpec
 
-
-class RowError(Exception):
-    """A row that cannot be generated; it goes to rejects/ with `error_class` and the message."""
-
-    def __init__(self, error_class: str, message: str) -> None:
-        super().__init__(message)
-        self.error_class = error_class
+__all__ = ["PromptRenderer", "RowError"]
 
 
 class PromptRenderer:
