@@ -51,14 +51,11 @@ class ScheduledBatch:
     num_prefill_tokens: int = 0  # tokens of sequences that do not sample this step or have > 1 new token
     num_decode_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_samples: int = 0  # sequences with `sampling` (one sampled token each), kept by the scheduler
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def num_samples(self) -> int:
-        return sum(1 for s in self.seqs if s.sampling is not None)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)

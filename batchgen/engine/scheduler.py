@@ -128,6 +128,7 @@ class Scheduler:
             )
         if samples:
             req.pending_row = batch.num_samples
+            batch.num_samples += 1
             req.num_pending += 1
         batch.seqs.append(SeqSchedule(
             request_id=req.request_id, input_token_ids=inputs, start_pos=start, block_table=tuple(req.block_table),
