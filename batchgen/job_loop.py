@@ -114,8 +114,7 @@ class JobLoop:
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = self.source.expected_rows
-        mine = None if expected is None else sum(1 for p in range(expected) if worker.owns(p)) if worker.count > 1 \
-            else expected
+        mine = None if expected is None else worker.num_owned(expected)
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
                                      mine, show_progress=show_progress)
 

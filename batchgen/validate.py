@@ -41,9 +41,12 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
             continue
         try:
             prompt = renderer.render(row.columns)
-            ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)
+            ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)  # once: length before policy
+            if not ids:
+                raise RowError("empty_prompt", "the prompt has no tokens")
             lengths.append(len(ids))
-            renderer.tokenize(prompt)
+            if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
+                rejects["prompt_too_long"] = rejects.get("prompt_too_long", 0) + 1
             if len(shown) < show:
                 shown.append(prompt)
         except RowError as e:

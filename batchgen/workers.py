@@ -37,6 +37,13 @@ class WorkerInfo:
     def owns(self, position: int) -> bool:
         return (position // self.unit_rows) % self.count == self.index
 
+    def num_owned(self, num_rows: int) -> int:
+        """How many of positions 0..num_rows-1 this worker owns (without walking them)."""
+        full_units, tail = divmod(num_rows, self.unit_rows)
+        rounds, extra = divmod(full_units, self.count)
+        owned = rounds * self.unit_rows + (self.unit_rows if self.index < extra else 0)
+        return owned + (tail if self.index == extra else 0)
+
     def with_unit_rows(self, unit_rows: int) -> WorkerInfo:
         return WorkerInfo(self.index, self.count, unit_rows, self.source, self.local_rank)
 

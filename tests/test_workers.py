@@ -52,3 +52,9 @@ def test_partition_gives_every_row_to_exactly_one_worker_in_contiguous_units():
     owners = [[w.index for w in workers if w.owns(p)] for p in range(100)]
     assert all(len(o) == 1 for o in owners)
     assert [o[0] for o in owners[:12]] == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_num_owned_counts_each_workers_part_without_walking_the_rows():
+    for count, unit, rows in [(3, 4, 100), (1, 1024, 7), (4, 5, 21), (2, 3, 6)]:
+        workers = [WorkerInfo(i, count, unit_rows=unit) for i in range(count)]
+        assert [w.num_owned(rows) for w in workers] == [sum(w.owns(p) for p in range(rows)) for w in workers]
