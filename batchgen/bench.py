@@ -82,8 +82,9 @@ def seed_prompts(requests: int, prompt_len: int) -> list[list[int]]:
 
 VARIANTS = {  # name -> EngineConfig overrides
     "eager": dict(cuda_graphs=False),
-    "graphs": dict(cuda_graphs=True),
-    "compiled": dict(cuda_graphs=True, compile_model=True),
+    "graphs": dict(cuda_graphs=True),  # fused decoder (Llama) in the graphs
+    "graphs_transformers": dict(cuda_graphs=True, fused_decoder=False),  # transformers' modules in the graphs
+    "compiled": dict(cuda_graphs=True, compile_model=True),  # transformers' modules, torch.compiled
     "graphs_async": dict(cuda_graphs=True, async_pipeline=True),
     "compiled_async": dict(cuda_graphs=True, compile_model=True, async_pipeline=True),
 }

@@ -130,7 +130,8 @@ def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (
           requests: Annotated[int, typer.Option(help="Concurrent requests.")] = 32,
           prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 256,
           transformers: Annotated[str, typer.Option(help="Also run transformers' generate_batch: 'sync,async'.")] = "",
-          variants: Annotated[str, typer.Option(help="Our engine's variants: eager, graphs, compiled.")] = "graphs",
+          variants: Annotated[str, typer.Option(help="Our engine's variants: eager, graphs, graphs_transformers, compiled, graphs_async, "
+                                                     "compiled_async.")] = "graphs",
           max_num_seqs: Annotated[Optional[int], typer.Option(help="Engine max_num_seqs (default: --requests).")]
           = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:

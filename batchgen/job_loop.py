@@ -46,7 +46,7 @@ def engine_config(spec: JobSpec, device_type: str):
                         block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
                         num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
                         enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=e.cuda_graphs,
-                        compile_model=e.compile, async_pipeline=e.async_ and device_type == "cuda")
+                        fused_decoder=e.fused_decoder, compile_model=e.compile, async_pipeline=e.async_ and device_type == "cuda")
 
 
 def sampling_params(spec: JobSpec) -> SamplingParams:
@@ -91,6 +91,7 @@ class JobLoop:
               f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
+              f"decode forward {self.engine.runner.decode_forward}; "
               f"async pipeline {'on' if self.engine.config.async_pipeline else 'off'}"
               f"{' (CUDA only)' if spec.engine.async_ and not self.engine.config.async_pipeline else ''}",
               file=sys.stderr)

@@ -16,6 +16,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
+    fused_decoder: bool = True  # decode steps of Llama-family models run batchgen's fused forward
     compile_model: bool = False  # torch.compile the graphed decode forward (fuses norms, rotary, activations)
     async_pipeline: bool = False  # prepare step N+1 on the host while the device runs step N
 

@@ -2,8 +2,8 @@
 memory pool (they never run at once). A decode step of n sequences replays the smallest bucket >= n;
 rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the cache's trash slot.
 
-Static inputs live here; `replay` copies a step's values into them. Captured region: the whole model
-forward (Triton decode attention included) and the greedy argmax; other sampling runs after, eagerly,
+Static inputs live here; `replay` copies a step's values into them. Captured region: the whole decode
+forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax; other sampling runs after, eagerly,
 on the graph's logits.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.engine.kv_cache import KVCache
 
@@ -23,8 +24,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int,
-                 compile_model: bool = False) -> None:
+                 compile_model: bool = False, fused: FusedDecoder | None = None) -> None:
         self.model = model
+        self.fused = fused  # our fused decode forward, or None for transformers' forward
         self.compile_model = compile_model
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)
@@ -56,6 +58,11 @@ class DecodeGraphs:
         return None
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            b = input_ids.shape[1]
+            logits = self.fused(input_ids[0], position_ids[0], self.slot_mapping[:b], self.block_tables[:b],
+                                self.seq_lens[:b])
+            return logits, logits.argmax(dim=-1)
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: self.meta})
         logits = out.logits[0]  # [B, V]
         return logits, logits.argmax(dim=-1)

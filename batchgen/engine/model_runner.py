@@ -14,6 +14,7 @@ import torch
 
 from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.engine.batch import ScheduledBatch
+from batchgen.engine.fused_decoder import FusedDecoder, unsupported_reason
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.sampler import SamplingTensors, sample
 
@@ -47,7 +48,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
-                 compile_model: bool = False) -> None:
+                 compile_model: bool = False, fused_decoder: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -57,11 +58,19 @@ class ModelRunner:
         self.use_triton = device.type == "cuda" and _triton_available()
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
         self._d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Decode steps run our fused forward where the architecture has one (compile asks for transformers'
+        # forward under torch.compile instead); prefill and mixed steps always run transformers' forward.
+        self.fused = None
+        reason = "off" if not fused_decoder else "compile requested" if compile_model else \
+            unsupported_reason(model, max_model_len)
+        if reason is None:
+            self.fused = FusedDecoder(model, kv_cache, self.use_triton)
+        self.decode_forward = "fused" if self.fused is not None else f"transformers ({reason})"
         self.graphs = None
         if cuda_graphs and self.use_triton:
             from batchgen.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model)
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model, self.fused)
             self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -134,11 +143,16 @@ class ModelRunner:
             positions_gpu, sources_gpu, prev = carry
             inputs.input_ids[0, positions_gpu] = prev[sources_gpu]
         self.prepare_s += time.perf_counter() - t0
-        with paged_attention_enabled(self.model):
-            out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                             logits_to_keep=inputs.logits_indices, use_cache=False,
-                             **{METADATA_KWARG: inputs.attention})
-        logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head
+        if self.fused is not None and batch.num_prefill_tokens == 0:  # one token per sequence, all sample
+            a = inputs.attention
+            logits = self.fused(inputs.input_ids[0], inputs.position_ids[0], a.slot_mapping, a.block_tables,
+                                a.seq_lens)  # [S, V]
+        else:
+            with paged_attention_enabled(self.model):
+                out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                                 logits_to_keep=inputs.logits_indices, use_cache=False,
+                                 **{METADATA_KWARG: inputs.attention})
+            logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head
         tokens = logits.argmax(dim=-1) if inputs.sampling is None else sample(logits, inputs.sampling)
         return self._start_copy_back(tokens)
 

@@ -60,10 +60,12 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    # Only the GROUP real query rows are stored (tl.dot pads the group to >= 16 rows; storing the padding
+    # would write up to 4x the partials the merge reads).
     part = (b * tl.num_programs(1) + h) * NUM_SPLITS + s  # index of this (seq, kv head, split)
-    tl.store(m_ptr + part * GROUP_P + g, m_i)
-    tl.store(l_ptr + part * GROUP_P + g, l_i)
-    tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc)
+    tl.store(m_ptr + part * GROUP_P + g, m_i, mask=g_mask)
+    tl.store(l_ptr + part * GROUP_P + g, l_i, mask=g_mask)
+    tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc, mask=g_mask[:, None])
 
 
 @triton.jit
@@ -90,6 +92,16 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 1024) -> int:
+    """Context splits per (sequence, KV head): enough programs to keep every SM streaming (~8 per SM on
+    an H200's 132 SMs), no more, since each split writes partials the merge must read back. Depends only on
+    the batch shape, so a CUDA graph captured for a bucket keeps a valid grid for any context length."""
+    splits = 1
+    while splits < 32 and num_seqs * num_kv_heads * splits < target_programs:
+        splits *= 2
+    return splits
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D] one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -97,11 +109,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [B] int32 (0 for padding rows)
     scale: float,
-    num_splits: int = 16,
-    block_n: int = 32,
+    num_splits: int | None = None,
+    block_n: int = 64,
 ) -> torch.Tensor:  # [B, H, D]
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads)
     group = num_heads // num_kv_heads
     group_p = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))

@@ -1,0 +1,93 @@
+"""Rotary embedding of the step's queries and keys fused with the K/V cache write (Triton), and its reference.
+
+Input: the fused QKV projection of T tokens, [T, (H + 2 * Hkv) * D] (q heads, then k heads, then v heads).
+Output: the rotated queries [T, H, D]; the rotated keys and the values go straight into the paged cache at
+each token's slot. One program per (token, head); no intermediate K/V tensors.
+
+Rotation as transformers' `apply_rotary_pos_emb` (rotate-half layout, cos/sin [T, D] in the activation dtype):
+x * cos + rotate_half(x) * sin, with each product and the sum rounded to the activation dtype, as the
+eager model rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.kernels.paged_attention_ref import write_kv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without Triton (CPU) use the reference
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                        stride_qkv, stride_cs,
+                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        HALF_P: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        half = HEAD_DIM // 2
+        i = tl.arange(0, HALF_P)
+        m = i < half
+        src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
+        x1 = tl.load(src + i, mask=m, other=0.0)
+        x2 = tl.load(src + half + i, mask=m, other=0.0)
+        dtype = x1.dtype
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kv_row = slot * (NUM_KV_HEADS * HEAD_DIM)
+        if h < NUM_HEADS + NUM_KV_HEADS:
+            c1 = tl.load(cos_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
+            a1 = x1.to(tl.float32)
+            a2 = x2.to(tl.float32)
+            o1 = ((a1 * c1).to(dtype).to(tl.float32) - (a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+            o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+            if h < NUM_HEADS:
+                dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
+                tl.store(dst + i, o1, mask=m)
+                tl.store(dst + half + i, o2, mask=m)
+            else:
+                dst = k_cache_ptr + kv_row + (h - NUM_HEADS) * HEAD_DIM
+                tl.store(dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=m)
+                tl.store(dst + half + i, o2.to(k_cache_ptr.dtype.element_ty), mask=m)
+        else:
+            dst = v_cache_ptr + kv_row + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+            tl.store(dst + i, x1.to(v_cache_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + half + i, x2.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]. Returns q [T, H, D]."""
+    num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = _rotate(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
+    k = _rotate(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
+    write_kv(k_cache, v_cache, k, v.reshape(num_tokens, num_kv_heads, head_dim), slot_mapping)
+    return q
+
+
+def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+            use_triton: bool = True) -> torch.Tensor:
+    if not use_triton:
+        return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+    num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous()
+    assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+        qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HALF_P=triton.next_power_of_2(head_dim // 2), num_warps=1)
+    return q

@@ -1,0 +1,150 @@
+"""Where one decode step's time goes on the GPU (seed workload geometry: Llama-3.1-8B, random bf16 weights).
+
+Prints, for a graphed decode step of `--batch` sequences at `--context` tokens: the step's device time
+(graph replay, event-timed) and its wall time through `Engine.step`, the kernel time grouped by kernel name
+(torch profiler over graph replays), and isolated micro-benchmarks of what dominates: each decode GEMM shape
+(achieved weight-read bandwidth) and the Triton decode attention over a grid of (splits, block_n).
+
+    python3 bench/profile_decode.py --batch 32 --context 768 [--compile] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from batchgen.bench import build_model, measure_ceilings, seed_prompts  # noqa: E402
+from batchgen.engine.config import EngineConfig  # noqa: E402
+from batchgen.engine.engine import Engine  # noqa: E402
+from batchgen.sampling_params import SamplingParams  # noqa: E402
+
+
+def event_ms(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def graph_ms(fn, reps: int = 10) -> float:
+    """Per-call device time of `fn` replayed from a CUDA graph (no host launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return event_ms(graph.replay, 5) / reps
+
+
+def kernel_table(replay, reps: int = 3) -> tuple[list[tuple[str, int, float]], float]:
+    """(name, launches per step, µs per step) sorted by time, and total kernel µs per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    count, total = defaultdict(int), defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count[e.name] += 1
+            total[e.name] += e.device_time
+    rows = sorted(((n, count[n] // reps, total[n] / reps) for n in count), key=lambda r: -r[2])
+    return rows, sum(r[2] for r in rows)
+
+
+def gemm_bench(m: int) -> list[dict]:
+    shapes = {"q/o 4096x4096": (4096, 4096), "k|v 1024x4096": (1024, 4096), "qkv 6144x4096": (6144, 4096),
+              "gate|up 14336x4096": (14336, 4096), "gate_up 28672x4096": (28672, 4096),
+              "down 4096x14336": (4096, 14336), "lm_head 128256x4096": (128256, 4096)}
+    out = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ms = graph_ms(lambda: torch.nn.functional.linear(x, w))
+        out.append({"gemm": name, "us": round(ms * 1e3, 1), "weight_TBps": round(w.numel() * 2 / ms / 1e9, 2)})
+    return out
+
+
+def attention_bench(batch: int, context: int) -> list[dict]:
+    from batchgen.kernels.paged_decode import paged_decode_attention
+
+    bs, hkv, heads, d = 16, 8, 32, 128
+    blocks_per_seq = -(-context // bs)
+    num_blocks = batch * blocks_per_seq
+    k = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * batch * context * hkv * d * 2
+    out = []
+    for splits in (1, 2, 4, 8, 16):
+        for block_n in (32, 64, 128):
+            ms = graph_ms(lambda: paged_decode_attention(q, k, v, table, lens, d ** -0.5, splits, block_n))
+            out.append({"splits": splits, "block_n": block_n, "us": round(ms * 1e3, 1),
+                        "kv_TBps": round(kv_bytes / ms / 1e9, 2)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=768)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--transformers-forward", action="store_true", help="decode through transformers' modules")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ceilings = measure_ceilings()
+    report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context}
+    report["gemm_m%d" % args.batch] = gemm_bench(args.batch)
+    report["attention"] = attention_bench(args.batch, args.context)
+    for row in report["gemm_m%d" % args.batch]:
+        print(row, flush=True)
+    for row in sorted(report["attention"], key=lambda r: r["us"])[:6]:
+        print(row, flush=True)
+
+    model = build_model()
+    engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True,
+                                              compile_model=args.compile,
+                                              fused_decoder=not args.transformers_forward))
+    for p in seed_prompts(args.batch, args.context):
+        engine.add_request(p, SamplingParams(max_new_tokens=4096, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                          for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    graphs = engine.runner.graphs
+    bucket = graphs.bucket_for(args.batch)
+    replay = graphs._graphs[bucket].replay
+    report["graph_replay_ms"] = event_ms(replay, 20)
+    report["engine_step_ms"] = event_ms(engine.step, 20)
+    rows, kernel_us = kernel_table(replay)
+    report["kernel_us_per_step"] = kernel_us
+    report["kernels_per_step"] = sum(r[1] for r in rows)
+    report["kernels"] = [{"name": n[:120], "per_step": c, "us": round(us, 1)} for n, c, us in rows]
+    print(f"graph replay {report['graph_replay_ms']:.3f} ms, engine step {report['engine_step_ms']:.3f} ms, "
+          f"kernel time {kernel_us / 1e3:.3f} ms in {report['kernels_per_step']} kernels", flush=True)
+    for r in report["kernels"][:30]:
+        print(f"{r['us']:9.1f} us {r['per_step']:5d}x  {r['name']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The fused decode forward (Llama family) on CPU: same weights as transformers, no copy, exact greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen import Engine, EngineConfig, SamplingParams
+from batchgen.engine.fused_decoder import FusedDecoder, unsupported_reason
+from batchgen.engine.kv_cache import KVCache, KVGeometry
+from conftest import hf_greedy, make_model, random_prompts
+
+
+def _cache(model):
+    return KVCache(KVGeometry.from_config(model.config), 8, 16, torch.float32, torch.device("cpu"))
+
+
+def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_unchanged():
+    model = make_model("qwen2")  # q/k/v with biases
+    ids = torch.tensor([random_prompts((12,))[0]])
+    before = model(ids).logits
+    decoder = FusedDecoder(model, _cache(model), use_triton=False)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    fused = decoder.layers[0]
+    assert attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
+    assert attn.v_proj.bias.data_ptr() + attn.v_proj.bias.numel() * 4 == \
+        fused.qkv_bias.data_ptr() + fused.qkv_bias.numel() * 4
+    assert mlp.up_proj.weight.data_ptr() == fused.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
+    torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
+    again = FusedDecoder(model, _cache(model), use_triton=False)  # a second engine on the same model
+    assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_engine_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
+    model = make_model(arch)
+    prompts = random_prompts((5, 17, 33, 8))
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
+    assert engine.runner.decode_forward == "fused"
+    calls = []
+    fused_call = engine.runner.fused.__call__
+    engine.runner.fused = lambda *a: calls.append(1) or fused_call(*a)
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected
+    assert len(calls) >= 11  # every decode step went through it
+
+
+def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
+    assert unsupported_reason(make_model("qwen3"), 1024).startswith("model type 'qwen3'")
+    windowed = make_model("mistral", sliding_window=16)
+    assert "sliding window 16" in unsupported_reason(windowed, 1024)
+    assert unsupported_reason(windowed, 16) is None
+    engine = Engine(make_model("llama"), None, EngineConfig(num_kv_blocks=8, fused_decoder=False))
+    assert engine.runner.fused is None and engine.runner.decode_forward == "transformers (off)"
