@@ -130,8 +130,8 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
 
 class GpuBusyMeter:
     """GPU busy fraction: event-timed device time of each dispatched step over wall time. Events are recorded
-    around every `runner.dispatch` on the compute stream, so gaps where the device waits for the host count
-    as idle."""
+    on the compute stream around every `runner.dispatch`, so gaps where the device waits for the host count
+    as idle (and a wait for a step's input copy, queued inside the step, counts as busy)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -144,9 +144,9 @@ class GpuBusyMeter:
 
         def timed(batch):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(runner.compute_stream)
             step = original(batch)
-            end.record()
+            end.record(runner.compute_stream)
             self.events.append((start, end))
             return step
 

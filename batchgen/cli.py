@@ -126,23 +126,42 @@ def status(output_dir: Annotated[Path, typer.Argument(help="A job's output direc
 
 
 @app.command()
-def bench(new_tokens: Annotated[int, typer.Option(help="New tokens per request (W1: 1024, W2: 8192).")] = 1024,
-          requests: Annotated[int, typer.Option(help="Concurrent requests.")] = 32,
-          prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 256,
-          transformers: Annotated[str, typer.Option(help="Also run transformers' generate_batch: 'sync,async'.")] = "",
-          variants: Annotated[str, typer.Option(help="Our engine's variants: eager, graphs, graphs_transformers, compiled, graphs_async, "
-                                                     "compiled_async.")] = "graphs",
-          max_num_seqs: Annotated[Optional[int], typer.Option(help="Engine max_num_seqs (default: --requests).")]
-          = None,
+def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token prompts, fixed output length "
+                                                      "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024.")] = "seed",
+          new_tokens: Annotated[int, typer.Option(help="seed: new tokens per request (W1: 1024, W2: 8192).")] = 1024,
+          requests: Annotated[Optional[int], typer.Option(help="Requests (seed: 32, mixed: 2000).")] = None,
+          prompt_len: Annotated[int, typer.Option(help="seed: prompt tokens per request.")] = 256,
+          transformers: Annotated[str, typer.Option(
+              help="Also run transformers: seed: 'sync,async' (generate_batch); mixed: 'async'.")] = "",
+          variants: Annotated[str, typer.Option(
+              help="seed: our engine's variants: eager, graphs, graphs_transformers, compiled, graphs_async, "
+                   "compiled_async.")] = "graphs",
+          max_num_seqs: Annotated[Optional[int], typer.Option(
+              help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
-    """Engine benchmark on one GPU: the seed workload, against transformers and the bandwidth floor."""
+    """Engine benchmark on one GPU: ours against transformers and the bandwidth floor."""
     import torch
 
+    if workload not in ("seed", "mixed"):
+        typer.echo(f"batchgen: error: --workload must be 'seed' or 'mixed', got {workload!r}", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
     if not torch.cuda.is_available():
         typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if workload == "mixed":
+        from batchgen.bench_mixed import main as mixed_main
+
+        unknown = set(filter(None, transformers.split(","))) - {"async"}
+        if unknown:
+            typer.echo(f"batchgen: error: the mixed workload compares with transformers 'async' only, got "
+                       f"{sorted(unknown)}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR)
+        mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
+                   json_path=json_out)
+        return
     from batchgen.bench import main as bench_main
 
+    requests = requests or 32
     bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
                json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests)
 

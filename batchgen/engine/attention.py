@@ -30,7 +30,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
-    use_triton: bool = False  # decode-only steps on CUDA run the Triton kernel; everything else the reference
+    use_triton: bool = False  # on CUDA the decode rows run the Triton kernel; the other rows the reference
+    num_decode_seqs: int = 0  # the leading sequences with one new token each (the runner packs them first)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -44,13 +45,24 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, H, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    if meta.use_triton and meta.max_query_len == 1 and softcap is None and \
+    # Decode rows (one token per sequence, packed first) take the Triton kernel; a graph's metadata may be a
+    # larger static buffer, so decode-only steps slice it to the step's tokens.
+    num_decode = q.shape[0] if meta.max_query_len == 1 else meta.num_decode_seqs
+    if meta.use_triton and num_decode > 0 and softcap is None and \
             (sliding_window is None or sliding_window >= meta.max_seq_len):
-        n = q.shape[0]  # one token per sequence; metadata may be a larger static buffer (CUDA graphs)
-        out = torch.ops.batchgen.decode_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                                  meta.slot_mapping[:n], meta.block_tables[:n], meta.seq_lens[:n],
+        d = num_decode
+        k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        out = torch.ops.batchgen.decode_attention(q[:d], k_new[:d], v_new[:d], meta.slot_mapping[:d],
+                                                  meta.block_tables[:d], meta.seq_lens[:d],
                                                   meta.kv_cache.cache_id, module.layer_idx, scale)
-        return out.unsqueeze(0), None
+        if d == q.shape[0]:
+            return out.unsqueeze(0), None
+        # The remaining sequences (prefill chunks) through the reference, over their own rows only.
+        write_kv(k_cache, v_cache, k_new[d:], v_new[d:], meta.slot_mapping[d:])
+        rest = paged_attention_ref(q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.seq_lens[d:],
+                                   meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, scale,
+                                   sliding_window=sliding_window, softcap=softcap)
+        return torch.cat([out, rest]).unsqueeze(0), None
     write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
     out = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               meta.max_query_len, meta.max_seq_len, scale,

@@ -9,7 +9,6 @@ on the graph's logits.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from batchgen.engine.fused_decoder import FusedDecoder
@@ -84,22 +83,20 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-               block_tables: np.ndarray, carry=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one decode step of n = len(input_ids) sequences; returns (logits [n, V], greedy ids [n]).
-        `carry`: (rows [K], source rows [K], previous tokens) placeholders to fill on the device first."""
-        n = len(input_ids)
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step of n = len(input_ids) sequences from device tensors ([n] int64 ids, positions,
+        slots; [n] int32 seq_lens; [n, W] int32 block tables); returns (logits [n, V], greedy ids [n]).
+        The copies into the static inputs are queued on the current stream, before the replay."""
+        n = input_ids.shape[0]
         b = self.bucket_for(n)
         width = block_tables.shape[1]
-        self.input_ids[0, :n].copy_(torch.from_numpy(input_ids))
-        if carry is not None:
-            rows, sources, prev = carry
-            self.input_ids[0, rows] = prev[sources]
-        self.position_ids[0, :n].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping))
+        self.input_ids[0, :n].copy_(input_ids)
+        self.position_ids[0, :n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:b].fill_(self.kv_cache.trash_slot)
-        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens.astype(np.int32)))
+        self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:b].zero_()
-        self.block_tables[:n, :width].copy_(torch.from_numpy(block_tables))
+        self.block_tables[:n, :width].copy_(block_tables)
         self._graphs[b].replay()
         return self._logits[b][:n], self._greedy[b][:n]

@@ -1,7 +1,9 @@
 """ModelRunner: turns a ScheduledBatch into tensors, runs the packed forward pass, samples on the device.
 
 Only the last position of each sampling sequence goes through the LM head (`logits_to_keep`), and
-only token ids come back to the host.
+only token ids come back to the host. On CUDA three non-default streams carry a step: its inputs go through
+pinned A/B staging on an H2D stream (staging.py), the forward and the sampler run on the compute stream, the
+sampled ids come back on a D2H stream into pinned A/B slots; the host waits only for that last copy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from batchgen.engine.batch import ScheduledBatch
 from batchgen.engine.fused_decoder import FusedDecoder, unsupported_reason
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.sampler import SamplingTensors, sample
+from batchgen.engine.staging import StepStaging
+from batchgen.engine.step_arrays import StepArrays
 
 
 def _triton_available() -> bool:
@@ -36,15 +40,6 @@ class InFlight:
     done: torch.cuda.Event | None  # recorded after the copy back; None on CPU (already there)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64
-    logits_indices: torch.Tensor  # [S] int64: packed index of each sampling sequence's last token
-    attention: AttentionMetadata
-    sampling: SamplingTensors | None  # None when every sampling row is plain greedy (or none samples)
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
@@ -57,7 +52,13 @@ class ModelRunner:
         self.prepare_s = 0.0  # CPU time building step inputs
         self.use_triton = device.type == "cuda" and _triton_available()
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
-        self._d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Three non-default streams on CUDA: H2D (inside `staging`), compute, D2H. None on CPU.
+        cuda = device.type == "cuda"
+        self.compute_stream = torch.cuda.Stream(device) if cuda else None
+        self._d2h_stream = torch.cuda.Stream(device) if cuda else None
+        self.staging = StepStaging(device, self.compute_stream)
+        self._out_host = [torch.empty(256, dtype=torch.int64, pin_memory=True) for _ in range(2)] if cuda else []
+        self._out_next = 0
         # Decode steps run our fused forward where the architecture has one (compile asks for transformers'
         # forward under torch.compile instead); prefill and mixed steps always run transformers' forward.
         self.fused = None
@@ -73,108 +74,84 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model, self.fused)
             self.graphs.capture()
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        return self._to_device(*self._host_arrays(batch), batch)
-
-    def _host_arrays(self, batch: ScheduledBatch):
-        """The step's index math on the host (numpy): the same for the eager and the graph path."""
-        seqs = batch.seqs
-        bs = self.block_size
-        q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        seq_lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=len(seqs))
-        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, : len(s.block_table)] = s.block_table
-        input_ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64,
-                                count=int(query_start_loc[-1]))
-        # positions: start_pos .. seq_len - 1 of each sequence, packed
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(len(input_ids)) - query_start_loc[:-1][seq_of_token] + (seq_lens - q_lens)[seq_of_token]
-        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        return input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables
-
-    def _sampling(self, batch: ScheduledBatch, seq_lens: np.ndarray) -> SamplingTensors | None:
+    def _sampling(self, batch: ScheduledBatch) -> SamplingTensors | None:
         """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
-        and no host-to-device copy is needed)."""
-        rows = [(s.sampling, int(seq_lens[i])) for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        and nothing needs copying)."""
+        rows = [(s.sampling, s.seq_len) for s in batch.seqs if s.sampling is not None]
         if all(r.temperature == 0 and r.repetition_penalty == 1.0 and not r.suppressed_token_ids for r, _ in rows):
             return None
-        return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device)
+        return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device,
+                                     to_device=self.staging.to_device)
 
-    def _to_device(self, input_ids, positions, slot_mapping, q_lens, seq_lens, query_start_loc, block_tables,
-                   batch: ScheduledBatch) -> StepInputs:
-        seqs = batch.seqs
-        sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
-        logits_indices = query_start_loc[1:][sampled] - 1
-        sampling = self._sampling(batch, seq_lens)
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        attention = AttentionMetadata(
-            kv_cache=self.kv_cache, slot_mapping=dev(slot_mapping),
-            query_start_loc=dev(query_start_loc.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
-            block_tables=dev(block_tables), max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-            use_triton=self.use_triton,
-        )
-        return StepInputs(input_ids=dev(input_ids)[None], position_ids=dev(positions)[None],
-                          logits_indices=dev(logits_indices), attention=attention, sampling=sampling)
+    def _carry_rows(self, batch: ScheduledBatch, last_index: np.ndarray) -> list[np.ndarray]:
+        """[packed positions [K], source rows [K]] of the placeholders to fill from the previous step's
+        tokens, or [] when there are none."""
+        rows = [(int(last_index[i]), s.carry_from) for i, s in enumerate(batch.seqs) if s.carry_from is not None]
+        if not rows:
+            return []
+        prev = self._last_tokens
+        assert prev is not None and max(src for _, src in rows) < prev.shape[0], "carry-over without its step"
+        return [np.array([p for p, _ in rows], dtype=np.int64), np.array([s for _, s in rows], dtype=np.int64)]
 
     @torch.inference_mode()
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Queue one step on the device and return at once (on CUDA); `collect` gives its sampled tokens.
         Placeholders (`carry_from`) are filled on the device from the previous dispatch's sampled tokens."""
+        if self.compute_stream is None:
+            return self._dispatch(batch)
+        # Whatever the caller queued on its own stream (weights, a cache reset) comes before this step.
+        self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.compute_stream):
+            return self._dispatch(batch)
+
+    def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         t0 = time.perf_counter()
-        host = self._host_arrays(batch)
-        carry = self._carry(batch, host[5])
-        if self.graphs is not None and batch.num_prefill_tokens == 0 and self.graphs.bucket_for(len(batch.seqs)):
-            input_ids, positions, slot_mapping, _, seq_lens, _, block_tables = host
-            sampling = self._sampling(batch, seq_lens)
-            self.prepare_s += time.perf_counter() - t0
-            logits, greedy = self.graphs.replay(input_ids, positions, slot_mapping, seq_lens, block_tables, carry)
+        a = StepArrays.build(batch, self.block_size)
+        carry = self._carry_rows(batch, a.last_index)
+        decode_only = a.num_decode_seqs == len(batch.seqs) and batch.num_prefill_tokens == 0  # all sample
+        graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
+        sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        self.staging.begin_step()
+        ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *carry_d = self.staging.to_device(
+            [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
+             a.query_start_loc.astype(np.int32), a.last_index[sampled], *carry])
+        sampling = self._sampling(batch)
+        self.prepare_s += time.perf_counter() - t0
+        if carry_d:  # placeholders take the previous step's sampled tokens, on the device
+            ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
+        if graphed:
+            logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay
             tokens = greedy.clone() if sampling is None else sample(logits, sampling)
-            return self._start_copy_back(tokens)
-        inputs = self._to_device(*host, batch)
-        if carry is not None:
-            positions_gpu, sources_gpu, prev = carry
-            inputs.input_ids[0, positions_gpu] = prev[sources_gpu]
-        self.prepare_s += time.perf_counter() - t0
-        if self.fused is not None and batch.num_prefill_tokens == 0:  # one token per sequence, all sample
-            a = inputs.attention
-            logits = self.fused(inputs.input_ids[0], inputs.position_ids[0], a.slot_mapping, a.block_tables,
-                                a.seq_lens)  # [S, V]
         else:
-            with paged_attention_enabled(self.model):
-                out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                                 logits_to_keep=inputs.logits_indices, use_cache=False,
-                                 **{METADATA_KWARG: inputs.attention})
-            logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head
-        tokens = logits.argmax(dim=-1) if inputs.sampling is None else sample(logits, inputs.sampling)
+            if self.fused is not None and decode_only:  # one token per sequence, all sample, in batch order
+                logits = self.fused(ids_d, pos_d, slots_d, tables_d, lens_d)  # [S, V]
+            else:
+                attention = AttentionMetadata(
+                    kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
+                    block_tables=tables_d, max_query_len=int(a.q_lens.max()), max_seq_len=int(a.seq_lens.max()),
+                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs)
+                with paged_attention_enabled(self.model):
+                    out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
+                                     use_cache=False, **{METADATA_KWARG: attention})
+                logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, in batch order
+            tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling)
+        self.staging.end_step()
         return self._start_copy_back(tokens)
 
-    def _carry(self, batch: ScheduledBatch, query_start_loc: np.ndarray):
-        """(packed positions [K], source rows [K], previous step's tokens) for placeholders, or None."""
-        rows = [(int(query_start_loc[i + 1]) - 1, s.carry_from) for i, s in enumerate(batch.seqs)
-                if s.carry_from is not None]
-        if not rows:
-            return None
-        prev = self._last_tokens
-        assert prev is not None and max(src for _, src in rows) < prev.shape[0], "carry-over without its step"
-        pos, src = zip(*rows)
-        return (torch.tensor(pos, dtype=torch.int64).to(self.device, non_blocking=True),
-                torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True), prev)
-
     def _start_copy_back(self, tokens: torch.Tensor) -> InFlight:
-        """Copy the sampled ids to pinned host memory on the copy stream; only that copy is ever waited on."""
+        """Copy the sampled ids into a pinned host slot on the D2H stream; only that copy is ever waited on.
+        Hazard: slots alternate, so at most two dispatched steps may be uncollected at any time (the engine
+        keeps one in flight)."""
         self._last_tokens = tokens
-        if self.device.type != "cuda":
+        if self.compute_stream is None:
             return InFlight(tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        n = tokens.shape[0]
+        if n > self._out_host[0].numel():
+            self._out_host = [torch.empty(2 * n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        host = self._out_host[self._out_next][:n]
+        self._out_next ^= 1
+        self._d2h_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self._d2h_stream):
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()

@@ -11,8 +11,10 @@ temperature, top-k, top-p, min-p, then argmax (greedy) or Gumbel-max (sampling).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen.engine.batch import SeqSampling
@@ -64,33 +66,39 @@ class SamplingTensors:
     any_min_p: bool
 
     @classmethod
-    def build(cls, rows: list[SeqSampling], positions: list[int], vocab_size: int,
-              device: torch.device) -> SamplingTensors:
-        """`positions[i]`: position of the token row i samples (noise depends on it)."""
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        penalty = penalty_ids = None
+    def build(cls, rows: list[SeqSampling], positions: list[int], vocab_size: int, device: torch.device,
+              to_device: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None) -> SamplingTensors:
+        """`positions[i]`: position of the token row i samples (noise depends on it). `to_device` moves a
+        list of host arrays to the device in one go (the runner's pinned staging); default: one copy each."""
+        arrays: dict[str, np.ndarray] = {
+            "temperature": np.array([r.temperature for r in rows], dtype=np.float32),
+            "top_k": np.array([r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows], dtype=np.int64),
+            "top_p": np.array([r.top_p for r in rows], dtype=np.float32),
+            "min_p": np.array([r.min_p for r in rows], dtype=np.float32),
+            "noise_key": np.array([row_noise_key(r.seed, p) for r, p in zip(rows, positions)], dtype=np.int64),
+        }
         if any(r.repetition_penalty != 1.0 for r in rows):
             width = max(len(r.penalty_token_ids or (0,)) for r in rows)
-            padded = []
-            for r in rows:
-                ids = list(r.penalty_token_ids or (0,))
-                padded.append(ids + [ids[0]] * (width - len(ids)))
-            penalty = t([r.repetition_penalty for r in rows], torch.float32)
-            penalty_ids = t(padded, torch.int64)
-        sup_rows = [i for i, r in enumerate(rows) for _ in r.suppressed_token_ids]
-        sup_ids = [tok for r in rows for tok in r.suppressed_token_ids]
+            padded = np.empty((len(rows), width), dtype=np.int64)
+            for i, r in enumerate(rows):
+                ids = r.penalty_token_ids or (0,)
+                padded[i, :len(ids)] = ids
+                padded[i, len(ids):] = ids[0]
+            arrays["penalty"] = np.array([r.repetition_penalty for r in rows], dtype=np.float32)
+            arrays["penalty_token_ids"] = padded
+        if any(r.suppressed_token_ids for r in rows):
+            arrays["suppress_rows"] = np.array([i for i, r in enumerate(rows) for _ in r.suppressed_token_ids],
+                                               dtype=np.int64)
+            arrays["suppress_token_ids"] = np.array([t for r in rows for t in r.suppressed_token_ids], dtype=np.int64)
+        if to_device is None:
+            def to_device(host: list[np.ndarray]) -> list[torch.Tensor]:
+                return [torch.from_numpy(a).to(device, non_blocking=True) for a in host]
+        tensors = dict(zip(arrays, to_device(list(arrays.values()))))
         return cls(
-            temperature=t([r.temperature for r in rows], torch.float32),
-            top_k=t([r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows], torch.int64),
-            top_p=t([r.top_p for r in rows], torch.float32),
-            min_p=t([r.min_p for r in rows], torch.float32),
-            noise_key=t([row_noise_key(r.seed, p) for r, p in zip(rows, positions)], torch.int64),
-            penalty=penalty,
-            penalty_token_ids=penalty_ids,
-            suppress_rows=t(sup_rows, torch.int64) if sup_ids else None,
-            suppress_token_ids=t(sup_ids, torch.int64) if sup_ids else None,
+            temperature=tensors["temperature"], top_k=tensors["top_k"], top_p=tensors["top_p"],
+            min_p=tensors["min_p"], noise_key=tensors["noise_key"],
+            penalty=tensors.get("penalty"), penalty_token_ids=tensors.get("penalty_token_ids"),
+            suppress_rows=tensors.get("suppress_rows"), suppress_token_ids=tensors.get("suppress_token_ids"),
             any_random=any(r.temperature > 0 for r in rows),
             any_top_k=any(0 < r.top_k < vocab_size and r.temperature > 0 for r in rows),
             any_top_p=any(r.top_p < 1.0 and r.temperature > 0 for r in rows),
@@ -115,8 +123,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         p = st.penalty[:, None]
         logits = logits.scatter(1, st.penalty_token_ids, torch.where(score < 0, score * p, score / p))
     if st.suppress_rows is not None:
-        logits = logits.index_put((st.suppress_rows, st.suppress_token_ids),
-                                  torch.tensor(float("-inf"), device=logits.device))
+        # the fill value is made on the device: a host scalar tensor would be a synchronising copy
+        logits = logits.index_put((st.suppress_rows, st.suppress_token_ids), logits.new_full((1,), float("-inf")))
     greedy = logits.argmax(dim=-1)
     if not st.any_random:
         return greedy

@@ -1,0 +1,127 @@
+"""`batchgen bench --workload mixed`: a realistic mixed load on one GPU, ours against transformers and a floor.
+
+Workload: Llama-3.1-8B geometry with random bf16 weights (as the seed workload), `--requests` prompts of
+uniformly random length in [32, 2048] tokens and uniformly random output lengths in [16, 1024] (seed 0),
+greedy, EOS off, at most `--max-num-seqs` (256) sequences in a step. transformers runs the same prompts
+with the same per-request output lengths through its continuous-batching manager (async, CUDA graphs).
+
+Floor (a lower bound for any engine running at most max_num_seqs sequences per step): prefill FLOPs at the
+measured matmul rate, plus every decode step reading the weights once (at least max(output) steps, and at
+least total output / max_num_seqs), plus every generated token reading its context's K/V once, at the
+measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import torch
+
+from batchgen.bench import GpuBusyMeter, build_model, measure_ceilings
+
+
+def mixed_workload(requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(32, 2049, (requests,), generator=g).tolist()
+    output_lens = torch.randint(16, 1025, (requests,), generator=g).tolist()
+    prompts = [torch.randint(3, 16000, (n,), generator=g).tolist() for n in prompt_lens]
+    return prompts, output_lens
+
+
+def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_lens: list[int],
+                        max_num_seqs: int, ceilings) -> float:
+    head_dim = config.hidden_size // config.num_attention_heads
+    weights = (num_params - config.vocab_size * config.hidden_size) * 2
+    kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
+    steps = max(max(output_lens), -(-sum(output_lens) // max_num_seqs))
+    kv = sum(kv_per_token * (n * p + n * (n - 1) // 2) for p, n in zip(prompt_lens, output_lens))
+    prefill = 2 * num_params * sum(prompt_lens) / ceilings.matmul_flop_s
+    return (steps * weights + kv) / ceilings.copy_bytes_s + prefill
+
+
+def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.engine import Engine
+    from batchgen.sampling_params import SamplingParams
+
+    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                              cuda_graphs=True, async_pipeline=True))
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    busy = GpuBusyMeter()
+    steps0 = engine.num_steps
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with busy.watch(engine):
+        results = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.samples[0].token_ids) for r in results)
+    report = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.num_steps - steps0,
+              "gpu_busy": busy.fraction(wall), "num_preemptions": engine.scheduler.num_preemptions,
+              "all_lengths_exact": [len(r.samples[0].token_ids) for r in results] == list(output_lens)}
+    engine.kv_cache.release()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return report
+
+
+def run_transformers(model, prompts, output_lens, max_num_seqs: int) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # K/V for max_num_seqs of the longest sequences, in transformers' 256-token blocks
+    blocks = max_num_seqs * -(-(max(len(p) for p in prompts) + max(output_lens)) // 256)
+    cb = ContinuousBatchingConfig(num_blocks=blocks, block_size=256, max_batch_tokens=2048, use_cuda_graph=True,
+                                  use_async_batching=True)
+    t0 = time.perf_counter()
+    tokens, finished = 0, 0
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   block=True, timeout=5) as manager:
+        for p, n in zip(prompts, output_lens):
+            manager.add_request(input_ids=p, max_new_tokens=n)
+        while finished < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished += 1
+                tokens += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped")
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+
+
+def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = True,
+         json_path: str | None = None) -> dict:
+    ceilings = measure_ceilings()
+    model = build_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    prompts, output_lens = mixed_workload(requests)
+    floor = mixed_floor_seconds(model.config, num_params, [len(p) for p in prompts], output_lens, max_num_seqs,
+                                ceilings)
+    report = {"gpu": torch.cuda.get_device_name(0), "requests": requests, "max_num_seqs": max_num_seqs,
+              "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": sum(output_lens),
+              "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
+              "floor_s": floor, "floor_tok_s": sum(output_lens) / floor}
+    report["ours_graphs_async"] = ours = run_ours(model, prompts, output_lens, max_num_seqs)
+    ours["x_floor"] = ours["wall_s"] / floor
+    print("ours", json.dumps(ours), flush=True)
+    if transformers:
+        report["transformers_async"] = tr = run_transformers(model, prompts, output_lens, max_num_seqs)
+        tr["x_floor"] = tr["wall_s"] / floor
+        tr["ours_speedup"] = tr["wall_s"] / ours["wall_s"]
+        print("transformers", json.dumps(tr), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"{'mode':<22}{'wall s':>10}{'tok/s':>10}{'x floor':>9}")
+    print(f"{'floor':<22}{floor:>10.2f}{report['floor_tok_s']:>10.0f}{1:>9.2f}")
+    for key in ("ours_graphs_async", "transformers_async"):
+        if key in report:
+            r = report[key]
+            print(f"{key:<22}{r['wall_s']:>10.2f}{r['tok_s']:>10.0f}{r['x_floor']:>9.2f}")
+    return report
