@@ -91,3 +91,23 @@ def test_mixed_steps_on_gpu_split_decodes_from_prefill_chunks_exactly_fp32(arch)
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])  # softcap + sliding window; fused QKV module of its own
+def test_prefill_kernel_serves_softcap_and_sliding_window_models_exactly_fp32(arch):
+    from test_engine_exact import _more_archs
+
+    config_cls, model_cls, extra = _more_archs()[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)).eval().cuda()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    prompts = random_prompts((5, 30, 12, 41))
+    expected = [hf_greedy(model, p, 24) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=24,
+                                              cuda_graphs=False))
+    got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0,
+                                                                                   ignore_eos=True))]
+    assert got == expected

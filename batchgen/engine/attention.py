@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 
 from batchgen.engine.kv_cache import KVCache
 from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from batchgen.kernels.paged_prefill import paged_prefill_attention
 
 ATTENTION_NAME = "batchgen_paged"
 METADATA_KWARG = "batchgen_attention"
@@ -32,6 +33,7 @@ class AttentionMetadata:
     max_seq_len: int
     use_triton: bool = False  # on CUDA the decode rows run the Triton kernel; the other rows the reference
     num_decode_seqs: int = 0  # the leading sequences with one new token each (the runner packs them first)
+    prefill_work: torch.Tensor | None = None  # [P, 2] int32 work items of the Triton prefill kernel, all sequences
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -45,25 +47,29 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # [T, H, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    # Decode rows (one token per sequence, packed first) take the Triton kernel; a graph's metadata may be a
-    # larger static buffer, so decode-only steps slice it to the step's tokens.
-    num_decode = q.shape[0] if meta.max_query_len == 1 else meta.num_decode_seqs
-    if meta.use_triton and num_decode > 0 and softcap is None and \
-            (sliding_window is None or sliding_window >= meta.max_seq_len):
-        d = num_decode
-        k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        out = torch.ops.batchgen.decode_attention(q[:d], k_new[:d], v_new[:d], meta.slot_mapping[:d],
-                                                  meta.block_tables[:d], meta.seq_lens[:d],
-                                                  meta.kv_cache.cache_id, module.layer_idx, scale)
-        if d == q.shape[0]:
-            return out.unsqueeze(0), None
-        # The remaining sequences (prefill chunks) through the reference, over their own rows only.
+    decode_ok = softcap is None and (sliding_window is None or sliding_window >= meta.max_seq_len)
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    if meta.use_triton and decode_ok and meta.max_query_len == 1:
+        # Decode-only step; a graph's metadata may be a larger static buffer: slice it to the step's tokens.
+        n = q.shape[0]
+        out = torch.ops.batchgen.decode_attention(q, k_new, v_new, meta.slot_mapping[:n], meta.block_tables[:n],
+                                                  meta.seq_lens[:n], meta.kv_cache.cache_id, module.layer_idx, scale)
+        return out.unsqueeze(0), None
+    if meta.use_triton and meta.prefill_work is not None:
+        # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel
+        # where it applies; every other row the prefill kernel, over its own sequence only.
+        d = meta.num_decode_seqs if decode_ok else 0
         write_kv(k_cache, v_cache, k_new[d:], v_new[d:], meta.slot_mapping[d:])
-        rest = paged_attention_ref(q[d:], k_cache, v_cache, meta.query_start_loc[d:] - d, meta.seq_lens[d:],
-                                   meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, scale,
-                                   sliding_window=sliding_window, softcap=softcap)
-        return torch.cat([out, rest]).unsqueeze(0), None
-    write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
+                                      out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        if d:
+            out[:d] = torch.ops.batchgen.decode_attention(
+                q[:d], k_new[:d], v_new[:d], meta.slot_mapping[:d], meta.block_tables[:d], meta.seq_lens[:d],
+                meta.kv_cache.cache_id, module.layer_idx, scale)
+        return out.unsqueeze(0), None
+    # CPU (and graphs of models the decode kernel cannot serve): the torch reference.
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
     out = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               meta.max_query_len, meta.max_seq_len, scale,
                               sliding_window=sliding_window, softcap=softcap)

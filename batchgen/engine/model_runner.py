@@ -21,6 +21,7 @@ from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.staging import StepStaging
 from batchgen.engine.step_arrays import StepArrays
+from batchgen.kernels.paged_prefill import prefill_work
 
 
 def _triton_available() -> bool:
@@ -111,10 +112,14 @@ class ModelRunner:
         decode_only = a.num_decode_seqs == len(batch.seqs) and batch.num_prefill_tokens == 0  # all sample
         graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
         sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA
+        work = [prefill_work(a.q_lens, a.query_start_loc)] if self.use_triton and not graphed else []
         self.staging.begin_step()
-        ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *carry_d = self.staging.to_device(
+        ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
             [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
-             a.query_start_loc.astype(np.int32), a.last_index[sampled], *carry])
+             a.query_start_loc.astype(np.int32), a.last_index[sampled], *work, *carry])
+        work_d = rest.pop(0) if work else None
+        carry_d = rest
         sampling = self._sampling(batch)
         self.prepare_s += time.perf_counter() - t0
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
@@ -130,7 +135,7 @@ class ModelRunner:
                 attention = AttentionMetadata(
                     kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
                     block_tables=tables_d, max_query_len=int(a.q_lens.max()), max_seq_len=int(a.seq_lens.max()),
-                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs)
+                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs, prefill_work=work_d)
                 with paged_attention_enabled(self.model):
                     out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
                                      use_cache=False, **{METADATA_KWARG: attention})
