@@ -138,6 +138,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
                    "compiled_async.")] = "graphs",
           max_num_seqs: Annotated[Optional[int], typer.Option(
               help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,
+          transformers_time_limit: Annotated[Optional[float], typer.Option(
+              help="mixed: stop transformers after this many seconds and report a bound.")] = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Engine benchmark on one GPU: ours against transformers and the bandwidth floor."""
     import torch
@@ -157,7 +159,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
                        f"{sorted(unknown)}", err=True)
             raise typer.Exit(EXIT_USER_ERROR)
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
-                   json_path=json_out)
+                   json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9)
         return
     from batchgen.bench import main as bench_main
 

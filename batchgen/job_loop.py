@@ -95,10 +95,6 @@ class JobLoop:
               f"async pipeline {'on' if self.engine.config.async_pipeline else 'off'}"
               f"{' (CUDA only)' if spec.engine.async_ and not self.engine.config.async_pipeline else ''}",
               file=sys.stderr)
-        if self.engine.config.async_pipeline and spec.sampling.repetition_penalty != 1.0:
-            print("batchgen: sampling.repetition_penalty needs each token's id before the next step, so under "
-                  "engine.async its sequences decode every other step; set engine.async: false if that is slower",
-                  file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:
             raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "

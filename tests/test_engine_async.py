@@ -71,3 +71,24 @@ def test_async_generation_stops_at_context_length():
     _, results = _both(model, random_prompts((28, 20)), SamplingParams(max_new_tokens=50, temperature=0,
                                                                         ignore_eos=True), num_kv_blocks=64)
     assert [len(r.samples[0].token_ids) for r in results] == [4, 12]
+
+
+def test_async_repetition_penalty_decodes_every_step_with_its_history_completed_on_the_device():
+    """The in-flight token ends the penalty history as a placeholder filled on the device, so a penalised
+    sequence is scheduled every step (not every other step) and still samples exactly what sync samples."""
+    import torch
+
+    model = make_model("llama")
+    with torch.no_grad():  # an echo model: the residual stream is the input embedding, read out by itself, so
+        for layer in model.model.layers:  # greedy would repeat the last token unless the penalty sees it
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+            layer.mlp.down_proj.weight.mul_(1e-3)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * 8.0)
+    prompts = random_prompts((9, 21), seed=11)
+    params = [SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=4.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.9, repetition_penalty=4.0, seed=5,
+                             ignore_eos=True)]
+    engine, results = _both(model, prompts, params, num_kv_blocks=64, block_size=8)
+    assert len(set(results[0].samples[0].token_ids)) > 12  # the penalty, not the echo, decided the tokens
+    assert engine.num_steps <= 24 + 2  # one prefill, 23 decode steps, and the pipeline's one step of slack
+    assert all(len(r.samples[0].token_ids) == 24 for r in results)

@@ -21,7 +21,9 @@ class SeqSampling:
     repetition_penalty: float  # 1.0 -> off
     seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
     suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
-    penalty_token_ids: tuple[int, ...] | None  # prompt + output, only when repetition_penalty != 1
+    # prompt + output, only when repetition_penalty != 1; when the sequence's SeqSchedule has `carry_from`,
+    # the last entry is the in-flight token's placeholder (the runner fills it on the device)
+    penalty_token_ids: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,19 @@ class ModelRunner:
         assert prev is not None and max(src for _, src in rows) < prev.shape[0], "carry-over without its step"
         return [np.array([p for p, _ in rows], dtype=np.int64), np.array([s for _, s in rows], dtype=np.int64)]
 
+    def _penalty_carry(self, batch: ScheduledBatch) -> list[torch.Tensor]:
+        """[sample rows [K], history columns [K], source rows [K]] on the device: the placeholders that end
+        the penalty histories of carried-over sequences, or [] when there are none."""
+        rows, cols, srcs = [], [], []
+        for row, s in enumerate(s for s in batch.seqs if s.sampling is not None):
+            if s.carry_from is not None and s.sampling.penalty_token_ids is not None:
+                rows.append(row)
+                cols.append(len(s.sampling.penalty_token_ids) - 1)
+                srcs.append(s.carry_from)
+        if not rows:
+            return []
+        return self.staging.to_device([np.array(v, dtype=np.int64) for v in (rows, cols, srcs)])
+
     @torch.inference_mode()
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Queue one step on the device and return at once (on CUDA); `collect` gives its sampled tokens.
@@ -121,9 +134,13 @@ class ModelRunner:
         work_d = rest.pop(0) if work else None
         carry_d = rest
         sampling = self._sampling(batch)
+        penalty_carry = self._penalty_carry(batch) if sampling is not None and sampling.penalty is not None else []
         self.prepare_s += time.perf_counter() - t0
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
             ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
+        if penalty_carry:  # and so do the placeholders at the end of repetition-penalty histories
+            rows_d, cols_d, src_d = penalty_carry
+            sampling.penalty_token_ids[rows_d, cols_d] = self._last_tokens[src_d]
         if graphed:
             logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay

@@ -86,11 +86,9 @@ class Request:
 
     def can_extend(self) -> bool:
         """Whether another token may be scheduled now. With a token in flight: not if that token alone may
-        end the sequence by length, nor under a repetition penalty (which needs every token id)."""
+        end the sequence by length. (A repetition penalty's history gets the in-flight id on the device.)"""
         if self.num_pending == 0:
             return True
-        if self.params.repetition_penalty != 1.0:
-            return False
         return (len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
                 and self.num_tokens + self.num_pending < self.max_model_len)
 
