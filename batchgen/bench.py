@@ -90,9 +90,31 @@ VARIANTS = {  # name -> EngineConfig overrides
 }
 
 
-def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int, variant: str) -> dict:
+def timed_generate(engine, prompts, params) -> tuple[list, float, float]:
+    """`engine.generate` under the GPU busy meter: (results, wall seconds, GPU busy fraction)."""
+    busy = GpuBusyMeter()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with busy.watch(engine):
+        results = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return results, wall, busy.fraction(wall)
+
+
+def release(engine) -> None:
+    """Give an engine's GPU memory back (its KV cache and graph pool) for the next contender."""
     import gc
 
+    engine.kv_cache.release()
+    engine.kv_cache.k_cache = engine.kv_cache.v_cache = None
+    engine.runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int, variant: str) -> dict:
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.engine import Engine
     from batchgen.sampling_params import SamplingParams
@@ -103,28 +125,19 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     setup_s = time.perf_counter() - t_setup
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
-    busy = GpuBusyMeter()
     steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    with busy.watch(engine):
-        results = engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    results, wall, busy = timed_generate(engine, prompts, params)
     steps = engine.num_steps - steps0
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     kernels = count_kernels_per_decode_step(engine, prompts[0])
     tokens_out = [r.samples[0].token_ids for r in results]
     cpu_ms_per_step = 1e3 * ((engine.schedule_s - sched0) + (engine.runner.prepare_s - prep0)) / steps
-    engine.kv_cache.release()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    release(engine)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
             "_token_ids": tokens_out,
-            "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy.fraction(wall),
-            "kernels_per_decode_step": kernels, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy,
+            "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,
             "first_tokens": [t[:8] for t in tokens_out[:2]]}
 
 

@@ -13,13 +13,12 @@ measured copy bandwidth.
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 
 import torch
 
-from batchgen.bench import GpuBusyMeter, build_model, measure_ceilings
+from batchgen.bench import build_model, measure_ceilings, release, timed_generate
 
 
 def mixed_workload(requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -50,22 +49,13 @@ def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
                                               cuda_graphs=True, async_pipeline=True))
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
-    busy = GpuBusyMeter()
     steps0 = engine.num_steps
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with busy.watch(engine):
-        results = engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    results, wall, busy = timed_generate(engine, prompts, params)
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     report = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.num_steps - steps0,
-              "gpu_busy": busy.fraction(wall), "num_preemptions": engine.scheduler.num_preemptions,
+              "gpu_busy": busy, "num_preemptions": engine.scheduler.num_preemptions,
               "all_lengths_exact": [len(r.samples[0].token_ids) for r in results] == list(output_lens)}
-    engine.kv_cache.release()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    release(engine)
     return report
 
 

@@ -62,12 +62,16 @@ print("ok")
 """
 
 
-def test_paged_decode_kernel_matches_reference_under_triton_interpreter():
+def _run_under_interpreter(script: str) -> None:
     # TRITON_INTERPRET must be set before triton is imported: run in a fresh interpreter.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_paged_decode_kernel_matches_reference_under_triton_interpreter():
+    _run_under_interpreter(INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -139,10 +143,7 @@ print("ok")
 
 
 def test_fused_decode_kernels_match_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", FUSED_INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_under_interpreter(FUSED_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -202,10 +203,7 @@ print("ok")
 
 
 def test_paged_prefill_kernel_matches_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", PREFILL_INTERPRET_SCRIPT], env=env, capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    _run_under_interpreter(PREFILL_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
