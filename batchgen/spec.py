@@ -92,7 +92,7 @@ class EngineSpec(_Strict):
     max_model_len: PositiveInt | None = None
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
-    fused_decoder: bool = True  # decode steps of Llama/Mistral/Qwen2 models run batchgen's fused forward
+    fused_decoder: bool = True  # decode steps of Llama/Mistral/Qwen2/Qwen3 models run batchgen's fused forward
     compile: bool = False  # torch.compile the graphed decode forward: faster steps, minutes of start-up
     async_: bool = Field(True, alias="async")
 

@@ -12,14 +12,16 @@ from conftest import ARCHS, hf_greedy, make_model, random_prompts
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("fused", [True, False])  # our fused decode forward, or transformers' modules
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_on_gpu_matches_transformers_generate_fp32(arch, cuda_graphs):
+def test_greedy_on_gpu_matches_transformers_generate_fp32(arch, cuda_graphs, fused):
     model = make_model(arch).cuda()
     prompts = random_prompts((5, 17, 33, 8, 64, 1))  # 6 sequences: the graph bucket of 8 pads 2 rows
     expected = [hf_greedy(model, p, 16) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
-                                              cuda_graphs=cuda_graphs))
+                                              cuda_graphs=cuda_graphs, fused_decoder=fused))
+    assert (engine.runner.decode_forward == "fused") == fused
     assert engine.runner.use_triton and (engine.runner.graphs is not None) == cuda_graphs
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
                                                                                    ignore_eos=True))]
@@ -61,8 +63,8 @@ def test_async_pipeline_on_gpu_matches_transformers_fp32(cuda_graphs):
     assert got == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # fused decoder, and transformers' modules in the graphs
-def test_async_pipeline_on_gpu_samples_exactly_what_the_sync_engine_samples(arch):
+@pytest.mark.parametrize("arch,fused", [("llama", True), ("qwen3", True), ("llama", False)])  # False: transformers'
+def test_async_pipeline_on_gpu_samples_exactly_what_the_sync_engine_samples(arch, fused):  # modules in the graphs
     """Seeded sampling with every option that needs sampling tensors staged per step (temperature, top-k/p,
     min-p, suppressed EOS before min_new_tokens, repetition penalty): async == sync, token for token."""
     model = make_model(arch).cuda()
@@ -73,7 +75,7 @@ def test_async_pipeline_on_gpu_samples_exactly_what_the_sync_engine_samples(arch
     runs = []
     for async_pipeline in (False, True):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
-                                                  async_pipeline=async_pipeline))
+                                                  async_pipeline=async_pipeline, fused_decoder=fused))
         runs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
     assert runs[0] == runs[1]
     assert all(len(t) >= 6 for t in runs[0])

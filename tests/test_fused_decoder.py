@@ -31,7 +31,7 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
     assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen3: per-head q/k norms
 def test_engine_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
     model = make_model(arch)
     prompts = random_prompts((5, 17, 33, 8))
@@ -47,9 +47,30 @@ def test_engine_decodes_through_the_fused_forward_and_matches_transformers_gener
 
 
 def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
-    assert unsupported_reason(make_model("qwen3"), 1024).startswith("model type 'qwen3'")
+    from test_engine_exact import _more_archs
+
+    config_cls, model_cls, extra = _more_archs()["gemma"]
+    gemma = model_cls(config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, **extra))
+    assert unsupported_reason(gemma, 1024).startswith("model type 'gemma'")
     windowed = make_model("mistral", sliding_window=16)
     assert "sliding window 16" in unsupported_reason(windowed, 1024)
     assert unsupported_reason(windowed, 16) is None
     engine = Engine(make_model("llama"), None, EngineConfig(num_kv_blocks=8, fused_decoder=False))
     assert engine.runner.fused is None and engine.runner.decode_forward == "transformers (off)"
+
+
+def test_a_fused_decoder_that_fails_on_the_device_falls_back_to_transformers_and_says_why(monkeypatch):
+    model = make_model("llama")
+    prompts = random_prompts((6, 11))
+    expected = [hf_greedy(model, p, 5) for p in prompts]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr("batchgen.engine.fused_decoder.rope_kv", broken)
+    with pytest.warns(UserWarning, match="fused decoder failed on cpu: RuntimeError: no kernel image"):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=16, block_size=16))
+    assert engine.runner.fused is None and engine.runner.decode_forward.startswith("transformers (the fused")
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected

@@ -121,11 +121,14 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(device)
     caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"]
               for _ in range(2)]
-    q = rope_kv(qkv, cos, sin, slots, *caches[0], heads, kv_heads, use_triton=True)
-    q_ref = rope_kv(qkv, cos, sin, slots, *caches[1], heads, kv_heads, use_triton=False)
-    torch.testing.assert_close(q, q_ref, atol=atol, rtol=atol)
-    torch.testing.assert_close(caches[0][0], caches[1][0], atol=atol, rtol=atol)
-    torch.testing.assert_close(caches[0][1], caches[1][1], atol=0, rtol=0)
+    for qk_norm in (None, (rand(2, head_dim), 1e-6)):  # Qwen3's per-head q/k RMSNorm
+        caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                   for _ in "kv"] for _ in range(2)]
+        q = rope_kv(qkv, cos, sin, slots, *caches[0], heads, kv_heads, qk_norm=qk_norm, use_triton=True)
+        q_ref = rope_kv(qkv, cos, sin, slots, *caches[1], heads, kv_heads, qk_norm=qk_norm, use_triton=False)
+        torch.testing.assert_close(q, q_ref, atol=atol, rtol=atol)
+        torch.testing.assert_close(caches[0][0], caches[1][0], atol=atol, rtol=atol)
+        torch.testing.assert_close(caches[0][1], caches[1][1], atol=0, rtol=0)
 
     gate_up = rand(num_tokens, 2 * inter)
     torch.testing.assert_close(silu_mul(gate_up, use_triton=True), silu_mul(gate_up, use_triton=False),

@@ -4,7 +4,7 @@ transformers' eager modules launch ~45 kernels per layer in a decode step, and c
 and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 GEMM reads its weight at
 ~0.3 TB/s on an H200, while one 6144x4096 GEMM reads q+k+v at ~2.1 TB/s). Per layer this runs 9 kernels:
 
-    add+RMSNorm -> QKV GEMM -> rotary + K/V cache write -> decode attention (2) -> o GEMM
+    add+RMSNorm -> QKV GEMM -> (q/k RMSNorm +) rotary + K/V cache write -> decode attention (2) -> o GEMM
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 The fused QKV and gate/up weights are the model's own memory: the q/k/v (gate/up) Linear weights are
@@ -28,7 +28,7 @@ from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
 from batchgen.kernels.silu_mul import silu_mul
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
@@ -49,7 +49,7 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     slides = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+    if getattr(cfg, "use_sliding_window", True) is False:  # Qwen2/Qwen3 configs carry a window they do not use
         slides = False
     if slides and window < max_model_len:
         return f"sliding window {window} < max_model_len {max_model_len}"
@@ -112,6 +112,7 @@ class _Layer:
     gate_up_weight: torch.Tensor  # [2 I, hidden]
     down_weight: torch.Tensor  # [hidden, I]
     scale: float
+    qk_norm: tuple[torch.Tensor, float] | None  # Qwen3: per-head q/k RMSNorm weights [2, D] (q, k), eps
 
 
 class FusedDecoder:
@@ -139,7 +140,26 @@ class FusedDecoder:
                     post_norm=layer.post_attention_layernorm.weight,
                     post_eps=layer.post_attention_layernorm.variance_epsilon,
                     gate_up_weight=gate_up_w, down_weight=mlp.down_proj.weight,
-                    scale=getattr(attn, "scaling", self.head_dim ** -0.5)))
+                    scale=getattr(attn, "scaling", self.head_dim ** -0.5),
+                    # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
+                    qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
+                             attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None))
+
+    def check(self) -> str | None:
+        """Run one token through the decode forward (compiling its Triton kernels): None when it works, else
+        why not. The token lives in the cache's trash block (never a real sequence's), at position 0."""
+        dev = self.kv_cache.k_cache.device
+        trash_block = self.kv_cache.num_blocks
+        try:
+            self(torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
+                 torch.full((1,), self.kv_cache.trash_slot, dtype=torch.int64, device=dev),
+                 torch.full((1, 1), trash_block, dtype=torch.int32, device=dev),
+                 torch.ones(1, dtype=torch.int32, device=dev))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as e:  # a kernel that does not build or run on this device: fall back, say why
+            return f"the fused decoder failed on {dev}: {type(e).__name__}: {str(e)[:200]}"
+        return None
 
     def _attention(self, q: torch.Tensor, layer_idx: int, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -168,7 +188,7 @@ class FusedDecoder:
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B, (H + 2 Hkv) D]
             k_cache, v_cache = self.kv_cache.layer(i)
             q = rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads,
-                        use_triton=tri)  # [B, H, D]
+                        qk_norm=layer.qk_norm, use_triton=tri)  # [B, H, D]
             attn = self._attention(q, i, block_tables, seq_lens, layer.scale)  # [B, H, D]
             o = F.linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             h = rmsnorm(o, layer.post_norm, layer.post_eps, residual=residual, use_triton=tri)

@@ -9,6 +9,7 @@ sampled ids come back on a D2H stream into pinned A/B slots; the host waits only
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +67,12 @@ class ModelRunner:
         reason = "off" if not fused_decoder else "compile requested" if compile_model else \
             unsupported_reason(model, max_model_len)
         if reason is None:
-            self.fused = FusedDecoder(model, kv_cache, self.use_triton)
+            fused = FusedDecoder(model, kv_cache, self.use_triton)
+            reason = fused.check()
+            if reason is None:
+                self.fused = fused
+            else:
+                warnings.warn(f"batchgen: {reason}; decode steps use transformers' modules", stacklevel=2)
         self.decode_forward = "fused" if self.fused is not None else f"transformers ({reason})"
         self.graphs = None
         if cuda_graphs and self.use_triton:

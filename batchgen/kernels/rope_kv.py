@@ -4,6 +4,7 @@ Input: the fused QKV projection of T tokens, [T, (H + 2 * Hkv) * D] (q heads, th
 Output: the rotated queries [T, H, D]; the rotated keys and the values go straight into the paged cache at
 each token's slot. One program per (token, head); no intermediate K/V tensors.
 
+Optionally each q and k head is RMS-normalised first (Qwen3's q_norm / k_norm, over the head dim).
 Rotation as transformers' `apply_rotary_pos_emb` (rotate-half layout, cos/sin [T, D] in the activation dtype):
 x * cos + rotate_half(x) * sin, with each product and the sum rounded to the activation dtype, as the
 eager model rounds them.
@@ -24,9 +25,10 @@ except ImportError:  # installs without Triton (CPU) use the reference
 if triton is not None:
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                        qk_norm_ptr, norm_eps,
                         stride_qkv, stride_cs,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HALF_P: tl.constexpr):
+                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half = HEAD_DIM // 2
@@ -39,6 +41,15 @@ if triton is not None:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         kv_row = slot * (NUM_KV_HEADS * HEAD_DIM)
         if h < NUM_HEADS + NUM_KV_HEADS:
+            if HAS_QK_NORM:  # per-head RMSNorm before the rotation (Qwen3), rounded as its eager module
+                w_row = qk_norm_ptr + (h >= NUM_HEADS).to(tl.int32) * HEAD_DIM  # row 0: q weight, row 1: k
+                f1 = x1.to(tl.float32)
+                f2 = x2.to(tl.float32)
+                rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + norm_eps)
+                w1 = tl.load(w_row + i, mask=m, other=0.0).to(tl.float32)
+                w2 = tl.load(w_row + half + i, mask=m, other=0.0).to(tl.float32)
+                x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+                x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
             c1 = tl.load(cos_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
             c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
@@ -67,27 +78,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]. Returns q [T, H, D]."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                qk_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]; qk_norm: optional
+    per-head RMSNorm (weights [2, D]: the q row, then the k row; eps) before the rotation. Returns q [T, H, D]."""
+    from batchgen.kernels.rmsnorm import rmsnorm_ref
+
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = _rotate(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
-    k = _rotate(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    if qk_norm is not None:
+        weights, eps = qk_norm
+        q, k = rmsnorm_ref(q, weights[0], eps), rmsnorm_ref(k, weights[1], eps)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     write_kv(k_cache, v_cache, k, v.reshape(num_tokens, num_kv_heads, head_dim), slot_mapping)
     return q
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-            use_triton: bool = True) -> torch.Tensor:
+            qk_norm: tuple[torch.Tensor, float] | None = None, use_triton: bool = True) -> torch.Tensor:
     if not use_triton:
-        return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+        return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, qk_norm)
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous()
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert qk_norm is None or (qk_norm[0].shape == (2, head_dim) and qk_norm[0].is_contiguous())
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
+        qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
+        *(qk_norm if qk_norm is not None else (qkv, 0.0)), qkv.stride(0), cos.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_P=triton.next_power_of_2(head_dim // 2), num_warps=1)
+        HALF_P=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None, num_warps=1)
     return q
