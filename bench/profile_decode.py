@@ -71,11 +71,16 @@ def gemm_bench(m: int) -> list[dict]:
               "gate|up 14336x4096": (14336, 4096), "gate_up 28672x4096": (28672, 4096),
               "down 4096x14336": (4096, 14336), "lm_head 128256x4096": (128256, 4096)}
     out = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ms = graph_ms(lambda: torch.nn.functional.linear(x, w))
-        out.append({"gemm": name, "us": round(ms * 1e3, 1), "weight_TBps": round(w.numel() * 2 / ms / 1e9, 2)})
+    previous = torch.backends.cuda.preferred_blas_library()
+    for library in ("cublas", "cublaslt"):  # torch's two BLAS back-ends pick different kernels at small M
+        torch.backends.cuda.preferred_blas_library(library)
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ms = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            out.append({"blas": library, "gemm": name, "us": round(ms * 1e3, 1),
+                        "weight_TBps": round(w.numel() * 2 / ms / 1e9, 2)})
+    torch.backends.cuda.preferred_blas_library(previous)
     return out
 
 

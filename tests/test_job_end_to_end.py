@@ -94,10 +94,15 @@ def test_same_seed_gives_same_completions_across_runs_and_engine_knobs(tmp_path,
     assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
     assert runner.invoke(app, ["run", str(job), "--no-progress", "-o", str(tmp_path / "other"),
                                "--set", "engine.max_num_seqs=3"]).exit_code == 0
+    # the fused decode forward off: transformers' modules decode, the start-up line says so, same output
+    result = runner.invoke(app, ["run", str(job), "--no-progress", "-o", str(tmp_path / "unfused"),
+                                 "--set", "engine.fused_decoder=false"])
+    assert result.exit_code == 0 and "decode forward transformers (off)" in result.output
     key = lambda r: (r["id"], r["sample_idx"])  # noqa: E731
     a = sorted(read_rows(tmp_path / "out"), key=key)
-    b = sorted(read_rows(tmp_path / "other"), key=key)
-    assert [r["completion"] for r in a] == [r["completion"] for r in b]
+    for other in ("other", "unfused"):
+        b = sorted(read_rows(tmp_path / other), key=key)
+        assert [r["completion"] for r in a] == [r["completion"] for r in b]
     assert len({r["seed"] for r in a}) == 20
 
 
