@@ -10,6 +10,7 @@ to the packed position of its last token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -46,9 +47,11 @@ class StepArrays:
         seq_lens = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=n)
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
-        block_tables = np.zeros((n, max(len(s.block_table) for s in seqs)), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, : len(s.block_table)] = s.block_table
+        table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int32)
+        # one vectorised fill (row-major order of the mask == the tables concatenated)
+        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+            chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
         input_ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64,
                                 count=int(query_start_loc[-1]))
         # positions: start_pos .. seq_len - 1 of each sequence, packed
