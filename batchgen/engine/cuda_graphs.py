@@ -3,16 +3,16 @@ memory pool (they never run at once). A decode step of n sequences replays the s
 rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the cache's trash slot.
 
 Static inputs live here; `replay` copies a step's values into them. Captured region: the whole decode
-forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax; other sampling runs after, eagerly,
-on the graph's logits.
+forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax;
+other sampling runs after, eagerly, on the graph's logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
+from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.kv_cache import KVCache
 
 

@@ -161,15 +161,18 @@ class FusedDecoder:
             return f"the fused decoder failed on {dev}: {type(e).__name__}: {str(e)[:200]}"
         return None
 
-    def _attention(self, q: torch.Tensor, layer_idx: int, block_tables: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.layer(layer_idx)
+    def _attention_fn(self, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+        """attend(q, k_cache, v_cache, scale) -> [B, H, D] for this step; the CPU reference's metadata is
+        built once per step, not once per layer."""
         if self.use_triton:
             from batchgen.kernels.paged_decode import paged_decode_attention
 
-            return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, 1, int(seq_lens.max()), scale)
+            return lambda q, k_cache, v_cache, scale: paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                                            seq_lens, scale)
+        qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        max_seq_len = int(seq_lens.max())
+        return lambda q, k_cache, v_cache, scale: paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens,
+                                                                     block_tables, 1, max_seq_len, scale)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -182,6 +185,7 @@ class FusedDecoder:
         residual = self.embed(input_ids)  # [B, hidden]; a fresh tensor, updated in place below
         cos, sin = self.rotary(residual, positions[None])  # [1, B, D] each, in the activation dtype
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        attend = self._attention_fn(block_tables, seq_lens)
         first = self.layers[0]
         h = rmsnorm(residual, first.input_norm, first.input_eps, use_triton=tri)
         for i, layer in enumerate(self.layers):
@@ -189,7 +193,7 @@ class FusedDecoder:
             k_cache, v_cache = self.kv_cache.layer(i)
             q = rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads,
                         qk_norm=layer.qk_norm, use_triton=tri)  # [B, H, D]
-            attn = self._attention(q, i, block_tables, seq_lens, layer.scale)  # [B, H, D]
+            attn = attend(q, k_cache, v_cache, layer.scale)  # [B, H, D]
             o = F.linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             h = rmsnorm(o, layer.post_norm, layer.post_eps, residual=residual, use_triton=tri)
             mlp = F.linear(silu_mul(F.linear(h, layer.gate_up_weight), use_triton=tri), layer.down_weight)

@@ -128,7 +128,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         a = StepArrays.build(batch, self.block_size)
         carry = self._carry_rows(batch, a.last_index)
-        decode_only = a.num_decode_seqs == len(batch.seqs) and batch.num_prefill_tokens == 0  # all sample
+        decode_only = batch.num_prefill_tokens == 0  # one token per sequence, and every sequence samples
         graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
         sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
         # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA
