@@ -2,8 +2,10 @@
 then a run where one worker is killed midway and resumed. Prints one JSON report and writes it to $OUT.
 
 The job: a random-weight Llama (fp32, so greedy outputs are comparable across batch compositions) saved with a
-byte-level BPE tokenizer, 2,000+ rows of mixed prompt lengths (24-600 words), greedy, outputs ended by
-two stop token ids or max_new_tokens (mixed lengths).
+byte-level BPE tokenizer, 2,000+ rows of mixed prompt lengths (24-600 words), greedy, outputs ended by stop token
+ids or max_new_tokens. A random model's greedy text soon cycles through a few tokens, so fixed stop ids are either
+never or always hit; the stop ids are chosen from a probe (transformers' generate on 64 rows) so that the
+completion lengths spread over 1..max_new_tokens.
 
     python3 bench/multi_gpu.py --rows 2000 --launcher gpus     # on a 2-GPU machine
     python3 bench/multi_gpu.py --rows 60 --launcher workers --small   # CPU smoke run
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -69,12 +72,59 @@ def make_source(path: Path, rows: int, small: bool) -> None:
     pq.write_table(pa.Table.from_pylist(data), path)
 
 
-def write_job(tmp: Path, small: bool) -> Path:
+def probe_trajectories(model_dir: Path, texts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (no stop) of `texts` by transformers' generate, on the GPU when there is one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    out = []
+    for i in range(0, len(texts), 32):
+        batch = tok(texts[i:i + 32], return_tensors="pt", padding=True).to(device)
+        with torch.no_grad():
+            ids = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tok.pad_token_id)
+        out += ids[:, batch["input_ids"].shape[1]:].tolist()
+    del model
+    torch.cuda.empty_cache() if device == "cuda" else None
+    return out
+
+
+def choose_stop_ids(trajectories: list[list[int]], max_new_tokens: int, max_ids: int = 8) -> tuple[list[int], list[int]]:
+    """Stop ids (greedy forward selection) that spread the completion lengths most evenly over 8 length bins
+    plus 'ran to max_new_tokens'; returns the ids and the lengths they give on the probe."""
+    first = [{} for _ in trajectories]  # per trajectory: token -> 1-based position of its first occurrence
+    for f, traj in zip(first, trajectories):
+        for pos, t in enumerate(traj, 1):
+            f.setdefault(t, pos)
+    candidates = sorted({t for f in first for t in f})
+
+    def lengths(ids: list[int]) -> list[int]:
+        return [min([f.get(t, max_new_tokens) for t in ids] + [max_new_tokens]) for f in first]
+
+    def entropy(ls: list[int]) -> float:
+        bins = [0] * 9
+        for n in ls:
+            bins[8 if n >= max_new_tokens else n * 8 // max_new_tokens] += 1
+        return -sum(b / len(ls) * math.log(b / len(ls)) for b in bins if b)
+
+    chosen: list[int] = []
+    while len(chosen) < max_ids:
+        best = max(candidates, key=lambda t: entropy(lengths(chosen + [t])))
+        if entropy(lengths(chosen + [best])) <= entropy(lengths(chosen)):
+            break
+        chosen.append(best)
+    return sorted(chosen), lengths(chosen)
+
+
+def write_job(tmp: Path, max_new_tokens: int, stop_token_ids: list[int]) -> Path:
     job = {
         "model": {"path": str(tmp / "model"), "dtype": "float32"},
         "source": {"path": str(tmp / "rows.parquet"), "key_column": "id", "worker_unit_rows": 16},
         "prompt": {"column": "text", "chat": False, "max_prompt_tokens": 3000},
-        "sampling": {"max_new_tokens": 24 if small else 512, "temperature": 0.0, "stop_token_ids": [37, 211]},
+        "sampling": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                     "stop_token_ids": stop_token_ids},
         "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
         "output": {"dir": str(tmp / "out"), "rows_per_shard": 100, "keep_columns": "none"},
     }
@@ -153,8 +203,14 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     make_model_dir(tmp / "model", args.small)
     make_source(tmp / "rows.parquet", args.rows, args.small)
-    job = write_job(tmp, args.small)
-    report = {"rows": args.rows, "launcher": args.launcher}
+    max_new_tokens = 24 if args.small else 512
+    probe_texts = pq.read_table(tmp / "rows.parquet", columns=["text"]).column("text").to_pylist()[:64]
+    stop_ids, probe_lengths = choose_stop_ids(probe_trajectories(tmp / "model", probe_texts, max_new_tokens),
+                                              max_new_tokens)
+    job = write_job(tmp, max_new_tokens, stop_ids)
+    probe_lengths.sort()
+    report = {"rows": args.rows, "launcher": args.launcher, "stop_token_ids": stop_ids,
+              "probe_len_p10_p50_p90": [probe_lengths[6], probe_lengths[32], probe_lengths[57]]}
     if args.one_gpu:
         report["plain"] = run(job, tmp / "plain", None, 0)
         report["gpus_all"] = run(job, tmp / "all", "gpus", "all")
