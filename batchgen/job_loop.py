@@ -65,6 +65,7 @@ class JobLoop:
         from batchgen.engine.loader import load_model_and_tokenizer
 
         hf_logging.disable_progress_bar()  # one progress bar: ours
+        setup_started = time.monotonic()
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
@@ -114,6 +115,7 @@ class JobLoop:
         mine = None if expected is None else worker.num_owned(expected)
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
                                      mine, show_progress=show_progress)
+        self.setup_s = time.monotonic() - setup_started  # model load, engine, KV cache, CUDA graph capture
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, stop) -> Any:
@@ -247,7 +249,8 @@ class JobLoop:
         return {
             "worker": {"index": self.worker.index, "count": self.worker.count},
             "status": "interrupted" if signum is not None else "complete",
-            "wall_s": round(wall_s, 3), "rows_committed": t.rows_committed, "rows_rejected": t.rows_rejected,
+            "setup_s": round(self.setup_s, 3), "wall_s": round(wall_s, 3), "rows_committed": t.rows_committed,
+            "rows_rejected": t.rows_rejected,
             "rows_skipped_already_done": skipped, "prompt_tokens": t.prompt_tokens,
             "generated_tokens": t.generated_tokens, "cached_prompt_tokens": t.cached_tokens,
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),

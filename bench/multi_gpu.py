@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,27 +135,34 @@ def write_job(tmp: Path, max_new_tokens: int, stop_token_ids: list[int]) -> Path
 
 
 def run(job: Path, out: Path, launcher: str | None, n: str | int) -> dict:
-    """`batchgen run` with --gpus/--workers n, or plain (launcher None)."""
+    """`batchgen run` with --gpus/--workers n, or plain (launcher None); its stderr goes to $OUT/<out name>.log."""
     t0 = time.perf_counter()
     extra = [f"--{launcher}", str(n)] if launcher else ["--no-progress"]
     p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), *extra],
                        cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{out.name}.log").write_text(p.stderr[-200_000:])
     if p.returncode != 0:
         raise SystemExit(f"run failed ({p.returncode}): {p.stderr[-3000:]}")
     return {"wall_s": wall, **summarize(out)}
 
 
 def summarize(out: Path) -> dict:
+    """Rows and tokens on disk, and the workers' reports: set-up (model, engine, graphs) and loop wall times.
+    `tok_s_loop` is the completion tokens over the slowest worker's loop wall: the data-parallel rate once set up."""
     reports = [json.loads(f.read_text()) for f in sorted((out / "reports").glob("*.json"))]
     rows = read(out)
     tokens = sum(r["num_completion_tokens"] for r in rows)
     lengths = sorted(r["num_completion_tokens"] for r in rows)
+    loop_s = max(r["wall_s"] for r in reports)
     return {"rows": len(rows), "completion_tokens": tokens,
             "completion_len_p10_p50_p90": [lengths[len(lengths) // 10], lengths[len(lengths) // 2],
                                            lengths[9 * len(lengths) // 10]],
+            "worker_setup_s": [round(r.get("setup_s", 0.0), 2) for r in reports],
             "worker_wall_s": [round(r["wall_s"], 2) for r in reports],
-            "worker_gen_tok_s": [r["generated_tok_s"] for r in reports]}
+            "worker_gen_tok_s": [r["generated_tok_s"] for r in reports],
+            "tok_s_loop": tokens / max(loop_s, 1e-9)}
 
 
 def read(out: Path) -> list[dict]:
@@ -165,11 +173,17 @@ def read(out: Path) -> list[dict]:
 
 
 def compare(a: Path, b: Path) -> dict:
+    """Exactly once in each, the same keys in both, and how many completions are identical. Greedy text can
+    still differ where batch composition changed a floating-point reduction order at a near-tie: for those rows,
+    the shortest and median common prefix (characters) say where the texts part."""
     ra, rb = read(a), read(b)
     ka, kb = [(r["id"], r["sample_idx"]) for r in ra], [(r["id"], r["sample_idx"]) for r in rb]
     da, db = {k: r["completion"] for k, r in zip(ka, ra)}, {k: r["completion"] for k, r in zip(kb, rb)}
+    differing = sorted(len(os.path.commonprefix([da[k], db[k]])) for k in da if k in db and da[k] != db[k])
     return {"exactly_once": len(ka) == len(set(ka)) and len(kb) == len(set(kb)), "same_rows": set(ka) == set(kb),
-            "identical_completions": sum(da[k] == db.get(k) for k in da), "rows": len(da)}
+            "identical_completions": sum(da[k] == db.get(k) for k in da), "rows": len(da),
+            "differing_common_prefix_chars_min_median": [differing[0], differing[len(differing) // 2]]
+            if differing else None}
 
 
 def kill_one_and_resume(job: Path, out: Path, launcher: str, n: int) -> dict:
@@ -195,12 +209,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--launcher", choices=["gpus", "workers"], default="gpus")
     ap.add_argument("--small", action="store_true", help="tiny model and short rows (CPU smoke run)")
+    ap.add_argument("--warmup-rows", type=int, default=64, help="an unmeasured run first (0: none)")
     ap.add_argument("--tmp", default="/tmp/batchgen-multi")
     ap.add_argument("--one-gpu", action="store_true",
                     help="a one-GPU machine: plain run vs --gpus all (one worker), no scaling or kill runs")
     args = ap.parse_args()
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
+    for name in ("out1", "out2", "out3", "plain", "all", "warmup"):  # this script's earlier outputs: start fresh
+        shutil.rmtree(tmp / name, ignore_errors=True)
     make_model_dir(tmp / "model", args.small)
     make_source(tmp / "rows.parquet", args.rows, args.small)
     max_new_tokens = 24 if args.small else 512
@@ -222,14 +239,24 @@ def main() -> None:
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "one_gpu.json").write_text(text)
         return
+    if args.warmup_rows:  # fills the Triton and inductor caches, so neither measured run pays for compiling
+        warm = tmp / "warmup"
+        warm.mkdir(exist_ok=True)
+        pq.write_table(pq.read_table(tmp / "rows.parquet").slice(0, args.warmup_rows), warm / "rows.parquet")
+        warm_job = yaml.safe_load(job.read_text())
+        warm_job["source"]["path"] = str(warm / "rows.parquet")
+        (warm / "job.yaml").write_text(yaml.safe_dump(warm_job))
+        report["warmup"] = run(warm / "job.yaml", warm / "out", args.launcher, 2)
     report["one"] = run(job, tmp / "out1", args.launcher, 1)
     report["two"] = run(job, tmp / "out2", args.launcher, 2)
     for k in ("one", "two"):
         report[k]["tok_s_end_to_end"] = report[k]["completion_tokens"] / report[k]["wall_s"]
     report["speedup_end_to_end"] = report["one"]["wall_s"] / report["two"]["wall_s"]
+    report["speedup_loop"] = report["two"]["tok_s_loop"] / report["one"]["tok_s_loop"]
     report["one_vs_two"] = compare(tmp / "out1", tmp / "out2")
     report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
     report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
+    report["two_vs_killed_resumed"] = compare(tmp / "out2", tmp / "out3")
     text = json.dumps(report, indent=1)
     print(text)
     if os.environ.get("OUT"):
