@@ -141,8 +141,12 @@ def run(job: Path, out: Path, launcher: str | None, n: str | int) -> dict:
     p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), *extra],
                        cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"{out.name}.log").write_text(p.stderr[-200_000:])
+    if os.environ.get("OUT"):  # the run's stderr, worker reports and throughput logs, for the record
+        keep = Path(os.environ["OUT"], out.parent.name if out.name == "out" else out.name)
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / "stderr.log").write_text(p.stderr[-200_000:])
+        for f in [*(out / "reports").glob("*.json"), *(out / "logs").glob("*.jsonl")]:
+            shutil.copy(f, keep / f.name)
     if p.returncode != 0:
         raise SystemExit(f"run failed ({p.returncode}): {p.stderr[-3000:]}")
     return {"wall_s": wall, **summarize(out)}
@@ -209,6 +213,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--launcher", choices=["gpus", "workers"], default="gpus")
     ap.add_argument("--small", action="store_true", help="tiny model and short rows (CPU smoke run)")
+    ap.add_argument("--no-kill", action="store_true", help="skip the kill-one-worker-and-resume run")
     ap.add_argument("--warmup-rows", type=int, default=64, help="an unmeasured run first (0: none)")
     ap.add_argument("--tmp", default="/tmp/batchgen-multi")
     ap.add_argument("--one-gpu", action="store_true",
@@ -254,9 +259,10 @@ def main() -> None:
     report["speedup_end_to_end"] = report["one"]["wall_s"] / report["two"]["wall_s"]
     report["speedup_loop"] = report["two"]["tok_s_loop"] / report["one"]["tok_s_loop"]
     report["one_vs_two"] = compare(tmp / "out1", tmp / "out2")
-    report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
-    report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
-    report["two_vs_killed_resumed"] = compare(tmp / "out2", tmp / "out3")
+    if not args.no_kill:
+        report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
+        report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
+        report["two_vs_killed_resumed"] = compare(tmp / "out2", tmp / "out3")
     text = json.dumps(report, indent=1)
     print(text)
     if os.environ.get("OUT"):
