@@ -85,7 +85,8 @@ VARIANTS = {  # name -> EngineConfig overrides
     "graphs": dict(cuda_graphs=True),  # fused decoder (Llama) in the graphs
     "graphs_transformers": dict(cuda_graphs=True, fused_decoder=False),  # transformers' modules in the graphs
     "compiled": dict(cuda_graphs=True, compile_model=True),  # transformers' modules, torch.compiled
-    "graphs_async": dict(cuda_graphs=True, async_pipeline=True),
+    "graphs_async": dict(cuda_graphs=True, async_pipeline=True),  # cuBLASLt GEMMs in the graphs (the default)
+    "graphs_async_cublas": dict(cuda_graphs=True, async_pipeline=True, graph_blas_library="cublas"),
     "compiled_async": dict(cuda_graphs=True, compile_model=True, async_pipeline=True),
 }
 

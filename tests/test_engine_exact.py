@@ -120,3 +120,8 @@ def test_shared_prefix_is_computed_once_even_when_requests_arrive_in_the_same_st
     results = engine.generate(prompts, _greedy(10))  # all four admitted in the first step
     assert [r.samples[0].token_ids for r in results] == expected
     assert [r.samples[0].num_cached_tokens for r in results] == [0, 40, 40, 40]
+
+
+def test_engine_config_rejects_an_unknown_graph_blas_library():
+    with pytest.raises(ValueError, match="graph_blas_library"):
+        EngineConfig(graph_blas_library="cublasLt")

@@ -18,6 +18,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
     fused_decoder: bool = True  # decode steps of Llama-family models run batchgen's fused forward
     compile_model: bool = False  # torch.compile the graphed decode forward (fuses norms, rotary, activations)
+    graph_blas_library: str | None = "cublaslt"  # GEMM back end captured in decode graphs; None: torch's default
     async_pipeline: bool = False  # prepare step N+1 on the host while the device runs step N
 
     def __post_init__(self) -> None:
@@ -26,5 +27,7 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.graph_blas_library not in (None, "cublas", "cublaslt"):
+            raise ValueError(f"graph_blas_library must be 'cublas', 'cublaslt' or None, got {self.graph_blas_library!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

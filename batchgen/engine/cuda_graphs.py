@@ -5,9 +5,17 @@ rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the ca
 Static inputs live here; `replay` copies a step's values into them. Captured region: the whole decode
 forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax;
 other sampling runs after, eagerly, on the graph's logits.
+
+The graphs are captured with cuBLASLt as torch's BLAS back end (`blas_library`): a graph records the GEMM
+kernels chosen at capture, and at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj
+weights at 4.4 TB/s where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), down_proj at 3.8 vs 3.5, and
+is equal elsewhere (bench/profile_decode.py, bench/RESULTS.md). The choice is process-global in torch, so it is
+set only around the capture and restored after; eager steps keep torch's default.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,10 +29,26 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+@contextlib.contextmanager
+def preferred_blas(library: str | None):
+    """torch's BLAS back end set to `library` ('cublas' or 'cublaslt') inside the block; None: unchanged."""
+    if library is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_model_len: int,
-                 compile_model: bool = False, fused: FusedDecoder | None = None) -> None:
+                 compile_model: bool = False, fused: FusedDecoder | None = None,
+                 blas_library: str | None = "cublaslt") -> None:
         self.model = model
+        self.blas_library = blas_library
         self.fused = fused  # our fused decode forward, or None for transformers' forward
         self.compile_model = compile_model
         self.kv_cache = kv_cache
@@ -72,7 +96,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), paged_attention_enabled(self.model):
+        with torch.cuda.stream(stream), paged_attention_enabled(self.model), preferred_blas(self.blas_library):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
                 ids, pos = self.input_ids[:, :b], self.position_ids[:, :b]
                 forward(ids, pos)  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init

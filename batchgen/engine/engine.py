@@ -71,7 +71,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
                                   max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len,
-                                  compile_model=config.compile_model, fused_decoder=config.fused_decoder)
+                                  compile_model=config.compile_model, fused_decoder=config.fused_decoder,
+                                  blas_library=config.graph_blas_library)
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0

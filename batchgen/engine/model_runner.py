@@ -45,7 +45,8 @@ class InFlight:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
-                 compile_model: bool = False, fused_decoder: bool = True) -> None:
+                 compile_model: bool = False, fused_decoder: bool = True,
+                 blas_library: str | None = "cublaslt") -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -78,7 +79,8 @@ class ModelRunner:
         if cuda_graphs and self.use_triton:
             from batchgen.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model, self.fused)
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model, self.fused,
+                                       blas_library)
             self.graphs.capture()
 
     def _sampling(self, batch: ScheduledBatch) -> SamplingTensors | None:
