@@ -3,8 +3,7 @@
 Prints, for a graphed decode step of `--batch` sequences at `--context` tokens: the step's device time
 (graph replay, event-timed) and its wall time through `Engine.step`, the kernel time grouped by kernel name
 (torch profiler over graph replays), and isolated micro-benchmarks of what dominates: each decode GEMM shape
-(achieved weight-read bandwidth, cuBLAS and cuBLASLt), the Triton skinny-GEMM candidate (bench/skinny_gemm.py)
-against cuBLAS, and the Triton decode attention over a grid of (splits, block_n).
+(achieved weight-read bandwidth, cuBLAS and cuBLASLt) and the Triton decode attention over a grid of (splits, block_n).
 
     python3 bench/profile_decode.py --batch 32 --context 768 [--compile] [--json out.json]
 """
@@ -20,7 +19,6 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))  # bench/skinny_gemm.py
 
 from batchgen.bench import build_model, measure_ceilings, seed_prompts  # noqa: E402
 from batchgen.engine.config import EngineConfig  # noqa: E402
@@ -86,33 +84,6 @@ def gemm_bench(m: int) -> list[dict]:
     return out
 
 
-def skinny_gemm_bench(m: int) -> list[dict]:
-    """The Triton candidate (bench/skinny_gemm.py) against cuBLAS at the fused decoder's GEMM shapes: the
-    best config per shape, its time, cuBLAS's time, and its relative error."""
-    import triton
-    from skinny_gemm import CONFIGS, skinny_linear
-
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    out = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = torch.nn.functional.linear(x, w)
-        cublas_ms = graph_ms(lambda: torch.nn.functional.linear(x, w))
-        best = None
-        for cfg in CONFIGS:
-            try:
-                ms = graph_ms(lambda: skinny_linear(x, w, **cfg))
-            except triton.runtime.errors.OutOfResources:  # a tile too large for shared memory: not a candidate
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        err = ((skinny_linear(x, w, **best[1]).float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append({"gemm": name, "cublas_us": round(cublas_ms * 1e3, 1), "triton_us": round(best[0] * 1e3, 1),
-                    "triton_TBps": round(w.numel() * 2 / best[0] / 1e9, 2), "config": best[1], "rel_err": err})
-    return out
-
-
 def attention_bench(batch: int, context: int) -> list[dict]:
     from batchgen.kernels.paged_decode import paged_decode_attention
 
@@ -150,9 +121,6 @@ def main() -> None:
         print(row, flush=True)
     report["attention"] = attention_bench(args.batch, args.context)
     for row in sorted(report["attention"], key=lambda r: r["us"])[:6]:
-        print(row, flush=True)
-    report["skinny_gemm"] = skinny_gemm_bench(args.batch)
-    for row in report["skinny_gemm"]:
         print(row, flush=True)
 
     model = build_model()

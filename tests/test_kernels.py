@@ -214,21 +214,3 @@ def test_paged_prefill_kernel_matches_reference_under_triton_interpreter():
 def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes(window):
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 1, 2048, 700, 512, 33], seq_lens=[900, 3000, 2048, 1900,
                    4096, 33], num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2)
-
-
-SKINNY_INTERPRET_SCRIPT = """
-import sys, torch
-sys.path.insert(0, "bench")
-from skinny_gemm import skinny_linear
-g = torch.Generator().manual_seed(0)
-for m, n, k in [(5, 40, 96), (32, 64, 256), (17, 100, 300)]:
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    for split_k in (1, 2, 4):
-        y = skinny_linear(x, w, block_n=32, block_k=64, split_k=split_k)
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
-print("ok")
-"""
-
-
-def test_skinny_gemm_candidate_matches_linear_under_triton_interpreter():
-    _run_under_interpreter(SKINNY_INTERPRET_SCRIPT)
