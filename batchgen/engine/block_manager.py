@@ -118,9 +118,9 @@ class BlockManager:
                              num_computed_tokens: int) -> None:
         """Make blocks now full of computed tokens findable. `block_keys` is the sequence's chain of keys
         for its leading blocks; it is extended in place (its length is the number of blocks handled)."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or num_computed_tokens // bs <= len(block_keys):
+            return  # the common case, every decode step: no block became full
         num_full = min(num_computed_tokens // bs, len(block_table))
         for i in range(len(block_keys), num_full):
             parent = block_keys[-1] if block_keys else None

@@ -62,6 +62,7 @@ class Request:
     error: str | None = None
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
     followers: list[Request] = field(default_factory=list)
+    last_sampling: object | None = None  # the scheduler's latest SeqSampling, reused while it is unchanged
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -120,15 +120,19 @@ class Scheduler:
         sampling = None
         if samples:
             p = req.params
-            sampling = SeqSampling(
-                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, seed=req.seed,
-                suppressed_token_ids=req.suppressed_token_ids(),
-                # with a carry-over, the in-flight token is the history's last entry: a placeholder too
-                penalty_token_ids=(tuple(req.token_ids) + ((0,) if carry_from is not None else ())
-                                   if p.repetition_penalty != 1.0 else None),
-            )
-        if samples:
+            suppressed = req.suppressed_token_ids()
+            cached = req.last_sampling
+            if (p.repetition_penalty == 1.0 and cached is not None
+                    and cached.suppressed_token_ids == suppressed):
+                sampling = cached  # unchanged since the last step (immutable, so sharing it is safe)
+            else:
+                sampling = req.last_sampling = SeqSampling(
+                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                    repetition_penalty=p.repetition_penalty, seed=req.seed, suppressed_token_ids=suppressed,
+                    # with a carry-over, the in-flight token is the history's last entry: a placeholder too
+                    penalty_token_ids=(tuple(req.token_ids) + ((0,) if carry_from is not None else ())
+                                       if p.repetition_penalty != 1.0 else None),
+                )
             req.pending_row = batch.num_samples
             batch.num_samples += 1
             req.num_pending += 1
