@@ -3,7 +3,8 @@
 Prints, for a graphed decode step of `--batch` sequences at `--context` tokens: the step's device time
 (graph replay, event-timed) and its wall time through `Engine.step`, the kernel time grouped by kernel name
 (torch profiler over graph replays), and isolated micro-benchmarks of what dominates: each decode GEMM shape
-(achieved weight-read bandwidth, cuBLAS and cuBLASLt) and the Triton decode attention over a grid of (splits, block_n).
+(achieved weight-read bandwidth, cuBLAS and cuBLASLt) and the Triton decode attention over a grid of
+(splits, block_n, num_warps, num_stages) against the engine's default launch.
 
     python3 bench/profile_decode.py --batch 32 --context 768 [--compile] [--json out.json]
 """
@@ -97,11 +98,24 @@ def attention_bench(batch: int, context: int) -> list[dict]:
     q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
     kv_bytes = 2 * batch * context * hkv * d * 2
     out = []
-    for splits in (1, 2, 4, 8, 16):
+    for splits in (1, 2, 4):  # 81 configs, each compiled once: ~1-2 minutes
         for block_n in (32, 64, 128):
-            ms = graph_ms(lambda: paged_decode_attention(q, k, v, table, lens, d ** -0.5, splits, block_n))
-            out.append({"splits": splits, "block_n": block_n, "us": round(ms * 1e3, 1),
-                        "kv_TBps": round(kv_bytes / ms / 1e9, 2)})
+            for num_warps in (2, 4, 8):
+                for num_stages in (2, 3, 4):
+                    def run():
+                        return paged_decode_attention(q, k, v, table, lens, d ** -0.5, splits, block_n,
+                                                      num_warps=num_warps, num_stages=num_stages)
+                    try:
+                        ms = graph_ms(run)
+                    except Exception as e:  # a tile too large for shared memory: not a candidate
+                        if "OutOfResources" not in type(e).__name__:
+                            raise
+                        continue
+                    out.append({"splits": splits, "block_n": block_n, "num_warps": num_warps,
+                                "num_stages": num_stages, "us": round(ms * 1e3, 1),
+                                "kv_TBps": round(kv_bytes / ms / 1e9, 2)})
+    default = graph_ms(lambda: paged_decode_attention(q, k, v, table, lens, d ** -0.5))
+    out.append({"engine_default": True, "us": round(default * 1e3, 1), "kv_TBps": round(kv_bytes / default / 1e9, 2)})
     return out
 
 
@@ -120,7 +134,8 @@ def main() -> None:
     for row in report["gemm_m%d" % args.batch]:
         print(row, flush=True)
     report["attention"] = attention_bench(args.batch, args.context)
-    for row in sorted(report["attention"], key=lambda r: r["us"])[:6]:
+    for row in sorted(report["attention"], key=lambda r: r["us"])[:8] + \
+            [r for r in report["attention"] if r.get("engine_default")]:
         print(row, flush=True)
 
     model = build_model()

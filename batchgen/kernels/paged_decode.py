@@ -111,6 +111,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int = 64,
+    num_warps: int | None = None,  # None: Triton's defaults (4 warps, 3 stages); bench/profile_decode sweeps them
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -125,12 +127,13 @@ def paged_decode_attention(
     m = torch.empty(num_seqs * num_kv_heads * num_splits * group_p, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     out = torch.empty_like(query)
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, acc, m, l, scale,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, **launch,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         acc, m, l, out, out.stride(0), out.stride(1),
