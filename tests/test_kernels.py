@@ -214,3 +214,34 @@ def test_paged_prefill_kernel_matches_reference_under_triton_interpreter():
 def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes(window):
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 1, 2048, 700, 512, 33], seq_lens=[900, 3000, 2048, 1900,
                    4096, 33], num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2)
+
+
+ARGMAX_INTERPRET_SCRIPT = """
+import torch
+from batchgen.kernels.argmax import greedy_argmax, num_chunks_for
+g = torch.Generator().manual_seed(0)
+for rows, vocab, dtype in [(3, 9000, torch.float32), (2, 40000, torch.bfloat16), (5, 1000, torch.float32)]:
+    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    x[0, 7] = x[0].max() + 1
+    x[0, vocab - 3] = x[0, 7]  # the same maximum in the first and the last chunk: the first index wins
+    x[1] = float("-inf")  # a row of -inf: index 0, as torch
+    if rows > 2:
+        x[2, 100] = x[2, 101] = x[2].max() + 1  # a tie inside one block
+    got, want = greedy_argmax(x), x.argmax(dim=-1)
+    assert torch.equal(got, want), (rows, vocab, got, want, num_chunks_for(rows, vocab))
+assert num_chunks_for(2, 40000) > 1  # the cross-chunk tie above really crosses chunks
+print("ok")
+"""
+
+
+def test_greedy_argmax_kernel_equals_torch_argmax_ties_included_under_triton_interpreter():
+    _run_under_interpreter(ARGMAX_INTERPRET_SCRIPT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32, 256])
+def test_greedy_argmax_kernel_equals_torch_argmax_bf16_on_gpu(rows):
+    from batchgen.kernels.argmax import greedy_argmax
+
+    x = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)  # bf16: many exact ties
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))

@@ -3,8 +3,8 @@ memory pool (they never run at once). A decode step of n sequences replays the s
 rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the cache's trash slot.
 
 Static inputs live here; `replay` copies a step's values into them. Captured region: the whole decode
-forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax;
-other sampling runs after, eagerly, on the graph's logits.
+forward (the fused decoder, or transformers' model with Triton decode attention) and the greedy argmax
+(Triton, `kernels/argmax.py`); other sampling runs after, eagerly, on the graph's logits.
 
 The graphs are captured with cuBLASLt as torch's BLAS back end (`blas_library`): a graph records the GEMM
 kernels chosen at capture, and at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj
@@ -22,6 +22,7 @@ import torch
 from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.kv_cache import KVCache
+from batchgen.kernels.argmax import greedy_argmax
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -80,15 +81,14 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the step (the part torch.compile may compile)."""
         if self.fused is not None:
             b = input_ids.shape[1]
-            logits = self.fused(input_ids[0], position_ids[0], self.slot_mapping[:b], self.block_tables[:b],
-                                self.seq_lens[:b])
-            return logits, logits.argmax(dim=-1)
+            return self.fused(input_ids[0], position_ids[0], self.slot_mapping[:b], self.block_tables[:b],
+                              self.seq_lens[:b])
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{METADATA_KWARG: self.meta})
-        logits = out.logits[0]  # [B, V]
-        return logits, logits.argmax(dim=-1)
+        return out.logits[0]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -99,10 +99,11 @@ class DecodeGraphs:
         with torch.cuda.stream(stream), paged_attention_enabled(self.model), preferred_blas(self.blas_library):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
                 ids, pos = self.input_ids[:, :b], self.position_ids[:, :b]
-                forward(ids, pos)  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
+                greedy_argmax(forward(ids, pos))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self._logits[b], self._greedy[b] = forward(ids, pos)
+                    self._logits[b] = forward(ids, pos)
+                    self._greedy[b] = greedy_argmax(self._logits[b])
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
