@@ -230,12 +230,23 @@ for rows, vocab, dtype in [(3, 9000, torch.float32), (2, 40000, torch.bfloat16),
     got, want = greedy_argmax(x), x.argmax(dim=-1)
     assert torch.equal(got, want), (rows, vocab, got, want, num_chunks_for(rows, vocab))
 assert num_chunks_for(2, 40000) > 1  # the cross-chunk tie above really crosses chunks
+from batchgen.kernels.argmax import check
+assert check(torch.device("cpu"), 40000) is None  # the self-check the graphs run before using the kernel
 print("ok")
 """
 
 
 def test_greedy_argmax_kernel_equals_torch_argmax_ties_included_under_triton_interpreter():
     _run_under_interpreter(ARGMAX_INTERPRET_SCRIPT)
+
+
+def test_argmax_self_check_reports_a_kernel_that_cannot_run_instead_of_raising():
+    from batchgen.kernels.argmax import check
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("under the interpreter the kernel runs on CPU")
+    reason = check(torch.device("cpu"), 5000)  # compiled Triton cannot launch on CPU tensors
+    assert reason is not None and "Triton argmax" in reason
 
 
 @pytest.mark.gpu

@@ -16,13 +16,14 @@ set only around the capture and restored after; eager steps keep torch's default
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.engine.fused_decoder import FusedDecoder
 from batchgen.engine.kv_cache import KVCache
-from batchgen.kernels.argmax import greedy_argmax
+from batchgen.kernels import argmax
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -93,17 +94,22 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         forward = torch.compile(self._forward, dynamic=True) if self.compile_model else self._forward
+        vocab_size = self.model.config.get_text_config().vocab_size
+        reason = argmax.check(self.kv_cache.k_cache.device, vocab_size)
+        if reason is not None:
+            warnings.warn(f"batchgen: {reason}; decode graphs use torch.argmax", stacklevel=2)
+        greedy = argmax.greedy_argmax if reason is None else argmax.argmax_ref
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), paged_attention_enabled(self.model), preferred_blas(self.blas_library):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
                 ids, pos = self.input_ids[:, :b], self.position_ids[:, :b]
-                greedy_argmax(forward(ids, pos))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
+                greedy(forward(ids, pos))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self._logits[b] = forward(ids, pos)
-                    self._greedy[b] = greedy_argmax(self._logits[b])
+                    self._greedy[b] = greedy(self._logits[b])
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

@@ -82,3 +82,17 @@ def greedy_argmax(logits: torch.Tensor, use_triton: bool = True) -> torch.Tensor
                                                  NUM_CHUNKS=num_chunks, BLOCK=BLOCK, num_warps=4)
     _argmax_merge_kernel[(num_rows,)](vals, idxs, out, NUM_CHUNKS=num_chunks, num_warps=1)
     return out
+
+
+def check(device: torch.device, vocab_size: int) -> str | None:
+    """Run the kernel once on `device` against torch (ties included); None if it agrees, else why not.
+    The graphs fall back to torch's argmax on a failure, so a kernel that does not build there costs speed only."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(4, vocab_size, generator=g).to(device=device, dtype=torch.bfloat16)
+        x[0, 1] = x[0, vocab_size - 1] = x[0].max() + 1  # a tie far apart: the first index must win
+        if torch.equal(greedy_argmax(x), argmax_ref(x)):
+            return None
+        return "the Triton argmax disagreed with torch.argmax"
+    except Exception as e:  # a Triton build or launch failure on this device
+        return f"the Triton argmax failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
