@@ -1,6 +1,12 @@
 """batchgen: offline batch generation for LLMs."""
 
-from batchgen.sampling_params import SamplingParams
+import time
+
+# When this process began importing batchgen (the first thing `batchgen run` does): run reports count the
+# start-up (imports of torch and transformers) from here. A constant, set once.
+IMPORT_STARTED_MONOTONIC = time.monotonic()
+
+from batchgen.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+import batchgen
 from batchgen import __version__
 from batchgen.errors import JobError
 from batchgen.metrics import ThroughputMeter, peak_rss_mib
@@ -66,6 +67,8 @@ class JobLoop:
 
         hf_logging.disable_progress_bar()  # one progress bar: ours
         setup_started = time.monotonic()
+        # from importing batchgen to here: mostly the imports of torch and transformers, then the job's checks
+        self.startup_s = setup_started - batchgen.IMPORT_STARTED_MONOTONIC
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
@@ -249,8 +252,8 @@ class JobLoop:
         return {
             "worker": {"index": self.worker.index, "count": self.worker.count},
             "status": "interrupted" if signum is not None else "complete",
-            "setup_s": round(self.setup_s, 3), "wall_s": round(wall_s, 3), "rows_committed": t.rows_committed,
-            "rows_rejected": t.rows_rejected,
+            "startup_s": round(self.startup_s, 3), "setup_s": round(self.setup_s, 3), "wall_s": round(wall_s, 3),
+            "rows_committed": t.rows_committed, "rows_rejected": t.rows_rejected,
             "rows_skipped_already_done": skipped, "prompt_tokens": t.prompt_tokens,
             "generated_tokens": t.generated_tokens, "cached_prompt_tokens": t.cached_tokens,
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),

@@ -153,7 +153,7 @@ def run(job: Path, out: Path, launcher: str | None, n: str | int) -> dict:
 
 
 def summarize(out: Path) -> dict:
-    """Rows and tokens on disk, and the workers' reports: set-up (model, engine, graphs) and loop wall times.
+    """Rows and tokens on disk, and the workers' reports: start-up (imports), set-up (model, engine, graphs) and loop times.
     `tok_s_loop` is the completion tokens over the slowest worker's loop wall: the data-parallel rate once set up."""
     reports = [json.loads(f.read_text()) for f in sorted((out / "reports").glob("*.json"))]
     rows = read(out)
@@ -163,6 +163,7 @@ def summarize(out: Path) -> dict:
     return {"rows": len(rows), "completion_tokens": tokens,
             "completion_len_p10_p50_p90": [lengths[len(lengths) // 10], lengths[len(lengths) // 2],
                                            lengths[9 * len(lengths) // 10]],
+            "worker_startup_s": [round(r.get("startup_s", 0.0), 2) for r in reports],
             "worker_setup_s": [round(r.get("setup_s", 0.0), 2) for r in reports],
             "worker_wall_s": [round(r["wall_s"], 2) for r in reports],
             "worker_gen_tok_s": [r["generated_tok_s"] for r in reports],
