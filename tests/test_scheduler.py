@@ -89,3 +89,23 @@ def test_followers_wait_for_the_leaders_prompt_then_hit_the_prefix_cache():
     batch = _step(s)
     assert follower.num_cached_tokens == 12  # 3 full blocks shared
     assert [x.num_new_tokens for x in batch.seqs if x.request_id == "p#1"] == [1]
+
+
+def test_block_table_views_handed_out_never_change_when_the_table_grows_or_is_replaced():
+    import numpy as np
+    import pytest
+
+    req = _req("r", 4)
+    req.block_table = [5]
+    first = req.block_table_view()
+    assert first.tolist() == [5] and req.block_table_view() is first  # unchanged: the same view again
+    req.block_table.extend(range(100, 140))  # grows past the buffer: a new buffer
+    grown = req.block_table_view()
+    assert first.tolist() == [5] and grown.tolist() == [5, *range(100, 140)]
+    req.block_table.append(7)  # grows inside the buffer: written past the earlier view's end
+    assert grown.tolist() == [5, *range(100, 140)] and req.block_table_view()[-1] == 7
+    req.block_table = [9, 9]  # preemption / re-admission: a new list, a new buffer
+    assert req.block_table_view().tolist() == [9, 9] and grown[0] == 5
+    with pytest.raises(ValueError):
+        grown[0] = 1  # read-only
+    assert req.block_table_view().dtype == np.int32

@@ -2,11 +2,13 @@
 
 A step is one packed (ragged, unpadded) forward pass: each scheduled sequence contributes the tokens whose
 KV it computes this step (a prefill chunk, or one decode token); sequences that reach their end sample
-one token from the logits of their last position. Nothing here refers to tensors or devices.
+one token from the logits of their last position. Nothing here refers to tensors or devices (block tables
+may be read-only numpy views: host data).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -31,7 +33,9 @@ class SeqSchedule:
     request_id: str
     input_token_ids: tuple[int, ...]  # tokens whose KV this step computes (a chunk of the sequence)
     start_pos: int  # position of input_token_ids[0] == tokens of this sequence already in the cache
-    block_table: tuple[int, ...]  # covers start_pos + len(input_token_ids) tokens
+    # covers start_pos + len(input_token_ids) tokens; the scheduler passes a read-only int32 numpy view
+    # (`Request.block_table_view`: never changes once handed out), a tuple does as well
+    block_table: Sequence[int]
     sampling: SeqSampling | None  # set iff this step reaches the end of the sequence: sample one token
     # Async pipeline: the last input token was sampled by the step still in flight and is not known here.
     # It is a placeholder (0); the runner replaces it on the device by that step's sampled token at this row.

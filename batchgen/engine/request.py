@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from batchgen.sampling_params import SamplingParams
 
 
@@ -63,6 +65,11 @@ class Request:
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
     followers: list[Request] = field(default_factory=list)
     last_sampling: object | None = None  # the scheduler's latest SeqSampling, reused while it is unchanged
+    # int32 mirror of `block_table` (see `block_table_view`): the list it mirrors, a buffer, entries mirrored
+    _table_src: list[int] | None = field(default=None, repr=False)
+    _table_buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    _table_len: int = field(default=0, repr=False)
+    _table_view: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -92,6 +99,30 @@ class Request:
             return True
         return (len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
                 and self.num_tokens + self.num_pending < self.max_model_len)
+
+    def block_table_view(self) -> np.ndarray:
+        """`block_table` as a read-only int32 array, kept in step with the list at O(new blocks) a call, not
+        O(blocks): a step's arrays are then filled without a Python loop over every block of every sequence.
+
+        Invariant that makes handing out views safe: a block table only grows by appends in place, or is
+        replaced by a new list (admission, preemption, finish). An earlier view keeps its contents: appends
+        write past its end, a full buffer is replaced (the view keeps the old one), a new list gets a new buffer."""
+        src = self.block_table
+        if self._table_src is src and len(src) == self._table_len:
+            return self._table_view  # unchanged since the last call: most decode steps
+        if self._table_src is not src:
+            self._table_src, self._table_buf, self._table_len = src, np.empty(max(16, len(src)), np.int32), 0
+        n = len(src)
+        if n > self._table_len:
+            if n > len(self._table_buf):
+                grown = np.empty(max(n, 2 * len(self._table_buf)), np.int32)
+                grown[:self._table_len] = self._table_buf[:self._table_len]
+                self._table_buf = grown
+            self._table_buf[self._table_len:n] = src[self._table_len:n]
+            self._table_len = n
+        view = self._table_view = self._table_buf[:n]
+        view.flags.writeable = False
+        return view
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Tokens that must not be sampled now (EOS and stop ids before min_new_tokens)."""

@@ -137,7 +137,7 @@ class Scheduler:
             batch.num_samples += 1
             req.num_pending += 1
         batch.seqs.append(SeqSchedule(
-            request_id=req.request_id, input_token_ids=inputs, start_pos=start, block_table=tuple(req.block_table),
+            request_id=req.request_id, input_token_ids=inputs, start_pos=start, block_table=req.block_table_view(),
             sampling=sampling, carry_from=carry_from,
         ))
         if samples and num_new == 1:

@@ -10,7 +10,6 @@ to the packed position of its last token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -49,9 +48,10 @@ class StepArrays:
         np.cumsum(q_lens, out=query_start_loc[1:])
         table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
         block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int32)
-        # one vectorised fill (row-major order of the mask == the tables concatenated)
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
+        # one vectorised fill (row-major order of the mask == the tables concatenated); the scheduler's tables
+        # are int32 arrays already, so this copies memory, not Python ints
+        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.concatenate(
+            [np.asarray(s.block_table, dtype=np.int32) for s in seqs])
         input_ids = np.fromiter((t for s in seqs for t in s.input_token_ids), dtype=np.int64,
                                 count=int(query_start_loc[-1]))
         # positions: start_pos .. seq_len - 1 of each sequence, packed
