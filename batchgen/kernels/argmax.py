@@ -66,11 +66,9 @@ def num_chunks_for(num_rows: int, vocab_size: int) -> int:
     return chunks
 
 
-def greedy_argmax(logits: torch.Tensor, use_triton: bool = True) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (any float dtype, last dim contiguous) -> [B] int64, the first index of each row's max.
-    CUDA-graph capturable: the grid depends only on the shape."""
-    if not use_triton:
-        return argmax_ref(logits)
+    CUDA-graph capturable: the grid depends only on the shape. (Callers without Triton use `argmax_ref`.)"""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     num_chunks = num_chunks_for(num_rows, vocab_size)
