@@ -191,6 +191,20 @@ def compare(a: Path, b: Path) -> dict:
             if differing else None}
 
 
+def near_ties(tmp: Path, a: Path, b: Path, max_new_tokens: int, limit: int = 128) -> dict | None:
+    """For up to `limit` rows whose completions differ between outputs a and b: the logit margin where they part
+    (bench/near_ties.py), on the job's prompts."""
+    from near_ties import check
+
+    da = {r["id"]: r["completion"] for r in read(a)}
+    db = {r["id"]: r["completion"] for r in read(b)}
+    keys = sorted(k for k in da if k in db and da[k] != db[k])[:limit]
+    if not keys:
+        return None
+    text = dict(zip(*pq.read_table(tmp / "rows.parquet", columns=["id", "text"]).to_pydict().values()))
+    return check(tmp / "model", [text[k] for k in keys], [da[k] for k in keys], [db[k] for k in keys], max_new_tokens)
+
+
 def kill_one_and_resume(job: Path, out: Path, launcher: str, n: int) -> dict:
     parent = subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out),
                                f"--{launcher}", str(n)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -233,13 +247,14 @@ def main() -> None:
     job = write_job(tmp, max_new_tokens, stop_ids)
     probe_lengths.sort()
     report = {"rows": args.rows, "launcher": args.launcher, "stop_token_ids": stop_ids,
-              "probe_len_p10_p50_p90": [probe_lengths[6], probe_lengths[32], probe_lengths[57]]}
+              "probe_len_p10_p50_p90": [probe_lengths[len(probe_lengths) * q // 10] for q in (1, 5, 9)]}
     if args.one_gpu:
         report["plain"] = run(job, tmp / "plain", None, 0)
         report["gpus_all"] = run(job, tmp / "all", "gpus", "all")
         for k in ("plain", "gpus_all"):
             report[k]["tok_s_end_to_end"] = report[k]["completion_tokens"] / report[k]["wall_s"]
         report["plain_vs_gpus_all"] = compare(tmp / "plain", tmp / "all")
+        report["plain_vs_gpus_all_near_ties"] = near_ties(tmp, tmp / "plain", tmp / "all", max_new_tokens)
         text = json.dumps(report, indent=1)
         print(text)
         if os.environ.get("OUT"):
@@ -260,6 +275,7 @@ def main() -> None:
     report["speedup_end_to_end"] = report["one"]["wall_s"] / report["two"]["wall_s"]
     report["speedup_loop"] = report["two"]["tok_s_loop"] / report["one"]["tok_s_loop"]
     report["one_vs_two"] = compare(tmp / "out1", tmp / "out2")
+    report["one_vs_two_near_ties"] = near_ties(tmp, tmp / "out1", tmp / "out2", max_new_tokens)
     if not args.no_kill:
         report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
         report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
