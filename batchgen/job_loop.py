@@ -232,7 +232,10 @@ class JobLoop:
             r = {key_name: key, "sample_idx": s.sample_idx, **kept}
             if self.spec.output.keep_prompt:
                 r["prompt"] = prompt
-            r.update(completion=s.text, finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,
+            r["completion"] = s.text
+            if self.spec.output.keep_token_ids:
+                r["completion_token_ids"] = list(s.token_ids)
+            r.update(finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,
                      num_completion_tokens=len(s.token_ids), num_cached_tokens=s.num_cached_tokens, seed=s.seed)
             out_rows.append(r)
             t.generated_tokens += len(s.token_ids)

@@ -103,6 +103,7 @@ class OutputSpec(_Strict):
     commit_interval_s: Annotated[float, Field(gt=0)] = 60.0  # commit at least this often, even if a shard is short
     keep_columns: Literal["all", "none"] | list[str] = "all"
     keep_prompt: bool = False
+    keep_token_ids: bool = False  # also store each completion's token ids (list<int32>; a stop token id is kept, as counted)
 
 
 class JobSpec(_Strict):

@@ -127,7 +127,7 @@ def write_job(tmp: Path, max_new_tokens: int, stop_token_ids: list[int]) -> Path
         "sampling": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                      "stop_token_ids": stop_token_ids},
         "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
-        "output": {"dir": str(tmp / "out"), "rows_per_shard": 100, "keep_columns": "none"},
+        "output": {"dir": str(tmp / "out"), "rows_per_shard": 100, "keep_columns": "none", "keep_token_ids": True},
     }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -192,12 +192,15 @@ def compare(a: Path, b: Path) -> dict:
 
 
 def near_ties(tmp: Path, a: Path, b: Path, max_new_tokens: int, limit: int = 128) -> dict | None:
-    """For up to `limit` rows whose completions differ between outputs a and b: the logit margin where they part
+    """For up to `limit` rows whose completions differ between outputs a and b: the logit gap where they part
     (bench/near_ties.py), on the job's prompts."""
     from near_ties import check
 
-    da = {r["id"]: r["completion"] for r in read(a)}
-    db = {r["id"]: r["completion"] for r in read(b)}
+    def ids(out: Path) -> dict:
+        tables = [pq.read_table(f, columns=["id", "completion_token_ids"]) for f in sorted((out / "data").glob("*.parquet"))]
+        return {r["id"]: r["completion_token_ids"] for t in tables for r in t.to_pylist()}
+
+    da, db = ids(a), ids(b)
     keys = sorted(k for k in da if k in db and da[k] != db[k])[:limit]
     if not keys:
         return None

@@ -126,6 +126,9 @@ def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
     assert "sampling.temperature: 0.0 -> 0.5" in result.output and "--fresh" in result.output
     result = _run(job, "--set", "prompt.template=Other {{ topic }}")
     assert result.exit_code == 2 and "prompt.template" in result.output
+    # a change of the data shards' columns would leave shards of two schemas in one output
+    result = _run(job, "--set", "output.keep_token_ids=true")
+    assert result.exit_code == 2 and "output_columns.keep_token_ids: False -> True" in result.output
 
 
 def test_engine_knob_change_is_accepted_and_fresh_starts_over(job, tmp_path):

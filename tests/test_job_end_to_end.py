@@ -78,6 +78,21 @@ def test_rows_without_key_column_are_keyed_by_position_and_prompt_can_be_kept(tm
     assert out[2]["prompt"] == "Say hello number 2." and "text" not in out[2]
 
 
+def test_kept_token_ids_count_and_decode_to_the_completion(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    job = write_job(tmp_path, tiny_model_dir, _make_source(tmp_path, "parquet", seed_rows(8)),
+                    output={"keep_token_ids": True})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = read_rows(tmp_path / "out")
+    assert len(out) == 8
+    for r in out:
+        assert len(r["completion_token_ids"]) == r["num_completion_tokens"] > 0
+        assert tok.decode(r["completion_token_ids"], skip_special_tokens=True) == r["completion"]
+
+
 def test_validate_reports_source_prompts_and_token_lengths(tmp_path, tiny_model_dir):
     job = write_job(tmp_path, tiny_model_dir, _make_source(tmp_path, "jsonl", seed_rows(20)))
     result = runner.invoke(app, ["validate", str(job)])

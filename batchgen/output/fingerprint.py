@@ -31,6 +31,8 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         "prompt": spec.prompt.model_dump(),
         "sampling": spec.sampling.model_dump(),
         "row_identity": {"key_column": spec.source.key_column},
+        # the data shards' columns: shards of one output must share one schema
+        "output_columns": spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
     }
 
 

@@ -12,8 +12,8 @@ import pyarrow as pa
 from batchgen.errors import JobError, RowError
 from batchgen.spec import JobSpec
 
-OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "finish_reason", "num_prompt_tokens",
-                  "num_completion_tokens", "num_cached_tokens", "seed")
+OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
+                  "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,10 @@ class OutputSchema:
         fields = [key_field, pa.field("sample_idx", pa.int32()), *(source_schema.field(c) for c in kept)]
         if spec.output.keep_prompt:
             fields.append(pa.field("prompt", pa.string()))
-        fields += [pa.field("completion", pa.string()), pa.field("finish_reason", pa.string()),
+        fields.append(pa.field("completion", pa.string()))
+        if spec.output.keep_token_ids:
+            fields.append(pa.field("completion_token_ids", pa.list_(pa.int32())))
+        fields += [pa.field("finish_reason", pa.string()),
                    pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
                    pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64())]
         return cls(key_field, tuple(kept), pa.schema(fields))
