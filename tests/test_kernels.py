@@ -91,6 +91,58 @@ def test_paged_decode_kernel_writes_every_output_element():
     assert torch.isfinite(out).all()
 
 
+def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                          num_splits=None, seed=0):
+    """paged_decode_rope_attention against rope_kv_ref + the attention reference: the output, and the caches
+    (the new tokens' K/V written, nothing else touched)."""
+    from batchgen.kernels.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.rope_kv import rope_kv_ref
+
+    _, k_cache, v_cache, block_tables, lens = _case(len(seq_lens), num_heads, num_kv_heads, head_dim, block_size,
+                                                    seq_lens, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(device, dtype)
+    angle = torch.rand(len(seq_lens), head_dim // 2, generator=g) * 6.0
+    cos = torch.cat([angle.cos()] * 2, -1).to(device, dtype)
+    sin = torch.cat([angle.sin()] * 2, -1).to(device, dtype)
+    trash_block = k_cache.shape[0] - 1  # not in any block table (_case leaves 3 spare blocks)
+    pos = (lens.long() - 1).clamp(min=0)
+    slots = torch.where(lens > 0, block_tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size
+                        + pos % block_size, trash_block * block_size)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = rope_kv_ref(qkv, cos, sin, slots, k_ref, v_ref, num_heads, num_kv_heads)
+    ref = _reference(q, k_ref, v_ref, block_tables, lens, head_dim ** -0.5)
+    out = paged_decode_rope_attention(qkv, cos, sin, slots, k_cache, v_cache, block_tables, lens, head_dim ** -0.5,
+                                      num_heads, num_splits=num_splits)
+    assert not out.isnan().any()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < tol, f"relative error {err:.2e}"
+    real = slice(0, trash_block)  # the reference also writes padding rows' K/V to the trash block
+    torch.testing.assert_close(k_cache[real], k_ref[real], atol=1e-6, rtol=0)
+    torch.testing.assert_close(v_cache[real], v_ref[real], atol=0, rtol=0)
+
+
+ROPE_ATTENTION_INTERPRET_SCRIPT = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_rope_attention
+for splits in (1, 2, 4):  # the new token in the first, a middle and the last split; empty splits; a padding row
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits)
+_check_rope_attention("cpu", torch.float32, 1e-5, [5, 19], num_heads=6, num_kv_heads=6, head_dim=24, block_size=8)
+print("ok")
+"""
+
+
+def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_triton_interpreter():
+    _run_under_interpreter(ROPE_ATTENTION_INTERPRET_SCRIPT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[1, 5, 300, 4096, 8448, 17, 0, 2048], [769] * 32])
+def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
+    _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
 # ---- fused decode-step kernels: rmsnorm (+ residual), rotary + K/V write, SiLU-gated activation ----------
 
 def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, head_dim=32, inter=80, atol=1e-5):

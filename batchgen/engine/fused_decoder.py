@@ -2,10 +2,13 @@
 
 transformers' eager modules launch ~45 kernels per layer in a decode step, and cuBLAS runs the small q, k
 and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 GEMM reads its weight at
-~0.3 TB/s on an H200, while one 6144x4096 GEMM reads q+k+v at ~2.1 TB/s). Per layer this runs 9 kernels:
+~0.3 TB/s on an H200, while one 6144x4096 GEMM reads q+k+v at ~2.1 TB/s). Per layer this runs 7 kernels:
 
-    add+RMSNorm -> QKV GEMM -> (q/k RMSNorm +) rotary + K/V cache write -> decode attention (2) -> o GEMM
+    add+RMSNorm -> QKV GEMM -> rotary + K/V cache write + decode attention -> o GEMM
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
+
+(plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there).
 
 The fused QKV and gate/up weights are the model's own memory: the q/k/v (gate/up) Linear weights are
 rebound as views into one concatenated tensor, so the transformers forward (prefill and mixed steps) keeps
@@ -181,6 +184,8 @@ class FusedDecoder:
         [B, W] int32; seq_lens: [B] int32 (cache length after this step; 0 marks a padding row, whose
         slot must be the cache's trash slot). Returns logits [B, V]."""
         tri = self.use_triton
+        if tri:
+            from batchgen.kernels.paged_decode import paged_decode_rope_attention
         num_tokens = input_ids.shape[0]
         residual = self.embed(input_ids)  # [B, hidden]; a fresh tensor, updated in place below
         cos, sin = self.rotary(residual, positions[None])  # [1, B, D] each, in the activation dtype
@@ -191,9 +196,13 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B, (H + 2 Hkv) D]
             k_cache, v_cache = self.kv_cache.layer(i)
-            q = rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads,
-                        qk_norm=layer.qk_norm, use_triton=tri)  # [B, H, D]
-            attn = attend(q, k_cache, v_cache, layer.scale)  # [B, H, D]
+            if tri and layer.qk_norm is None:  # rotary and the K/V write inside the attention kernel
+                attn = paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables,
+                                                   seq_lens, layer.scale, self.num_heads)  # [B, H, D]
+            else:
+                q = rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads,
+                            qk_norm=layer.qk_norm, use_triton=tri)  # [B, H, D]
+                attn = attend(q, k_cache, v_cache, layer.scale)  # [B, H, D]
             o = F.linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             h = rmsnorm(o, layer.post_norm, layer.post_eps, residual=residual, use_triton=tri)
             mlp = F.linear(silu_mul(F.linear(h, layer.gate_up_weight), use_triton=tri), layer.down_weight)

@@ -3,9 +3,14 @@
 Split-K over the context: program (seq, kv_head, split) streams its slice of the sequence's K/V once
 for all G query heads that share that KV head (GQA), keeping an online softmax; a second kernel merges
 the splits. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
-output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS) and every piece of metadata
-is read from device tensors, so a step can be captured in a CUDA graph and replayed with new contents.
-A sequence with seq_len == 0 (a padding row of a graph bucket) gets zeros.
+output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
+and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
+replayed with new contents. A sequence with seq_len == 0 (a padding row of a graph bucket) gets zeros.
+
+`paged_decode_rope_attention` also does rope_kv's work (kernels/rope_kv.py) in the same kernel, saving a
+launch per layer: queries are rotated as they are loaded from the QKV projection, and the program whose
+split holds the new token rotates its key, writes key and value to the token's cache slot, and attends to
+them from registers (no program reads that slot in this step, so the write races with nothing).
 """
 
 from __future__ import annotations
@@ -16,15 +21,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
+    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as the eager model does
+    (rope_kv's rounding); rotate_half(x)[d] = sign[d] * x[partner[d]]."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+    b = (xp.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
+    return (a + sign * b).to(x.dtype)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
+    cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
     scale,
-    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cs,
     stride_kn, stride_kb, stride_kh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -38,8 +55,19 @@ def _decode_split_kernel(
     d = tl.arange(0, D_P)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_P, D_P]
+    q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if FUSE_ROPE:  # q_ptr is the QKV projection [B, (H + 2 Hkv) D]; this step's K/V are not cached yet
+        half = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+        q = _rope(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
+                  sign[None, :])  # [GROUP_P, D_P]
+        end = tl.minimum(end, seq_len - 1)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [GROUP_P, D_P]
 
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
@@ -60,6 +88,25 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+
+    if FUSE_ROPE:
+        new_pos = seq_len - 1  # -1 for an empty row: no split holds it, nothing is written
+        if (new_pos >= start) & (new_pos < start + chunk):
+            num_kv_heads = tl.num_programs(1)
+            k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
+            k_new = _rope(k_row + d, k_row + partner, d_mask, cos, sin, sign).to(k_cache_ptr.dtype.element_ty)
+            v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask, other=0.0)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+            slot = tl.load(slot_ptr + b).to(tl.int64)  # = block * BLOCK_SIZE + offset (contiguous cache)
+            tl.store(k_cache_ptr + slot * stride_kb + h * stride_kh + d, k_new, mask=d_mask)
+            tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
+            m_new = tl.maximum(m_i, score)
+            p = tl.exp(score - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
 
     if NUM_SPLITS == 1:  # the whole context is here: the output itself (an empty sequence's l is 0: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -117,12 +164,40 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32 (0 for padding rows)
     scale: float,
     num_splits: int | None = None,
-    block_n: int | None = None,  # None: the launch bench/profile_decode measured best (below)
+    block_n: int | None = None,  # None: the launch bench/profile_decode measured best (see _launch)
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert query.stride(2) == 1
+    return _launch(query, query.shape[1], None, k_cache, v_cache, block_tables, seq_lens, scale,
+                   num_splits, block_n, num_warps, num_stages)
+
+
+def paged_decode_rope_attention(
+    qkv: torch.Tensor,  # [B, (H + 2 Hkv) D] the step's QKV projection (q heads, k heads, v heads)
+    cos: torch.Tensor,  # [B, D] rotary cos/sin at each sequence's position, in the activation dtype
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B] the new token's cache slot (block * block_size + offset)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous; the new K/V are written here
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [B] int32, the new token included (0 for padding rows)
+    scale: float,
+    num_heads: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    """rope_kv (without Qwen3's q/k norm) followed by paged_decode_attention, in one kernel."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
+                   num_splits, None, None, None)
+
+
+def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale,
+            num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
+    num_seqs = q_src.shape[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads)
     # H200, 32 seqs x 768 context, Llama-8B heads: 1 split at block_n 128 / 4 warps, 2 splits at 64 / 2 warps
@@ -131,22 +206,28 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     group_p = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))
-    assert k_cache.stride(3) == 1 and query.stride(2) == 1 and num_splits & (num_splits - 1) == 0
-    dev = query.device
-    out = torch.empty_like(query)
+    assert k_cache.stride(3) == 1 and num_splits & (num_splits - 1) == 0
+    dev = q_src.device
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q_src.dtype, device=dev)
     if num_splits == 1:  # unused by the kernel, which writes `out` directly
         acc = m = l = out
     else:
         acc = torch.empty(num_seqs * num_kv_heads * num_splits * group_p * d_p, dtype=torch.float32, device=dev)
         m = torch.empty(num_seqs * num_kv_heads * num_splits * group_p, dtype=torch.float32, device=dev)
         l = torch.empty_like(m)
+    if rope is None:
+        cos = sin = slots = seq_lens  # unused
+        stride_qb, stride_qh, stride_cs = q_src.stride(0), q_src.stride(1), 0
+    else:
+        cos, sin, slots = rope
+        stride_qb, stride_qh, stride_cs = q_src.stride(0), head_dim, cos.stride(0)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
+        stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **launch,
+        NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, **launch,
     )
     if num_splits == 1:
         return out
