@@ -85,7 +85,7 @@ def gemm_bench(m: int) -> list[dict]:
     return out
 
 
-def attention_bench(batch: int, context: int) -> list[dict]:
+def attention_bench(batch: int, context: int, sweep: bool = True) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
     from batchgen.kernels.paged_decode import paged_decode_attention
@@ -100,7 +100,7 @@ def attention_bench(batch: int, context: int) -> list[dict]:
     q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
     kv_bytes = 2 * batch * context * hkv * d * 2
     out = []
-    for splits in (1, 2, 4):  # 81 configs, each compiled once: ~1-2 minutes
+    for splits in (1, 2, 4) if sweep else ():  # 81 configs, each compiled once: ~1-2 minutes
         for block_n in (32, 64, 128):
             for num_warps in (2, 4, 8):
                 for num_stages in (2, 3, 4):
@@ -116,7 +116,32 @@ def attention_bench(batch: int, context: int) -> list[dict]:
                                 "kv_TBps": round(kv_bytes / ms / 1e9, 2)})
     default = graph_ms(lambda: paged_decode_attention(q, k, v, table, lens, d ** -0.5))
     out.append({"engine_default": True, "us": round(default * 1e3, 1), "kv_TBps": round(kv_bytes / default / 1e9, 2)})
+    out += rope_fusion_bench(k, v, table, lens, heads)
     return out
+
+
+def rope_fusion_bench(k, v, table, lens, heads: int) -> list[dict]:
+    """The fused decoder's attention step two ways: rope_kv then paged_decode_attention (2-3 kernels), and
+    paged_decode_rope_attention (1-2 kernels) at 1 and 2 splits."""
+    from batchgen.kernels.paged_decode import paged_decode_attention, paged_decode_rope_attention
+    from batchgen.kernels.rope_kv import rope_kv
+
+    batch, (hkv, d) = lens.shape[0], k.shape[2:]
+    qkv = torch.randn(batch, (heads + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.rand(batch, d, device="cuda", dtype=torch.bfloat16), torch.rand(batch, d, device="cuda",
+                                                                                      dtype=torch.bfloat16)
+    slots = (table[:, -1].long() * k.shape[1])  # any slot of each sequence's last block
+
+    def unfused():
+        q = rope_kv(qkv, cos, sin, slots, k, v, heads, hkv)
+        return paged_decode_attention(q, k, v, table, lens, d ** -0.5)
+
+    rows = [{"rope_kv_then_attention": True, "us": round(graph_ms(unfused) * 1e3, 1)}]
+    for splits in (None, 1, 2):
+        ms = graph_ms(lambda: paged_decode_rope_attention(qkv, cos, sin, slots, k, v, table, lens, d ** -0.5, heads,
+                                                          num_splits=splits))
+        rows.append({"rope_fused": True, "splits": splits or "default", "us": round(ms * 1e3, 1)})
+    return rows
 
 
 def main() -> None:
@@ -126,6 +151,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--transformers-forward", action="store_true", help="decode through transformers' modules")
     ap.add_argument("--json")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the 81-launch attention sweep")
     args = ap.parse_args()
     ceilings = measure_ceilings()
     report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context}
@@ -133,9 +159,9 @@ def main() -> None:
     report["gemm_m%d" % args.batch] = gemm_bench(args.batch)
     for row in report["gemm_m%d" % args.batch]:
         print(row, flush=True)
-    report["attention"] = attention_bench(args.batch, args.context)
+    report["attention"] = attention_bench(args.batch, args.context, sweep=not args.no_sweep)
     for row in sorted(report["attention"], key=lambda r: r["us"])[:8] + \
-            [r for r in report["attention"] if r.get("engine_default")]:
+            [r for r in report["attention"] if r.get("engine_default") or "splits" not in r or "rope_fused" in r]:
         print(row, flush=True)
 
     model = build_model()

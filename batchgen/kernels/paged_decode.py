@@ -66,6 +66,16 @@ def _decode_split_kernel(
         q = _rope(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
                   sign[None, :])  # [GROUP_P, D_P]
         end = tl.minimum(end, seq_len - 1)
+        # The new token's K/V, loaded before the loop so their latency hides behind it (only the program
+        # whose split holds the new position uses them; -1 for an empty row: none does, nothing is written).
+        new_pos = seq_len - 1
+        has_new = (new_pos >= start) & (new_pos < start + chunk)
+        num_kv_heads = tl.num_programs(1)
+        k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
+        k_new = _rope(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b, mask=has_new, other=0).to(tl.int64)  # = block * BLOCK_SIZE + offset
     else:
         q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [GROUP_P, D_P]
 
@@ -90,14 +100,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     if FUSE_ROPE:
-        new_pos = seq_len - 1  # -1 for an empty row: no split holds it, nothing is written
-        if (new_pos >= start) & (new_pos < start + chunk):
-            num_kv_heads = tl.num_programs(1)
-            k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
-            k_new = _rope(k_row + d, k_row + partner, d_mask, cos, sin, sign).to(k_cache_ptr.dtype.element_ty)
-            v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask, other=0.0)
-            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-            slot = tl.load(slot_ptr + b).to(tl.int64)  # = block * BLOCK_SIZE + offset (contiguous cache)
+        if has_new:
             tl.store(k_cache_ptr + slot * stride_kb + h * stride_kh + d, k_new, mask=d_mask)
             tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
