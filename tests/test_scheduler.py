@@ -109,3 +109,23 @@ def test_block_table_views_handed_out_never_change_when_the_table_grows_or_is_re
     with pytest.raises(ValueError):
         grown[0] = 1  # read-only
     assert req.block_table_view().dtype == np.int32
+
+
+def test_penalty_history_views_keep_their_contents_as_the_sequence_grows():
+    import numpy as np
+    import pytest
+
+    req = _req("r", 4)
+    req.token_ids = [1, 2, 3, 4]
+    plain = req.token_ids_view(placeholder=False)
+    with_slot = req.token_ids_view(placeholder=True)  # the in-flight token's slot, 0 until the device fills it
+    assert plain.tolist() == [1, 2, 3, 4] and with_slot.tolist() == [1, 2, 3, 4, 0] and plain.dtype == np.int64
+    req.token_ids.append(8)  # the sampled token lands in the placeholder's slot; earlier entries never change
+    assert plain.tolist() == [1, 2, 3, 4] and req.token_ids_view(placeholder=False).tolist() == [1, 2, 3, 4, 8]
+    req.token_ids.extend(range(100, 200))  # past the buffer: a new buffer, earlier views keep the old one
+    grown = req.token_ids_view(placeholder=True)
+    assert grown.tolist() == [1, 2, 3, 4, 8, *range(100, 200), 0] and plain.tolist() == [1, 2, 3, 4]
+    req.token_ids = [7]  # a new list: a new buffer
+    assert req.token_ids_view(placeholder=False).tolist() == [7] and grown[0] == 1
+    with pytest.raises(ValueError):
+        grown[0] = 5  # read-only

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SeqSampling:
@@ -24,8 +26,9 @@ class SeqSampling:
     seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
     suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
     # prompt + output, only when repetition_penalty != 1; when the sequence's SeqSchedule has `carry_from`,
-    # the last entry is the in-flight token's placeholder (the runner fills it on the device)
-    penalty_token_ids: tuple[int, ...] | None
+    # the last entry is the in-flight token's placeholder (the runner fills it on the device). The scheduler
+    # hands over a read-only int64 view (`Request.token_ids_view`), read once when the step's inputs are built.
+    penalty_token_ids: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,10 @@ class Request:
     _table_buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
     _table_len: int = field(default=0, repr=False)
     _table_view: np.ndarray | None = field(default=None, repr=False)
+    # int64 mirror of `token_ids` for repetition-penalty histories (see `token_ids_view`)
+    _ids_src: list[int] | None = field(default=None, repr=False)
+    _ids_buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    _ids_len: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -121,6 +125,32 @@ class Request:
             self._table_buf[self._table_len:n] = src[self._table_len:n]
             self._table_len = n
         view = self._table_view = self._table_buf[:n]
+        view.flags.writeable = False
+        return view
+
+    def token_ids_view(self, placeholder: bool) -> np.ndarray:
+        """`token_ids` as a read-only int64 array (plus one trailing slot for the in-flight token when
+        `placeholder`), kept in step with the list at O(new tokens) a call: a repetition penalty's history
+        without converting the whole sequence from Python every step.
+
+        Same invariant as `block_table_view`: `token_ids` only grows by appends (or is replaced by a new
+        list), so an earlier view keeps its contents, except its placeholder slot, which is where the next
+        append writes. That is harmless: the runner overwrites placeholders on the device with the sampled id."""
+        src = self.token_ids
+        if self._ids_src is not src:
+            self._ids_src, self._ids_buf, self._ids_len = src, np.empty(max(64, len(src) + 1), np.int64), 0
+        n = len(src)
+        size = n + placeholder
+        if size > len(self._ids_buf):
+            grown = np.empty(max(size, 2 * len(self._ids_buf)), np.int64)
+            grown[:self._ids_len] = self._ids_buf[:self._ids_len]
+            self._ids_buf = grown
+        if n > self._ids_len:
+            self._ids_buf[self._ids_len:n] = src[self._ids_len:n]
+            self._ids_len = n
+        if placeholder:
+            self._ids_buf[n] = 0
+        view = self._ids_buf[:size]
         view.flags.writeable = False
         return view
 

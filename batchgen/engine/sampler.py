@@ -78,10 +78,12 @@ class SamplingTensors:
             "noise_key": np.array([row_noise_key(r.seed, p) for r, p in zip(rows, positions)], dtype=np.int64),
         }
         if any(r.repetition_penalty != 1.0 for r in rows):
-            width = max(len(r.penalty_token_ids or (0,)) for r in rows)
+            # histories are numpy views from the scheduler (one memory copy each), or any sequence of ids
+            histories = [r.penalty_token_ids if r.penalty_token_ids is not None and len(r.penalty_token_ids) > 0
+                         else (0,) for r in rows]
+            width = max(len(h) for h in histories)
             padded = np.empty((len(rows), width), dtype=np.int64)
-            for i, r in enumerate(rows):
-                ids = r.penalty_token_ids or (0,)
+            for i, ids in enumerate(histories):
                 padded[i, :len(ids)] = ids
                 padded[i, len(ids):] = ids[0]
             arrays["penalty"] = np.array([r.repetition_penalty for r in rows], dtype=np.float32)

@@ -130,7 +130,7 @@ class Scheduler:
                     temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                     repetition_penalty=p.repetition_penalty, seed=req.seed, suppressed_token_ids=suppressed,
                     # with a carry-over, the in-flight token is the history's last entry: a placeholder too
-                    penalty_token_ids=(tuple(req.token_ids) + ((0,) if carry_from is not None else ())
+                    penalty_token_ids=(req.token_ids_view(placeholder=carry_from is not None)
                                        if p.repetition_penalty != 1.0 else None),
                 )
             req.pending_row = batch.num_samples
