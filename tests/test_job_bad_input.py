@@ -131,6 +131,17 @@ def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
     assert result.exit_code == 2 and "output_columns.keep_token_ids: False -> True" in result.output
 
 
+def test_an_output_begun_before_a_fingerprint_component_existed_still_resumes(job, tmp_path):
+    assert _run(job).exit_code == 0
+    path = tmp_path / "out" / "fingerprint.json"
+    recorded = json.loads(path.read_text())
+    del recorded["components"]["output_columns"]  # as written by a batchgen that did not record it
+    path.write_text(json.dumps(recorded))
+    again = _run(job)
+    assert again.exit_code == 0 and "6 already done" in again.output, again.output
+    assert _run(job, "--set", "sampling.temperature=0.5").exit_code == 2  # the recorded components still count
+
+
 def test_engine_knob_change_is_accepted_and_fresh_starts_over(job, tmp_path):
     assert _run(job, "--set", "output.rows_per_shard=100").exit_code == 0
     assert _run(job, "--set", "engine.max_num_seqs=2", "--set", "engine.block_size=4").exit_code == 0

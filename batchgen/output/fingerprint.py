@@ -46,11 +46,14 @@ def _diff(old: Any, new: Any, path: str) -> list[str]:
 
 
 def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
-    """First run: record the fingerprint. Later runs: refuse if it changed."""
+    """First run: record the fingerprint. Later runs: refuse if it changed. A component that the stored
+    fingerprint predates (an output begun by an earlier batchgen) is not compared, so an upgrade alone never
+    blocks a resume."""
     path = out_dir / FILE
     if path.exists():
         stored = json.loads(path.read_text())["components"]
-        changes = _diff(stored, json.loads(json.dumps(current, default=str)), "")
+        comparable = {k: v for k, v in json.loads(json.dumps(current, default=str)).items() if k in stored}
+        changes = _diff(stored, comparable, "")
         if changes:
             raise JobError(
                 f"refusing to resume into {out_dir}: what decides the output changed since it was started:\n  - "
