@@ -56,16 +56,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--penalty", type=float, nargs="+", default=[1.0, 1.1])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--json")
     args = ap.parse_args()
-    rows = []
-    for penalty in args.penalty:
+    for penalty in args.penalty:  # one JSON line per configuration
         for context in args.context:
-            rows.append(measure(args.seqs, context, penalty, args.steps))
-            print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            print(json.dumps(measure(args.seqs, context, penalty, args.steps)), flush=True)
 
 
 if __name__ == "__main__":
