@@ -135,6 +135,7 @@ class JobLoop:
                         pass
                 except Exception:  # the original error is the one to report
                     pass
+            self.meter.close()  # also removes its garbage-collector hook from the process
             raise
         while self._commit():
             pass
@@ -168,6 +169,7 @@ class JobLoop:
         rows = iter(self.source)
         exhausted = False
         while True:
+            t_admit = time.perf_counter()
             while stop.signum is None and not exhausted and engine.num_unfinished_prompts < lookahead:
                 row = next(rows, None)
                 if row is None:
@@ -178,6 +180,7 @@ class JobLoop:
                         skipped += 1
                     else:
                         self._admit(row, key, pending)
+            totals.admit_s += time.perf_counter() - t_admit
             if stop.signum is not None or (exhausted and not engine.has_unfinished):
                 return skipped  # on a signal, in-flight rows are abandoned: the next run generates them
             faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
@@ -246,8 +249,10 @@ class JobLoop:
         self.meter.row_finished(sum(len(s.token_ids) for s in result.samples))
 
     def _commit(self) -> int:
+        t0 = time.perf_counter()
         n = self.writer.commit()
         self.meter.totals.rows_committed += n
+        self.meter.totals.commit_s += time.perf_counter() - t0
         return n
 
     def _report(self, wall_s: float, skipped: int, signum: int | None) -> dict[str, Any]:
@@ -260,6 +265,8 @@ class JobLoop:
             "rows_skipped_already_done": skipped, "prompt_tokens": t.prompt_tokens,
             "generated_tokens": t.generated_tokens, "cached_prompt_tokens": t.cached_tokens,
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),
+            "loop_s": {"step": round(t.step_s, 3), "admit": round(t.admit_s, 3), "commit": round(t.commit_s, 3),
+                       "gc": round(t.gc_s, 3)},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
             "engine": self.engine.stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),

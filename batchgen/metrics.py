@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -21,6 +22,10 @@ class Totals:
     generated_tokens: int = 0
     cached_tokens: int = 0
     step_s: float = 0.0  # time in engine steps (prepare + forward + sample)
+    # Where the rest of the loop's time goes, so a host-bound run shows which part grows:
+    admit_s: float = 0.0  # reading, rendering and tokenizing rows, and adding them to the engine
+    commit_s: float = 0.0  # writing and fsyncing shards, manifest lines
+    gc_s: float = 0.0  # Python's cyclic garbage collector, wherever it ran (see GcTimer)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rejects_by_class: dict[str, int] = field(default_factory=dict)
 
@@ -41,6 +46,26 @@ def rss_mib() -> float:
         return 0.0
 
 
+class GcTimer:
+    """Adds the time of every garbage-collector pass to `totals.gc_s` while installed (gc.callbacks is
+    process-wide state: installed by the meter, removed by its close)."""
+
+    def __init__(self, totals: Totals) -> None:
+        self.totals = totals
+        self._started = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.totals.gc_s += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+
 class ThroughputMeter:
     def __init__(self, log_path: Path, expected_rows: int | None, interval_s: float = 5.0,
                  show_progress: bool = True) -> None:
@@ -48,6 +73,7 @@ class ThroughputMeter:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s = interval_s
         self.totals = Totals()
+        self._gc_timer = GcTimer(self.totals)
         self.start = time.monotonic()
         self._last_t = self.start
         self._last_gen = 0
@@ -78,7 +104,8 @@ class ThroughputMeter:
             "gen_tok_s_window": round((t.generated_tokens - self._last_gen) / window, 2),
             "gen_tok_s_overall": round(t.generated_tokens / max(now - self.start, 1e-9), 2),
             "rows_s_window": round((t.rows_done - self._last_rows) / window, 3),
-            "step_s": round(t.step_s, 3), "rss_mib": round(rss_mib(), 1),
+            "step_s": round(t.step_s, 3), "admit_s": round(t.admit_s, 3), "commit_s": round(t.commit_s, 3),
+            "gc_s": round(t.gc_s, 3), "rss_mib": round(rss_mib(), 1),
             **engine_stats,
         }
         with open(self.log_path, "a") as f:
@@ -86,4 +113,5 @@ class ThroughputMeter:
         self._last_t, self._last_gen, self._last_rows = now, t.generated_tokens, t.rows_done
 
     def close(self) -> None:
+        self._gc_timer.remove()
         self._bar.close()

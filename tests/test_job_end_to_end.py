@@ -52,7 +52,31 @@ def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_mo
     report = json.loads(next((tmp_path / "out" / "reports").glob("*.json")).read_text())
     assert report["rows_committed"] == 13 and report["generated_tokens"] == sum(r["num_completion_tokens"] for r in out)
     log = (tmp_path / "out" / "logs" / "throughput-w00000.jsonl").read_text().splitlines()
-    assert json.loads(log[-1])["rows_done"] == 13
+    last = json.loads(log[-1])
+    assert last["rows_done"] == 13
+    # where the loop's time went: engine steps, admitting rows, commits (3 shards here), garbage collection
+    assert last["step_s"] > 0 and last["admit_s"] > 0 and last["commit_s"] > 0 and last["gc_s"] >= 0
+    assert set(report["loop_s"]) == {"step", "admit", "commit", "gc"}
+
+
+def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind():
+    import gc
+
+    from batchgen.metrics import GcTimer, Totals
+
+    totals = Totals()
+    timer = GcTimer(totals)
+    garbage = [[] for _ in range(20000)]
+    for a, b in zip(garbage, garbage[1:]):
+        a.append(b)
+        b.append(a)  # reference cycles: real work for the collector
+    del garbage, a, b
+    gc.collect()
+    timer.remove()
+    assert totals.gc_s > 0 and timer not in gc.callbacks
+    before = totals.gc_s
+    gc.collect()
+    assert totals.gc_s == before
 
 
 def test_second_run_skips_everything_and_status_reports_completion(tmp_path, tiny_model_dir):
