@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from batchgen.engine.list_mirror import ListMirror
 from batchgen.sampling_params import SamplingParams
 
 
@@ -65,15 +66,9 @@ class Request:
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
     followers: list[Request] = field(default_factory=list)
     last_sampling: object | None = None  # the scheduler's latest SeqSampling, reused while it is unchanged
-    # int32 mirror of `block_table` (see `block_table_view`): the list it mirrors, a buffer, entries mirrored
-    _table_src: list[int] | None = field(default=None, repr=False)
-    _table_buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
-    _table_len: int = field(default=0, repr=False)
-    _table_view: np.ndarray | None = field(default=None, repr=False)
-    # int64 mirror of `token_ids` for repetition-penalty histories (see `token_ids_view`)
-    _ids_src: list[int] | None = field(default=None, repr=False)
-    _ids_buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
-    _ids_len: int = field(default=0, repr=False)
+    # numpy mirrors of `block_table` and `token_ids` (see `block_table_view`, `token_ids_view`)
+    _table_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int32), repr=False)
+    _ids_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int64, min_capacity=64), repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -105,54 +100,15 @@ class Request:
                 and self.num_tokens + self.num_pending < self.max_model_len)
 
     def block_table_view(self) -> np.ndarray:
-        """`block_table` as a read-only int32 array, kept in step with the list at O(new blocks) a call, not
-        O(blocks): a step's arrays are then filled without a Python loop over every block of every sequence.
-
-        Invariant that makes handing out views safe: a block table only grows by appends in place, or is
-        replaced by a new list (admission, preemption, finish). An earlier view keeps its contents: appends
-        write past its end, a full buffer is replaced (the view keeps the old one), a new list gets a new buffer."""
-        src = self.block_table
-        if self._table_src is src and len(src) == self._table_len:
-            return self._table_view  # unchanged since the last call: most decode steps
-        if self._table_src is not src:
-            self._table_src, self._table_buf, self._table_len = src, np.empty(max(16, len(src)), np.int32), 0
-        n = len(src)
-        if n > self._table_len:
-            if n > len(self._table_buf):
-                grown = np.empty(max(n, 2 * len(self._table_buf)), np.int32)
-                grown[:self._table_len] = self._table_buf[:self._table_len]
-                self._table_buf = grown
-            self._table_buf[self._table_len:n] = src[self._table_len:n]
-            self._table_len = n
-        view = self._table_view = self._table_buf[:n]
-        view.flags.writeable = False
-        return view
+        """`block_table` as a read-only int32 array, kept in step with the list at O(new blocks) a call
+        (engine/list_mirror.py says why handing it out is safe)."""
+        return self._table_mirror.view(self.block_table)
 
     def token_ids_view(self, placeholder: bool) -> np.ndarray:
-        """`token_ids` as a read-only int64 array (plus one trailing slot for the in-flight token when
-        `placeholder`), kept in step with the list at O(new tokens) a call: a repetition penalty's history
-        without converting the whole sequence from Python every step.
-
-        Same invariant as `block_table_view`: `token_ids` only grows by appends (or is replaced by a new
-        list), so an earlier view keeps its contents, except its placeholder slot, which is where the next
-        append writes. That is harmless: the runner overwrites placeholders on the device with the sampled id."""
-        src = self.token_ids
-        if self._ids_src is not src:
-            self._ids_src, self._ids_buf, self._ids_len = src, np.empty(max(64, len(src) + 1), np.int64), 0
-        n = len(src)
-        size = n + placeholder
-        if size > len(self._ids_buf):
-            grown = np.empty(max(size, 2 * len(self._ids_buf)), np.int64)
-            grown[:self._ids_len] = self._ids_buf[:self._ids_len]
-            self._ids_buf = grown
-        if n > self._ids_len:
-            self._ids_buf[self._ids_len:n] = src[self._ids_len:n]
-            self._ids_len = n
-        if placeholder:
-            self._ids_buf[n] = 0
-        view = self._ids_buf[:size]
-        view.flags.writeable = False
-        return view
+        """`token_ids` as a read-only int64 array, a repetition penalty's history, plus one trailing slot for
+        the in-flight token when `placeholder`. The next append writes that slot, which is harmless: the
+        runner overwrites placeholders on the device with the sampled id."""
+        return self._ids_mirror.view(self.token_ids, placeholder)
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Tokens that must not be sampled now (EOS and stop ids before min_new_tokens)."""
