@@ -66,14 +66,14 @@ def run(job: JobArg, set_: SetOpt = None,
         = None,
         progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
     """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
-    from batchgen.job import fresh_start, run_job
-    from batchgen.spec import load_spec
-    from batchgen.workers import resolve_worker
+    from batchgen.job.run import fresh_start, run_job
+    from batchgen.job.spec import load_spec
+    from batchgen.job.workers import resolve_worker
 
     spec = load_spec(job, set_ or [], output)
     if workers is not None or gpus is not None:
         from batchgen.errors import JobError
-        from batchgen.launcher import launch, resolve_gpus
+        from batchgen.job.launcher import launch, resolve_gpus
 
         if worker_index is not None or num_workers is not None or (workers is not None and gpus is not None):
             raise JobError("--workers/--gpus start their own workers: drop --worker-index/--num-workers, and give "
@@ -109,8 +109,8 @@ def validate(job: JobArg, set_: SetOpt = None,
              sample_rows: Annotated[int, typer.Option(help="Rows to render and tokenize for the audit.")] = 1000,
              show: Annotated[int, typer.Option(help="Rendered prompts to print.")] = 2) -> None:
     """Check a job without generating: spec, source, prompts, token lengths, model config."""
-    from batchgen.spec import load_spec
-    from batchgen.validate import audit
+    from batchgen.job.spec import load_spec
+    from batchgen.job.validate import audit
 
     spec = load_spec(job, set_ or [])
     typer.echo(audit(spec, sample_rows=sample_rows, show=show))
@@ -152,7 +152,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
     if workload == "mixed":
-        from batchgen.bench_mixed import main as mixed_main
+        from batchgen.bench.mixed import main as mixed_main
 
         unknown = set(filter(None, transformers.split(","))) - {"async"}
         if unknown:
@@ -162,7 +162,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
                    json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9)
         return
-    from batchgen.bench import main as bench_main
+    from batchgen.bench.seed import main as bench_main
 
     requests = requests or 32
     bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,

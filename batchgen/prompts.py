@@ -9,7 +9,7 @@ import jinja2
 import jinja2.meta
 
 from batchgen.errors import JobError, RowError
-from batchgen.spec import PromptSpec
+from batchgen.job.spec import PromptSpec
 
 __all__ = ["PromptRenderer", "RowError"]
 

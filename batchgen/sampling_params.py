@@ -1,57 +1,60 @@
-"""SamplingParams: what to generate for one prompt. Plain, validated, immutable."""
+"""SamplingParams: what to generate for one prompt. Plain, validated, immutable.
+
+The one definition of the sampling settings: the job file's `sampling:` section is this model, so a new
+setting is a field here (plus its use in `sample/`), and the job file, `--set` and the Python API all get it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(BaseModel):
     """Decoding settings of one prompt (and its `n` samples).
 
     temperature == 0 means greedy. top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters.
-    Sample `i` of a prompt draws its noise from `derive_seed(seed, i)` and the token position, so the
-    tokens it gets do not depend on what else is in the batch or on the order of arrival.
+    Seeds: sample 0 of a prompt uses `seed` itself and sample i > 0 `derive_seed(seed, i)` (the job runner
+    passes its own per-row seeds instead); the noise of each draw is a function of that seed and the token
+    position only, so the tokens a sample gets do not depend on what else is in the batch or on arrival order.
+    Invalid values raise pydantic's ValidationError, a ValueError that names the field.
     """
 
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    n: int = 1
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: PositiveInt = 256
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0  # EOS and stop ids are suppressed before this many tokens
+    temperature: Annotated[float, Field(ge=0)] = 0.7
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    stop: tuple[str, ...] = ()  # stop strings; a single string is one stop string
+    stop_token_ids: tuple[int, ...] = ()
+    n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
     seed: int = 0
     ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        problems = []
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            problems.append(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            problems.append(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.n < 1:
-            problems.append(f"n must be >= 1, got {self.n}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            problems.append("stop strings must be non-empty strings")
-        if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_string_is_one_stop(cls, value):
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingParams:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:

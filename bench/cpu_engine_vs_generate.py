@@ -15,7 +15,7 @@ import time
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
-from batchgen.engine.loader import load_model_and_tokenizer
+from batchgen.runner.loader import load_model_and_tokenizer
 
 TOPICS = ["the ocean", "volcanoes", "bread baking", "chess openings", "the Roman empire", "honeybees", "jazz",
           "black holes", "composting", "the printing press", "glaciers", "origami", "vaccines", "typography",

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchgen.bench import build_model, measure_ceilings, seed_prompts  # noqa: E402
+from batchgen.bench.seed import build_model, measure_ceilings, seed_prompts  # noqa: E402
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.engine import Engine  # noqa: E402
 from batchgen.sampling_params import SamplingParams  # noqa: E402
@@ -165,8 +165,8 @@ def main() -> None:
         print(row, flush=True)
 
     model = build_model()
-    engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True,
-                                              compile_model=args.compile,
+    engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True, async_pipeline=False,
+                                              compile=args.compile,
                                               fused_decoder=not args.transformers_forward))
     for p in seed_prompts(args.batch, args.context):
         engine.add_request(p, SamplingParams(max_new_tokens=4096, temperature=0.0, ignore_eos=True))

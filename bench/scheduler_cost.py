@@ -15,9 +15,10 @@ import time
 
 import torch
 
+from batchgen.engine.batch import StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request
-from batchgen.engine.sampler import SamplingTensors
+from batchgen.sample.tensors import SamplingTensors
 from batchgen.engine.scheduler import Scheduler
 from batchgen.sampling_params import SamplingParams
 
@@ -33,7 +34,7 @@ def measure(num_seqs: int, context: int, penalty: float, steps: int) -> dict:
         s.add(Request(request_id=f"r{i}", prompt_token_ids=[(i * 7 + j) % VOCAB for j in range(context)],
                       params=params, seed=0, eos_token_ids=frozenset({2}), max_model_len=context + steps + 16))
     batch = s.schedule()  # the whole prefill in one step
-    s.update(batch, [7] * batch.num_samples)
+    s.update(batch, StepOutput([7] * batch.num_samples))
     schedule_s, build_s = [], []
     for k in range(steps):
         t0 = time.perf_counter()
@@ -42,7 +43,7 @@ def measure(num_seqs: int, context: int, penalty: float, steps: int) -> dict:
         rows = [x.sampling for x in batch.seqs if x.sampling is not None]
         SamplingTensors.build(rows, [0] * len(rows), VOCAB, torch.device("cpu"))
         t2 = time.perf_counter()
-        s.update(batch, [(k * 13 + i) % VOCAB for i in range(batch.num_samples)])
+        s.update(batch, StepOutput([(k * 13 + i) % VOCAB for i in range(batch.num_samples)]))
         schedule_s.append(time.perf_counter() - t2 + t1 - t0)
         build_s.append(t2 - t1)
     return {"seqs": num_seqs, "context": context, "repetition_penalty": penalty,

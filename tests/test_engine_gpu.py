@@ -21,7 +21,7 @@ def test_greedy_on_gpu_matches_transformers_generate_fp32(arch, cuda_graphs, fus
     expected = [hf_greedy(model, p, 16) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
                                               cuda_graphs=cuda_graphs, fused_decoder=fused))
-    assert (engine.runner.decode_forward == "fused") == fused
+    assert engine.runner.decode_forward.is_fused == fused
     assert engine.runner.use_triton and (engine.runner.graphs is not None) == cuda_graphs
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
                                                                                    ignore_eos=True))]
@@ -45,7 +45,7 @@ def test_compiled_graphed_decode_matches_transformers_generate_fp32():
     model = make_model("qwen3").cuda()
     prompts = random_prompts((5, 17, 33, 8, 64, 1, 9, 2, 40))  # 9 sequences: bucket 16
     expected = [hf_greedy(model, p, 12) for p in prompts]
-    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32, compile_model=True))
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32, compile=True))
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
-from batchgen.engine.fused_decoder import FusedDecoder, unsupported_reason
-from batchgen.engine.kv_cache import KVCache, KVGeometry
+from batchgen.models.llama import LlamaDecoder
+from batchgen.models.registry import unsupported_reason
+from batchgen.attention.kv_cache import KVCache, KVGeometry
 from conftest import hf_greedy, make_model, random_prompts
 
 
@@ -19,7 +20,7 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
     model = make_model("qwen2")  # q/k/v with biases
     ids = torch.tensor([random_prompts((12,))[0]])
     before = model(ids).logits
-    decoder = FusedDecoder(model, _cache(model), use_triton=False)
+    decoder = LlamaDecoder(model, _cache(model), use_triton=False)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     fused = decoder.layers[0]
     assert attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
@@ -27,7 +28,7 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
         fused.qkv_bias.data_ptr() + fused.qkv_bias.numel() * 4
     assert mlp.up_proj.weight.data_ptr() == fused.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
     torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
-    again = FusedDecoder(model, _cache(model), use_triton=False)  # a second engine on the same model
+    again = LlamaDecoder(model, _cache(model), use_triton=False)  # a second engine on the same model
     assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
 
 
@@ -37,10 +38,10 @@ def test_engine_decodes_through_the_fused_forward_and_matches_transformers_gener
     prompts = random_prompts((5, 17, 33, 8))
     expected = [hf_greedy(model, p, 12) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
-    assert engine.runner.decode_forward == "fused"
+    assert engine.runner.decode_forward.is_fused and engine.runner.decode_forward.name == "fused"
     calls = []
-    fused_call = engine.runner.fused.__call__
-    engine.runner.fused = lambda *a: calls.append(1) or fused_call(*a)
+    fused_call = engine.runner.decode_forward.__call__
+    engine.runner.decode_forward = lambda *a: calls.append(1) or fused_call(*a)
     got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [r.samples[0].token_ids for r in got] == expected
     assert len(calls) >= 11  # every decode step went through it
@@ -57,7 +58,7 @@ def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_n
     assert "sliding window 16" in unsupported_reason(windowed, 1024)
     assert unsupported_reason(windowed, 16) is None
     engine = Engine(make_model("llama"), None, EngineConfig(num_kv_blocks=8, fused_decoder=False))
-    assert engine.runner.fused is None and engine.runner.decode_forward == "transformers (off)"
+    assert engine.runner.decode_forward.name == "transformers (off)"
 
 
 def test_a_fused_decoder_that_fails_on_the_device_falls_back_to_transformers_and_says_why(monkeypatch):
@@ -68,10 +69,10 @@ def test_a_fused_decoder_that_fails_on_the_device_falls_back_to_transformers_and
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr("batchgen.engine.fused_decoder.rope_kv", broken)
+    monkeypatch.setattr("batchgen.models.blocks.rope_kv", broken)
     with pytest.warns(UserWarning, match="fused decoder failed on cpu: RuntimeError: no kernel image"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=16, block_size=16))
-    assert engine.runner.fused is None and engine.runner.decode_forward.startswith("transformers (the fused")
+    assert engine.runner.decode_forward.name.startswith("transformers (the fused")
     got = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
     assert [r.samples[0].token_ids for r in got] == expected
 
@@ -80,8 +81,8 @@ FUSED_STEP_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from conftest import make_model
-from batchgen.engine.fused_decoder import FusedDecoder
-from batchgen.engine.kv_cache import KVCache, KVGeometry
+from batchgen.models.llama import LlamaDecoder
+from batchgen.attention.kv_cache import KVCache, KVGeometry
 for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qwen3: rope_kv (q/k norm) first
     model = make_model(arch)
     caches = [KVCache(KVGeometry.from_config(model.config), 8, 16, torch.float32, torch.device("cpu")) for _ in "ab"]
@@ -95,7 +96,7 @@ for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qw
     pos = (seq_lens.long() - 1).clamp(min=0)
     slots = torch.where(seq_lens > 0, tables.long()[torch.arange(4), pos // 16] * 16 + pos % 16, caches[0].trash_slot)
     ids = torch.randint(3, model.config.vocab_size, (4,), generator=g)
-    logits = [FusedDecoder(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
+    logits = [LlamaDecoder(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
     torch.testing.assert_close(logits[0][:3], logits[1][:3], atol=1e-4, rtol=1e-4)
     real = slice(0, 8)  # the reference also writes the padding row's K/V into the trash block
     torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)

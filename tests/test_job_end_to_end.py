@@ -62,7 +62,7 @@ def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_mo
 def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind():
     import gc
 
-    from batchgen.metrics import GcTimer, Totals
+    from batchgen.job.metrics import GcTimer, Totals
 
     totals = Totals()
     timer = GcTimer(totals)

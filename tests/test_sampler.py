@@ -7,7 +7,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from batchgen.engine.batch import SeqSampling
-from batchgen.engine.sampler import SamplingTensors, sample, uniform_noise
+from batchgen.sample.noise import uniform_noise
+from batchgen.sample.sampler import SamplingTensors, sample
 
 
 def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0, suppress=(), history=None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from batchgen.engine.batch import StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler
@@ -16,7 +17,7 @@ def _req(rid: str, prompt_len: int, max_new: int = 4, start: int = 0) -> Request
 
 def _step(s: Scheduler, token: int = 7):
     batch = s.schedule()
-    s.update(batch, [token] * batch.num_samples)
+    s.update(batch, StepOutput([token] * batch.num_samples))
     return batch
 
 

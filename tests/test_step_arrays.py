@@ -13,7 +13,7 @@ def _seq(rid, tokens, start, table, sample):
 
 
 def test_mixed_batch_is_packed_decodes_first_and_last_index_follows_batch_order():
-    from batchgen.engine.step_arrays import StepArrays
+    from batchgen.runner.step_arrays import StepArrays
 
     batch = ScheduledBatch(seqs=[
         _seq("chunk0", [10, 11, 12], 0, [7], sample=False),  # first chunk of a prompt
@@ -33,7 +33,7 @@ def test_mixed_batch_is_packed_decodes_first_and_last_index_follows_batch_order(
 
 
 def test_batch_already_decodes_first_keeps_its_order():
-    from batchgen.engine.step_arrays import StepArrays
+    from batchgen.runner.step_arrays import StepArrays
 
     batch = ScheduledBatch(seqs=[_seq("a", [1], 3, [0], True), _seq("b", [2, 3], 0, [1], True)])
     a = StepArrays.build(batch, block_size=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchgen.errors import JobError
-from batchgen.workers import WorkerInfo, resolve_worker
+from batchgen.job.workers import WorkerInfo, resolve_worker
 
 
 @pytest.mark.parametrize("env,expected", [

@@ -68,3 +68,11 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step gives back to the host (the runner -> scheduler contract). Room for per-token log-probs
+    and grammar state; today the sampled ids."""
+
+    token_ids: list[int]  # one per sequence with `sampling`, in `ScheduledBatch.seqs` order

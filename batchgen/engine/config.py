@@ -1,33 +1,35 @@
-"""EngineConfig: the engine's knobs. None of them changes what is generated, only how fast."""
+"""EngineConfig: the engine's knobs. None of them changes what is generated, only how fast.
+
+The one definition of these settings: the job file's `engine:` section is this model (YAML names `async` for
+`async_pipeline`), so a new knob is a field here plus its use.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 256  # sequences in one step
-    max_num_batched_tokens: int = 8192  # tokens in one step (prefill chunks + decodes)
-    block_size: int = 16  # tokens per KV block
-    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV cache + activations
-    num_kv_blocks: int | None = None  # fixed cache size; None sizes it from memory
-    cpu_kv_cache_bytes: int = 1 << 30  # KV cache budget on CPU when num_kv_blocks is None
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    max_num_seqs: PositiveInt = 256  # sequences in one step
+    max_num_batched_tokens: PositiveInt = 8192  # tokens in one step (prefill chunks + decodes)
+    block_size: PositiveInt = 16  # tokens per KV block
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # share of GPU memory for weights + KV + activations
+    num_kv_blocks: PositiveInt | None = None  # fixed cache size; None sizes it from memory
+    cpu_kv_cache_bytes: PositiveInt = 1 << 30  # KV cache budget on CPU when num_kv_blocks is None
+    max_model_len: PositiveInt | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored on CPU)
-    fused_decoder: bool = True  # decode steps of Llama-family models run batchgen's fused forward
-    compile_model: bool = False  # torch.compile the graphed decode forward (fuses norms, rotary, activations)
-    graph_blas_library: str | None = "cublaslt"  # GEMM back end captured in decode graphs; None: torch's default
-    async_pipeline: bool = False  # prepare step N+1 on the host while the device runs step N
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; no effect on CPU)
+    fused_decoder: bool = True  # decode steps of models with a fused decoder (models/registry.py) run it
+    compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
+    graph_blas_library: Literal["cublas", "cublaslt"] | None = "cublaslt"  # GEMM back end captured in decode graphs
+    # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
+    async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.graph_blas_library not in (None, "cublas", "cublaslt"):
-            raise ValueError(f"graph_blas_library must be 'cublas', 'cublaslt' or None, got {self.graph_blas_library!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+    def async_on(self, device_type: str) -> bool:
+        return device_type == "cuda" if self.async_pipeline == "auto" else self.async_pipeline

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from batchgen.engine.request import FinishReason
-
 
 class StopStringWatcher:
     """Decodes generated tokens incrementally (O(1) tokens per step) and reports a stop string.
@@ -34,10 +32,10 @@ class StopStringWatcher:
         return any(s in self.text[search_from:] for s in self.stop)
 
 
-def final_text(tokenizer, token_ids: list[int], finish_reason: FinishReason | None, stop: tuple[str, ...]) -> str:
+def final_text(tokenizer, token_ids: list[int], stop: tuple[str, ...], cut_at_stop: bool) -> str:
     """The sample's text without special tokens; cut before the first stop string when one ended it."""
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    if finish_reason is FinishReason.STOP_STRING:
+    if cut_at_stop:
         cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
         text = text[:cut]
     return text

@@ -1,8 +1,12 @@
-"""Engine: the public face of the engine, and the only module that sees both the pure-Python side
+"""Engine: the public face of the engine, and the only module of `engine/` that sees both the pure-Python side
 (scheduler, block manager, requests) and the torch side (KV cache, model runner, sampler).
 
-Two ways in: `generate(prompts, sampling)` for a list, or the streaming interface the job runner uses
-(`add_request`, `step`, finished results as they come).
+Three ways in: `generate(prompts, sampling)` for a list of raw prompts, `chat(conversations, sampling)` for
+lists of {role, content} messages through the tokenizer's chat template, or the streaming interface the job
+runner uses (`add_request`, `step`, finished results as they come).
+
+Lifetime: `close()` (or leaving `with Engine(...) as engine:`) gives the KV cache, the CUDA graphs and their
+pool, and the staging buffers back at once; an engine built by `from_pretrained` also drops its model.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.attention.kv_cache import KVCache, KVGeometry, plan_num_blocks
+from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import StopStringWatcher, final_text
-from batchgen.engine.kv_cache import KVCache, KVGeometry, plan_num_blocks
-from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import FinishReason, Request
 from batchgen.engine.scheduler import Scheduler
+from batchgen.runner.model_runner import ModelRunner
 from batchgen.sampling_params import SamplingParams
 from batchgen.seeding import derive_seed
 
@@ -54,6 +59,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        self._closed = False
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -69,10 +75,15 @@ class Engine:
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                  max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len,
-                                  compile_model=config.compile_model, fused_decoder=config.fused_decoder,
-                                  blas_library=config.graph_blas_library)
+        self.async_pipeline = config.async_on(self.device.type)
+        try:
+            self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
+                                      max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len,
+                                      compile=config.compile, fused_decoder=config.fused_decoder,
+                                      blas_library=config.graph_blas_library)
+        except BaseException:
+            self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
+            raise
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0
@@ -83,15 +94,46 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",
                         config: EngineConfig | None = None) -> Engine:
-        from batchgen.engine.loader import load_model_and_tokenizer
+        from batchgen.runner.loader import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(path, gguf_file=gguf_file, dtype=dtype, device=device)
-        return cls(model, tokenizer, config)
+        engine = cls(model, tokenizer, config)
+        engine._owns_model = True
+        return engine
+
+    _owns_model = False  # from_pretrained: the model is the engine's to drop on close
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give back the KV cache, the CUDA graphs and their pool and the staging buffers (and the model, if
+        `from_pretrained` loaded it). Requests in flight are dropped. Idempotent; the engine is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        self._in_flight = None
+        self._pending.clear()
+        self.runner.close()
+        self.kv_cache.release()
+        if self._owns_model:
+            self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine is closed")
 
     # ---- streaming interface -------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, sample_seeds: Sequence[int] | None = None) -> str:
         """Queue one prompt (params.n samples). `sample_seeds` overrides the seeds derived from params.seed."""
+        self._check_open()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._pending:
@@ -107,7 +149,7 @@ class Engine:
         if len(seeds) != params.n:
             raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
         reqs = [Request(
-            request_id=f"{request_id}#{i}", prompt_token_ids=prompt_ids, params=params, seed=seeds[i],
+            request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seeds[i],
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, sample_idx=i,
             stop_watcher=StopStringWatcher(self.tokenizer, params.stop) if params.stop and self.tokenizer else None,
         ) for i in range(params.n)]
@@ -138,7 +180,8 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.schedule_s += time.perf_counter() - t0
-        if not self.config.async_pipeline:
+        self._check_open()
+        if not self.async_pipeline:
             if batch:
                 self._apply(batch, self.runner.execute(batch))
             return self._collect(self.scheduler.take_finished())
@@ -151,19 +194,20 @@ class Engine:
         self._in_flight = (batch, step) if batch else None
         return self._collect(self.scheduler.take_finished())
 
-    def _apply(self, batch, sampled: list[int]) -> None:
+    def _apply(self, batch: ScheduledBatch, output: StepOutput) -> None:
         t0 = time.perf_counter()
-        self.scheduler.update(batch, sampled)
+        self.scheduler.update(batch, output)
         self.schedule_s += time.perf_counter() - t0
         self.num_steps += 1
-        self.num_generated_tokens += len(sampled)
+        self.num_generated_tokens += len(output.token_ids)
 
     def _collect(self, finished: list[Request]) -> list[PromptResult]:
         done = []
         for req in finished:
-            prompt_id = req.request_id.rsplit("#", 1)[0]
+            prompt_id = req.prompt_id
             result, params, remaining = self._pending[prompt_id]
-            text = (final_text(self.tokenizer, req.output_token_ids, req.finish_reason, params.stop)
+            text = (final_text(self.tokenizer, req.output_token_ids, params.stop,
+                               cut_at_stop=req.finish_reason is FinishReason.STOP_STRING)
                     if self.tokenizer is not None else None)
             result.samples.append(Sample(
                 sample_idx=req.sample_idx, token_ids=list(req.output_token_ids), text=text,
@@ -193,6 +237,26 @@ class Engine:
             for r in self.step():
                 results[r.request_id] = r
         return [results[i] for i in ids]
+
+    def chat(self, conversations: Sequence[Sequence[dict]],
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[PromptResult]:
+        """Generate the assistant's reply to each conversation (a list of {role, content} messages), rendered
+        by the tokenizer's chat template with the generation prompt; results in conversation order."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat() needs an engine built with a tokenizer that has a chat template; use "
+                             "generate() with raw prompts otherwise")
+        prompts = []
+        for i, messages in enumerate(conversations):
+            if isinstance(messages, (str, dict)) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                           for m in messages):
+                raise ValueError(f"conversation {i} must be a list of {{role, content}} messages, got "
+                                 f"{str(messages)[:200]}")
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                      **(chat_template_kwargs or {}))
+            # the template writes the special tokens (BOS) itself: none are added again
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling)
 
 
 __all__ = ["Engine", "EngineConfig", "FinishReason", "PromptResult", "Sample"]

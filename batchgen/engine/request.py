@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import numpy as np
 
+from batchgen.engine.detokenizer import StopStringWatcher
 from batchgen.engine.list_mirror import ListMirror
 from batchgen.sampling_params import SamplingParams
 
@@ -30,22 +29,16 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # never ran; `Request.error` says why
 
 
-class StopStringWatcher(Protocol):
-    """Incremental stop-string detection over the generated tokens (owned by the engine, needs a tokenizer)."""
-
-    def hit(self, output_token_ids: list[int]) -> bool: ...
-
-
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # unique per sample: "<prompt id>#<sample idx>"
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # this sample's seed (already derived from params.seed and sample_idx)
     eos_token_ids: frozenset[int]
     max_model_len: int
     sample_idx: int = 0
-    arrival_idx: int = 0  # admission order; lower is older
+    prompt_id: str = ""  # the id add_request returned: results are gathered per prompt under it
     stop_watcher: StopStringWatcher | None = None
 
     status: RequestStatus = RequestStatus.WAITING

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from batchgen.engine.batch import ScheduledBatch, SeqSampling, SeqSchedule
+from batchgen.engine.batch import ScheduledBatch, SeqSampling, SeqSchedule, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import FinishReason, Request, RequestStatus
 
@@ -162,15 +162,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> None:
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Apply a step's results: append sampled tokens, finish sequences, register computed blocks.
 
-        `sampled_token_ids` holds one token per sequence with `sampling`, in `batch.seqs` order. With the async
+        `output.token_ids` holds one token per sequence with `sampling`, in `batch.seqs` order. With the async
         pipeline the next step is already dispatched: a sequence that finishes here may be in it; its token
         from that step is dropped, and its blocks are freed now (the GPU runs steps in order, so that step's
         writes land before any later owner of the blocks writes)."""
         bm = self.block_manager
-        tokens = iter(sampled_token_ids)
+        tokens = iter(output.token_ids)
         for seq, req in zip(batch.seqs, self._in_flight.pop(id(batch))):
             if seq.sampling is not None:
                 token = next(tokens)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import JobError
-from batchgen.spec import JobSpec
+from batchgen.job.spec import JobSpec
 
 FILE = "fingerprint.json"
 
@@ -28,8 +28,8 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
                   "config": _digest({k: v for k, v in model_config.items() if not k.startswith("_")})},
         "tokenizer": {"vocab": _digest(vocab), "special_tokens": _digest(tokenizer.all_special_tokens)},
         "chat_template": _digest(getattr(tokenizer, "chat_template", None)),
-        "prompt": spec.prompt.model_dump(),
-        "sampling": spec.sampling.model_dump(),
+        "prompt": spec.prompt.model_dump(mode="json"),
+        "sampling": spec.sampling.model_dump(mode="json"),
         "row_identity": {"key_column": spec.source.key_column},
         # the data shards' columns: shards of one output must share one schema
         "output_columns": spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),

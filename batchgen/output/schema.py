@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import JobError, RowError
-from batchgen.spec import JobSpec
+from batchgen.job.spec import JobSpec
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
                   "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")

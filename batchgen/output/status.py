@@ -18,7 +18,7 @@ def _expected_rows(out_dir: Path) -> int | None:
         return None
     try:
         from batchgen.sources import open_source
-        from batchgen.spec import SourceSpec
+        from batchgen.job.spec import SourceSpec
 
         spec = SourceSpec.model_validate(yaml.safe_load(job.read_text())["source"])
         source = open_source(spec)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow
-from batchgen.spec import SourceSpec
+from batchgen.job.spec import SourceSpec
 
 
 class HFDatasetSource(Source):

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow
-from batchgen.spec import SourceSpec
+from batchgen.job.spec import SourceSpec
 
 SCHEMA_SAMPLE_ROWS = 1000
 

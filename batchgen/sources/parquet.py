@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow
-from batchgen.spec import SourceSpec
+from batchgen.job.spec import SourceSpec
 
 BATCH_ROWS = 1024
 

@@ -11,30 +11,21 @@ import json
 import os
 import shutil
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from batchgen.errors import JobError
+from batchgen.job.loop import JobLoop
+from batchgen.job.result import RunResult
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import FILE as FINGERPRINT_FILE
 from batchgen.output.lock import WorkerLock
-from batchgen.spec import JobSpec
-from batchgen.workers import WorkerInfo
+from batchgen.job.spec import JobSpec
+from batchgen.job.workers import WorkerInfo
 
 OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, "job.yaml")
-
-
-@dataclass
-class RunResult:
-    out_dir: Path
-    rows_committed: int
-    rows_rejected: int
-    rows_skipped: int  # already committed by earlier runs
-    interrupted_by: int | None  # the signal number that stopped the run, if any
-    report: dict[str, Any] = field(default_factory=dict)
 
 
 class _StopFlag:
@@ -106,8 +97,6 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
     try:
         if fresh:
             _fresh(out_dir)
-        from batchgen.job_loop import JobLoop
-
         loop = JobLoop(spec, out_dir, worker, show_progress)
         _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
         with _StopFlag() as stop:

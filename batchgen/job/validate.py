@@ -7,12 +7,12 @@ import statistics
 from batchgen.errors import JobError
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.sources import open_source
-from batchgen.spec import JobSpec
+from batchgen.job.spec import JobSpec
 
 
 def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
-    from batchgen.engine.kv_cache import KVGeometry
-    from batchgen.engine.loader import load_tokenizer_and_config
+    from batchgen.attention.kv_cache import KVGeometry
+    from batchgen.runner.loader import load_tokenizer_and_config
 
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)

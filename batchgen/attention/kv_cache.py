@@ -1,7 +1,12 @@
-"""KVCache: the paged K/V tensors of all layers, and how many blocks fit in a memory budget."""
+"""KVCache: the paged K/V tensors of all layers, and how many blocks fit in a memory budget.
+
+KVGeometry is the one reading of a model config's attention shape (layers, query heads, KV heads, head
+dim): the cache, the fused decoders and `batchgen validate` all take it from here.
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +15,7 @@ import torch
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
+    num_heads: int  # query heads
     num_kv_heads: int
     head_dim: int
 
@@ -19,14 +25,17 @@ class KVGeometry:
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        return cls(num_layers=text.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        return cls(num_layers=text.num_hidden_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
 
-_LIVE_CACHES: dict[int, "KVCache"] = {}  # cache_id -> cache, see KVCache.cache_id
+# cache_id -> cache, see KVCache.cache_id. Weak: the registry never keeps a cache (or its memory) alive; a cache
+# is gone from it once its engine closes it or drops the last reference.
+_CACHES_BY_ID: weakref.WeakValueDictionary[int, KVCache] = weakref.WeakValueDictionary()
 
 
 class KVCache:
@@ -47,14 +56,19 @@ class KVCache:
         # Compiled graphs reach the cache through this id (an op argument), never as a graph input: a graph
         # input that an op mutates would be functionalized, i.e. copied whole, by torch.compile.
         self.cache_id = id(self)
-        _LIVE_CACHES[self.cache_id] = self
+        _CACHES_BY_ID[self.cache_id] = self
 
     @staticmethod
     def lookup(cache_id: int) -> KVCache:
-        return _LIVE_CACHES[cache_id]
+        cache = _CACHES_BY_ID.get(cache_id)
+        if cache is None or cache.k_cache is None:
+            raise RuntimeError(f"KV cache {cache_id} was released (its engine is closed)")
+        return cache
 
     def release(self) -> None:
-        _LIVE_CACHES.pop(self.cache_id, None)
+        """Give the K/V memory back now (the engine's close); the cache is unusable after."""
+        _CACHES_BY_ID.pop(self.cache_id, None)
+        self.k_cache = self.v_cache = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache[layer_idx], self.v_cache[layer_idx]

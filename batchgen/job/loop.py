@@ -13,7 +13,8 @@ import torch
 import batchgen
 from batchgen import __version__
 from batchgen.errors import JobError
-from batchgen.metrics import ThroughputMeter, peak_rss_mib
+from batchgen.job.result import RunResult
+from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import check_or_write, components
@@ -21,11 +22,10 @@ from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
-from batchgen.sampling_params import SamplingParams
 from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
-from batchgen.spec import JobSpec
-from batchgen.workers import WorkerInfo
+from batchgen.job.spec import JobSpec
+from batchgen.job.workers import WorkerInfo
 
 def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     if value is None:
@@ -37,33 +37,12 @@ def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     return value
 
 
-def engine_config(spec: JobSpec, device_type: str):
-    """The engine's knobs from the job. The async pipeline only pays where a device runs beside the host,
-    so on CPU the job runs the synchronous loop (the engine can still run it there, as the tests do)."""
-    from batchgen.engine.config import EngineConfig
-
-    e = spec.engine
-    return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                        block_size=e.block_size, gpu_memory_utilization=e.gpu_memory_utilization,
-                        num_kv_blocks=e.num_kv_blocks, max_model_len=e.max_model_len,
-                        enable_prefix_caching=e.enable_prefix_caching, cuda_graphs=e.cuda_graphs,
-                        fused_decoder=e.fused_decoder, compile_model=e.compile, async_pipeline=e.async_ and device_type == "cuda")
-
-
-def sampling_params(spec: JobSpec) -> SamplingParams:
-    s = spec.sampling
-    return SamplingParams(max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
-                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                          repetition_penalty=s.repetition_penalty, stop=tuple(s.stop),
-                          stop_token_ids=tuple(s.stop_token_ids), n=s.n, seed=s.seed, ignore_eos=s.ignore_eos)
-
-
 class JobLoop:
     def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool) -> None:
         from transformers.utils import logging as hf_logging
 
         from batchgen.engine.engine import Engine
-        from batchgen.engine.loader import load_model_and_tokenizer
+        from batchgen.runner.loader import load_model_and_tokenizer
 
         hf_logging.disable_progress_bar()  # one progress bar: ours
         setup_started = time.monotonic()
@@ -80,9 +59,9 @@ class JobLoop:
             raise JobError(f"cannot load model.path {spec.model.path!r}"
                            + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        self.params = sampling_params(spec)
+        self.params = spec.sampling
         try:
-            self.engine = Engine(model, tokenizer, engine_config(spec, next(model.parameters()).device.type))
+            self.engine = Engine(model, tokenizer, spec.engine)
         except (torch.OutOfMemoryError, MemoryError) as e:
             raise JobError(f"out of memory while setting up the engine on {spec.model.device}: "
                            f"{str(e).splitlines()[0]}. Lower engine.gpu_memory_utilization (now "
@@ -95,9 +74,8 @@ class JobLoop:
               f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
-              f"decode forward {self.engine.runner.decode_forward}; "
-              f"async pipeline {'on' if self.engine.config.async_pipeline else 'off'}"
-              f"{' (CUDA only)' if spec.engine.async_ and not self.engine.config.async_pipeline else ''}",
+              f"decode forward {self.engine.runner.decode_forward.name}; "
+              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}",
               file=sys.stderr)
         max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
         if max_prompt < 1:
@@ -122,7 +100,6 @@ class JobLoop:
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, stop) -> Any:
-        from batchgen.job import RunResult
 
         started = time.monotonic()
         try:

@@ -1,4 +1,5 @@
-"""JobSpec: the job file, validated and frozen before anything heavy loads.
+"""JobSpec: the job file, validated and frozen before anything heavy loads. Its `sampling:` and `engine:`
+sections are the Python API's SamplingParams and EngineConfig themselves (one definition per setting).
 
 Unknown keys are errors that suggest the closest valid key; wrong types and values name the key and
 the value. Relative paths resolve against the job file's folder. `--set a.b=value` overrides any key.
@@ -13,7 +14,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from batchgen.engine.config import EngineConfig
 from batchgen.errors import JobError
+from batchgen.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -61,42 +64,6 @@ class PromptSpec(_Strict):
         return self
 
 
-class SamplingSpec(_Strict):
-    max_new_tokens: PositiveInt = 256
-    min_new_tokens: Annotated[int, Field(ge=0)] = 0
-    temperature: Annotated[float, Field(ge=0)] = 0.7
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    n: PositiveInt = 1
-    seed: int = 0
-    ignore_eos: bool = False
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> SamplingSpec:
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"sampling.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
-                             f"({self.max_new_tokens})")
-        return self
-
-
-class EngineSpec(_Strict):
-    max_num_seqs: PositiveInt = 256
-    max_num_batched_tokens: PositiveInt = 8192
-    block_size: PositiveInt = 16
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    num_kv_blocks: PositiveInt | None = None  # fixed KV cache size (blocks); default sizes it from memory
-    max_model_len: PositiveInt | None = None
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool = True
-    fused_decoder: bool = True  # decode steps of Llama/Mistral/Qwen2/Qwen3 models run batchgen's fused forward
-    compile: bool = False  # torch.compile the graphed decode forward: faster steps, minutes of start-up
-    async_: bool = Field(True, alias="async")
-
-
 class OutputSpec(_Strict):
     dir: str
     rows_per_shard: PositiveInt = 1000
@@ -111,8 +78,8 @@ class JobSpec(_Strict):
     model: ModelSpec
     source: SourceSpec
     prompt: PromptSpec
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    engine: EngineSpec = Field(default_factory=EngineSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # the one definition: sampling_params.py
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # the one definition: engine/config.py
     output: OutputSpec
 
 

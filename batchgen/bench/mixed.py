@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from batchgen.bench import build_model, measure_ceilings, release, timed_generate
+from batchgen.bench.seed import build_model, measure_ceilings, release, timed_generate
 
 
 def mixed_workload(requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:

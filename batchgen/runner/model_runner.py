@@ -9,20 +9,19 @@ sampled ids come back on a D2H stream into pinned A/B slots; the host waits only
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from batchgen.engine.attention import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
-from batchgen.engine.batch import ScheduledBatch
-from batchgen.engine.fused_decoder import FusedDecoder, unsupported_reason
-from batchgen.engine.kv_cache import KVCache
-from batchgen.engine.sampler import SamplingTensors, sample
-from batchgen.engine.staging import StepStaging
-from batchgen.engine.step_arrays import StepArrays
+from batchgen.attention.interface import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
+from batchgen.attention.kv_cache import KVCache
+from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.kernels.paged_prefill import prefill_work
+from batchgen.models.registry import build_decode_forward
+from batchgen.runner.staging import StepStaging
+from batchgen.runner.step_arrays import StepArrays
+from batchgen.sample.sampler import SamplingTensors, sample
 
 
 def _triton_available() -> bool:
@@ -45,7 +44,7 @@ class InFlight:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
-                 compile_model: bool = False, fused_decoder: bool = True,
+                 compile: bool = False, fused_decoder: bool = True,
                  blas_library: str | None = "cublaslt") -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -62,26 +61,27 @@ class ModelRunner:
         self.staging = StepStaging(device, self.compute_stream)
         self._out_host = [torch.empty(256, dtype=torch.int64, pin_memory=True) for _ in range(2)] if cuda else []
         self._out_next = 0
-        # Decode steps run our fused forward where the architecture has one (compile asks for transformers'
-        # forward under torch.compile instead); prefill and mixed steps always run transformers' forward.
-        self.fused = None
-        reason = "off" if not fused_decoder else "compile requested" if compile_model else \
-            unsupported_reason(model, max_model_len)
-        if reason is None:
-            fused = FusedDecoder(model, kv_cache, self.use_triton)
-            reason = fused.check()
-            if reason is None:
-                self.fused = fused
-            else:
-                warnings.warn(f"batchgen: {reason}; decode steps use transformers' modules", stacklevel=2)
-        self.decode_forward = "fused" if self.fused is not None else f"transformers ({reason})"
+        # Decode steps (one token per sequence) run the model family's decode forward, replayed from CUDA
+        # graphs where they are on; prefill and mixed steps run transformers' forward with our attention.
+        self.decode_forward = build_decode_forward(model, kv_cache, self.use_triton, max_model_len,
+                                                   fused_decoder=fused_decoder, compile=compile)
         self.graphs = None
         if cuda_graphs and self.use_triton:
-            from batchgen.engine.cuda_graphs import DecodeGraphs
+            from batchgen.runner.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_model_len, compile_model, self.fused,
+            self.graphs = DecodeGraphs(self.decode_forward, model, kv_cache, max_graph_batch, max_model_len, compile,
                                        blas_library)
             self.graphs.capture()
+
+    def close(self) -> None:
+        """Drop the graphs (and their pool), the staging slots and the decode forward's own tensors."""
+        if self.compute_stream is not None:
+            torch.cuda.synchronize(self.device)
+        self.graphs = None
+        self.decode_forward = None
+        self._last_tokens = None
+        self._out_host = []
+        self.staging = None
 
     def _sampling(self, batch: ScheduledBatch) -> SamplingTensors | None:
         """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
@@ -154,8 +154,8 @@ class ModelRunner:
             # clone: the graph's buffer is rewritten by the next replay
             tokens = greedy.clone() if sampling is None else sample(logits, sampling)
         else:
-            if self.fused is not None and decode_only:  # one token per sequence, all sample, in batch order
-                logits = self.fused(ids_d, pos_d, slots_d, tables_d, lens_d)  # [S, V]
+            if decode_only:  # one token per sequence, all sample, in batch order
+                logits = self.decode_forward(ids_d, pos_d, slots_d, tables_d, lens_d, int(a.seq_lens.max()))
             else:
                 attention = AttentionMetadata(
                     kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
@@ -189,12 +189,12 @@ class ModelRunner:
         tokens.record_stream(self._d2h_stream)  # keep its memory alive until the copy is done
         return InFlight(tokens, host, done)
 
-    def collect(self, step: InFlight) -> list[int]:
+    def collect(self, step: InFlight) -> StepOutput:
         """Block until the step's tokens are on the host (the only wait on the device)."""
         if step.done is not None:
             step.done.synchronize()
-        return step.tokens_host.tolist()
+        return StepOutput(token_ids=step.tokens_host.tolist())
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step synchronously: one sampled token per sequence with `sampling`, in batch order."""
         return self.collect(self.dispatch(batch))

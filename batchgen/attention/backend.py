@@ -1,0 +1,104 @@
+"""The one place that picks an attention kernel for a step: Triton decode, Triton ragged prefill, or the torch
+reference (CPU, and what the kernels cannot serve: soft-capping and windows shorter than the context in decode).
+
+Callers: transformers' attention hook (`interface.py`, prefill, mixed and non-fused decode steps) and the
+fused decoders of `models/` (decode steps). Both hand over the step's queries and new K/V; the K/V are written
+into the paged cache here, before any sequence attends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.attention.kv_cache import KVCache
+from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
+from batchgen.kernels.paged_prefill import paged_prefill_attention
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    use_triton: bool = False  # on CUDA the decode rows run the Triton kernel; the other rows the reference
+    num_decode_seqs: int = 0  # the leading sequences with one new token each (the runner packs them first)
+    prefill_work: torch.Tensor | None = None  # [P, 2] int32 work items of the Triton prefill kernel, all sequences
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, scale: float, use_triton: bool, max_seq_len: int | None = None) -> torch.Tensor:
+    """One query token per sequence over a cache that already holds it. q: [B, H, D]; caches: [N, bs, Hkv, D];
+    block_tables: [B, W] int32; seq_lens: [B] int32. Returns [B, H, D]. `max_seq_len` (reference only):
+    a bound on seq_lens known on the host; None reads it from seq_lens."""
+    if use_triton:
+        from batchgen.kernels.paged_decode import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    bound = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, 1, bound, scale)
+
+
+def decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                scale: float, num_heads: int) -> torch.Tensor:
+    """Rotary embedding, K/V cache write and decode attention in one Triton kernel (CUDA only; callers on CPU
+    run `kernels.rope_kv.rope_kv` and `decode`). qkv: [B, (H + 2 Hkv) D]; cos/sin: [B, D]. Returns [B, H, D]."""
+    from batchgen.kernels.paged_decode import paged_decode_rope_attention
+
+    return paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       num_heads)
+
+
+def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+           scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """A packed step of any shape through transformers' modules. q: [T, H, D]; k_new/v_new: [T, Hkv, D].
+    Returns [T, H, D]."""
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    decode_ok = softcap is None and (sliding_window is None or sliding_window >= meta.max_seq_len)
+    if meta.use_triton and decode_ok and meta.max_query_len == 1:
+        # Decode-only step; a graph's metadata may be a larger static buffer: slice it to the step's tokens.
+        n = q.shape[0]
+        return torch.ops.batchgen.decode_attention(q, k_new, v_new, meta.slot_mapping[:n], meta.block_tables[:n],
+                                                   meta.seq_lens[:n], meta.kv_cache.cache_id, layer_idx, scale)
+    if meta.use_triton and meta.prefill_work is not None:
+        # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel
+        # where it applies; every other row the prefill kernel, over its own sequence only.
+        d = meta.num_decode_seqs if decode_ok else 0
+        write_kv(k_cache, v_cache, k_new[d:], v_new[d:], meta.slot_mapping[d:])
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
+                                      out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        if d:
+            out[:d] = torch.ops.batchgen.decode_attention(
+                q[:d], k_new[:d], v_new[:d], meta.slot_mapping[:d], meta.block_tables[:d], meta.seq_lens[:d],
+                meta.kv_cache.cache_id, layer_idx, scale)
+        return out
+    # CPU (and graphs of models the decode kernel cannot serve): the torch reference.
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window,
+                               softcap=softcap)
+
+
+@torch.library.custom_op("batchgen::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, cache_id: int, layer_idx: int,
+                     scale: float) -> torch.Tensor:
+    """Write the step's K/V of layer `layer_idx` into the cache, then Triton decode attention. One opaque op
+    for torch.compile; the cache is reached by id, so the compiler never sees (or copies) the mutation.
+    Order is safe: the op's output feeds the next layer, so layers cannot be reordered around it."""
+    k_cache, v_cache = KVCache.lookup(cache_id).layer(layer_idx)
+    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    return decode(query, k_cache, v_cache, block_tables, seq_lens, scale, use_triton=True)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(query, key, value, slot_mapping, block_tables, seq_lens, cache_id, layer_idx, scale):
+    return torch.empty_like(query)

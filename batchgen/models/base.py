@@ -1,0 +1,42 @@
+"""DecodeForward: what the runner and the CUDA graphs call for a decode step, whichever model family runs it.
+
+A decode step has one new token per sequence. Inputs (device tensors): input_ids, positions, slot_mapping
+[B] int64; block_tables [B, W] int32; seq_lens [B] int32 (the new token included; 0 marks a graph's padding
+row, whose slot is the cache's trash slot). Output: logits [B, V]. `max_seq_len` is a host-known bound on
+seq_lens (None inside graphs: the implementation uses a static bound or reads none).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodeForward:
+    name: str = "?"  # what the start-up line prints: "fused (llama)", "transformers (<why not fused>)"
+    is_fused: bool = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
+        """The step's computation alone: what a CUDA graph captures and torch.compile may compile."""
+        raise NotImplementedError
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
+        """An eager step (the graphs call `forward` inside their own set-up)."""
+        return self.forward(input_ids, positions, slot_mapping, block_tables, seq_lens, max_seq_len)
+
+    def check(self, kv_cache) -> str | None:
+        """Run one token through the forward (compiling its kernels): None when it works, else why not. The
+        token lives in the cache's trash block (never a real sequence's), at position 0."""
+        dev = kv_cache.k_cache.device
+        try:
+            with torch.inference_mode():
+                self(torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
+                     torch.full((1,), kv_cache.trash_slot, dtype=torch.int64, device=dev),
+                     torch.full((1, 1), kv_cache.num_blocks, dtype=torch.int32, device=dev),
+                     torch.ones(1, dtype=torch.int32, device=dev), 1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as e:  # a kernel that does not build or run on this device: fall back, say why
+            return f"the {self.name} decoder failed on {dev}: {type(e).__name__}: {str(e)[:200]}"
+        return None

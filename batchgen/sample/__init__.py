@@ -1,0 +1,1 @@
+"""Sampling on the device: per-row sampling tensors, deterministic noise, the sampler."""

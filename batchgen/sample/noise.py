@@ -1,0 +1,44 @@
+"""Sampling noise: a pure function of (seed, token position, vocab id), computed by an integer hash.
+
+No generator state is shared between rows, so a sequence samples the same tokens whatever else is in the
+batch, in whatever order requests arrive, after a preemption, and in a resumed or re-sharded job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
+    Products may wrap around int64; only their low 32 bits are kept, which wrapping leaves exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_noise_key(seed: int, position: int) -> int:
+    """The 32-bit key of the draw for the token at `position` of a sequence with `seed`."""
+    k = _mix32_int(seed & _MASK32) ^ _mix32_int((seed >> 32) + 0x9E3779B9)
+    return _mix32_int(k ^ _mix32_int(position + 0x85EBCA6B))
+
+
+def uniform_noise(noise_key: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 in (0, 1), a pure function of (row key, vocab id)."""
+    vocab_key = mix32(torch.arange(vocab_size, device=noise_key.device, dtype=torch.int64) + 0x27D4EB2F)
+    bits = mix32(noise_key[:, None] ^ vocab_key[None, :])
+    # 24 high-quality bits -> exactly representable in float32, strictly inside (0, 1)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
