@@ -7,7 +7,7 @@ thousands of rows is computed once, and a preempted request often finds its own 
 
 Invariants:
 - a block is in `_free` iff its ref count is 0; block 0.. num_blocks-1 are all either free or referenced;
-- `_hash_to_block[h] == b` iff `_block_hash[b] == h` (a cached block is never in two chains).
+- `_key_to_block[k] == b` iff `_block_key[b] == k` (a cached block is never in two chains).
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BlockKey = tuple  # (parent key hash, token ids of the block): exact key, so no false hits on a hash collision
+# (hash of the parent block's key, token ids of the block). Exact on the block's own tokens; the prefix before it
+# is represented by Python's 64-bit hash of the parent key, so two different prefixes share a key only if those
+# hashes collide (about 2^-64 per pair of prefixes ending in the same block of tokens).
+BlockKey = tuple
+
+
+def chain_key(parent: BlockKey | None, block_token_ids: Sequence[int]) -> BlockKey:
+    """The prefix-cache key of a block whose predecessor has key `parent` (None for a sequence's first block)."""
+    return (hash(parent), tuple(block_token_ids))
 
 
 class BlockManager:
@@ -48,9 +56,8 @@ class BlockManager:
         keys, parent = [], None
         bs = self.block_size
         for i in range(num_blocks):
-            key = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
-            keys.append(key)
-            parent = key
+            parent = chain_key(parent, token_ids[i * bs : (i + 1) * bs])
+            keys.append(parent)
         return keys
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -123,8 +130,7 @@ class BlockManager:
             return  # the common case, every decode step: no block became full
         num_full = min(num_computed_tokens // bs, len(block_table))
         for i in range(len(block_keys), num_full):
-            parent = block_keys[-1] if block_keys else None
-            key = (hash(parent), tuple(token_ids[i * bs : (i + 1) * bs]))
+            key = chain_key(block_keys[-1] if block_keys else None, token_ids[i * bs : (i + 1) * bs])
             block_keys.append(key)
             b = block_table[i]
             if self._block_key[b] is None and key not in self._key_to_block:

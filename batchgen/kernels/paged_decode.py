@@ -19,16 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.rope_kv import rotate_rounded
+
 
 @triton.jit
 def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
-    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as the eager model does
-    (rope_kv's rounding); rotate_half(x)[d] = sign[d] * x[partner[d]]."""
+    """Load x and its rotate-half partner (rotate_half(x)[d] = sign[d] * x[partner[d]]) and rotate them."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     xp = tl.load(partner_ptrs, mask=mask, other=0.0)
-    a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-    b = (xp.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
-    return (a + sign * b).to(x.dtype)
+    return rotate_rounded(x, xp, cos, sin, sign)
 
 
 @triton.jit

@@ -24,6 +24,15 @@ except ImportError:  # installs without Triton (CPU) use the reference
 
 if triton is not None:
     @triton.jit
+    def rotate_rounded(x, x_partner, cos, sin, sign):
+        """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as the eager model
+        rounds them; rotate_half(x) = sign * x_partner (the other half: -x2 for the first half, x1 for the
+        second). cos/sin in fp32. The one rotary formula of every kernel (paged_decode.py too)."""
+        a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        b = (x_partner.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
+        return (a + sign * b).to(x.dtype)
+
+    @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                         qk_norm_ptr, norm_eps,
                         stride_qkv, stride_cs,
@@ -54,10 +63,8 @@ if triton is not None:
             c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
             s2 = tl.load(sin_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
-            a1 = x1.to(tl.float32)
-            a2 = x2.to(tl.float32)
-            o1 = ((a1 * c1).to(dtype).to(tl.float32) - (a2 * s1).to(dtype).to(tl.float32)).to(dtype)
-            o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+            o1 = rotate_rounded(x1, x2, c1, s1, -1.0)
+            o2 = rotate_rounded(x2, x1, c2, s2, 1.0)
             if h < NUM_HEADS:
                 dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
                 tl.store(dst + i, o1, mask=m)
