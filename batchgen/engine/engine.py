@@ -117,6 +117,10 @@ class Engine:
         if self._owns_model:
             self.model = None
         if self.device.type == "cuda":
+            # cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ran on, ours included, in torch's
+            # allocator; drop them all (they come back lazily for whoever runs a GEMM next)
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
