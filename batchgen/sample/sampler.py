@@ -3,6 +3,9 @@
 Random draws use the Gumbel-max trick with noise from `noise.py` (a function of seed, position and vocab id).
 Order of operations (as transformers' generate): repetition penalty, suppression (min_new_tokens),
 temperature, top-k, top-p, min-p, then argmax (greedy) or Gumbel-max (sampling).
+
+Two implementations of the steps after suppression: `sample_ref` in torch (CPU, and the reference: a full sort
+for top-k/top-p), and on CUDA the sort-free Triton kernel `kernels/sample.py` (one program per row).
 """
 
 from __future__ import annotations
@@ -12,19 +15,24 @@ import torch
 from batchgen.sample.noise import uniform_noise
 from batchgen.sample.tensors import SamplingTensors
 
-__all__ = ["SamplingTensors", "sample"]
+__all__ = ["SamplingTensors", "sample", "sample_ref"]
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) -> torch.Tensor:
     """logits: [S, V] (any float dtype). Returns [S] int64 token ids. Its kernels are the profiler's
     `batchgen.sample` range (bench/job profiles split a step's GPU time by it)."""
     with torch.profiler.record_function("batchgen.sample"):
-        return _sample(logits, st)
+        if not use_triton:
+            return sample_ref(logits, st)
+        from batchgen.kernels.sample import sample_rows
+
+        if st.penalty is not None or st.suppress_rows is not None:
+            logits = apply_penalties(logits.float(), st)
+        return sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key)
 
 
-def _sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    logits = logits.float()
-    vocab_size = logits.shape[-1]
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The repetition penalty and the suppressed tokens (min_new_tokens) on fp32 logits [S, V]."""
     if st.penalty is not None:
         score = logits.gather(1, st.penalty_token_ids)
         p = st.penalty[:, None]
@@ -32,6 +40,13 @@ def _sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.suppress_rows is not None:
         # the fill value is made on the device: a host scalar tensor would be a synchronising copy
         logits = logits.index_put((st.suppress_rows, st.suppress_token_ids), logits.new_full((1,), float("-inf")))
+    return logits
+
+
+def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The torch reference of every step (a full sort for top-k / top-p)."""
+    logits = apply_penalties(logits.float(), st)
+    vocab_size = logits.shape[-1]
     greedy = logits.argmax(dim=-1)
     if not st.any_random:
         return greedy
