@@ -13,8 +13,10 @@ from typer.testing import CliRunner
 from batchgen.cli import app
 from batchgen.errors import JobError, RowError
 from batchgen.job.spec import PromptSpec, SourceSpec
+from batchgen.output.schema import fits
 from batchgen.prompts import PromptRenderer
 from batchgen.sources import open_source
+from batchgen.sources.jsonl import column_type
 from jobutil import REPO, read_rows, seed_rows, write_job, write_jsonl
 
 runner = CliRunner()
@@ -70,3 +72,74 @@ def test_a_sandbox_escape_in_a_job_exits_2_with_one_message_and_writes_no_rows(t
     assert result.exit_code == 2, result.output
     assert "prompt.template is not allowed" in result.output and "Traceback" not in result.output
     assert read_rows(tmp_path / "out") == [] and read_rows(tmp_path / "out", "rejects") == []
+
+
+# ---- item 15: JSONL values that do not fit their column's type ---------------------------------------------
+def test_column_types_come_from_the_most_common_kind_when_the_first_rows_mix_kinds():
+    assert column_type([1, 2, None, 3]) == pa.int64()
+    assert column_type([1, 2.5]) == pa.float64()  # numbers: ints fit a float column
+    assert column_type([None, 12345, "café", "fine"]) == pa.string()
+    assert column_type(["five", 5, 6, 7]) == pa.int64()
+    assert column_type([None, None]) == pa.string()
+    assert column_type([[{"role": "user", "name": None}]]) == \
+        pa.list_(pa.struct([("role", pa.string()), ("name", pa.string())]))
+
+
+@pytest.mark.parametrize("value,arrow_type,ok", [
+    ("x", pa.string(), True), (12345, pa.string(), False), ({"a": 1}, pa.string(), False),
+    (3, pa.int64(), True), (2.5, pa.int64(), False), ("3", pa.int64(), False), (True, pa.int64(), False),
+    (2 ** 63, pa.int64(), False), (3, pa.float64(), True), (True, pa.float64(), False),
+    (True, pa.bool_(), True), (1, pa.bool_(), False), (None, pa.int64(), True),
+    ([1, 2], pa.list_(pa.int64()), True), ([1, "x"], pa.list_(pa.int64()), False),
+    ({"a": 1}, pa.struct([("a", pa.int64()), ("b", pa.string())]), True),
+    ({"a": 1, "c": 2}, pa.struct([("a", pa.int64())]), False),
+])
+def test_a_value_fits_a_column_type_only_as_it_is(value, arrow_type, ok):
+    assert fits(value, arrow_type) is ok
+
+
+def test_jsonl_values_that_do_not_fit_their_column_are_schema_mismatch_rejects_not_text(tmp_path, tiny_model_dir):
+    rows = seed_rows(8)
+    rows[2]["level"] = "two"  # the first rows say level is an integer
+    rows[4]["level"] = True  # a bool is no integer
+    rows[5]["topic"] = None  # used by the template: null_value
+    rows[6]["topic"] = ["a", "list"]  # renders, but does not fit the text column
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert {k: r["error_class"] for k, r in rejects.items()} == {
+        "row-0002": "schema_mismatch", "row-0004": "schema_mismatch", "row-0005": "null_value",
+        "row-0006": "schema_mismatch"}
+    assert "column 'level' holds 'two' (str)" in rejects["row-0002"]["message"]
+    assert "int64" in rejects["row-0002"]["message"] and "output.keep_columns" in rejects["row-0002"]["message"]
+    assert "column 'topic' is null" in rejects["row-0005"]["message"]
+    data = read_rows(tmp_path / "out")
+    assert sorted(r["id"] for r in data) == ["row-0000", "row-0001", "row-0003", "row-0007"]
+    assert all(isinstance(r["level"], int) for r in data)  # kept as integers, not JSON text
+    table = pq.read_table(sorted((tmp_path / "out" / "data").glob("*.parquet"))[0])
+    assert table.schema.field("level").type == pa.int64()
+
+
+# ---- item 15: a file whose content contradicts its extension or source.type --------------------------------
+def test_a_parquet_file_named_jsonl_is_named_as_parquet(tmp_path):
+    pq.write_table(pa.Table.from_pylist(seed_rows(3)), tmp_path / "rows.jsonl")
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "rows.jsonl")))
+    assert str(e.value) == (f"file {tmp_path / 'rows.jsonl'} looks like Parquet (it begins with PAR1), but its "
+                            f"extension says JSONL; rename it or set source.type: parquet")
+
+
+def test_a_jsonl_file_named_parquet_or_typed_parquet_is_named_as_jsonl(tmp_path):
+    write_jsonl(tmp_path / "rows.parquet", seed_rows(3))
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "rows.parquet")))
+    assert "looks like JSONL (it begins with {), but its extension says Parquet" in str(e.value)
+    assert "corrupt" not in str(e.value)
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "rows.jsonl"), type="parquet"))
+    assert "looks like JSONL (it begins with {), but source.type parquet says Parquet; set source.type: jsonl" \
+        in str(e.value)
+    assert open_source(SourceSpec(path=str(tmp_path / "rows.parquet"), type="jsonl")).columns == COLUMNS

@@ -183,7 +183,8 @@ def test_null_non_string_and_non_utf8_prompt_values(job, tmp_path):
     lines = [b'{"id": "a", "topic": null, "level": 1}', b'{"id": "b", "topic": 12345, "level": 1}',
              b'{"id": "c", "topic": "caf\xe9 \xff bytes", "level": 1}', b'{"id": "d", "topic": "fine", "level": 1}']
     (tmp_path / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    _edit(job, prompt={"template": None, "column": "topic", "chat": False})
+    # keep_columns: none, since 12345 fits no text column of the output (see test_first_hour_inputs.py)
+    _edit(job, prompt={"template": None, "column": "topic", "chat": False}, output={"keep_columns": "none"})
     result = _run(job)
     assert result.exit_code == 0, result.output
     rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
