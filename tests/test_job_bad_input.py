@@ -81,7 +81,7 @@ def test_missing_source_files_and_key_column(job, tmp_path):
 
 def test_missing_model_path(job, tmp_path):
     result = _run(_edit(job, model={"path": str(tmp_path / "no-model")}))
-    assert result.exit_code == 2 and "cannot load model.path" in result.output
+    assert result.exit_code == 2 and f"model.path: no such folder {tmp_path / 'no-model'}" in result.output
 
 
 def test_corrupt_parquet_file_is_named(job, tmp_path):
