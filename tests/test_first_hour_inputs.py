@@ -143,3 +143,46 @@ def test_a_jsonl_file_named_parquet_or_typed_parquet_is_named_as_jsonl(tmp_path)
     assert "looks like JSONL (it begins with {), but source.type parquet says Parquet; set source.type: jsonl" \
         in str(e.value)
     assert open_source(SourceSpec(path=str(tmp_path / "rows.parquet"), type="jsonl")).columns == COLUMNS
+
+
+# ---- item 7: source.split must name a split that exists -----------------------------------------------------
+CHAT_DATASET = str(REPO / "jobs" / "examples" / "data" / "chat_dataset")
+
+
+def test_a_single_dataset_folder_has_one_split_train_and_other_splits_are_errors():
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=CHAT_DATASET, split="test"))
+    assert str(e.value) == (f"source.split 'test' is not a split of dataset {CHAT_DATASET}: it holds a single "
+                            f"Dataset, whose one split is 'train'; set source.split: train")
+    assert open_source(SourceSpec(path=CHAT_DATASET, split="train")).num_rows == 11
+
+
+def test_a_dataset_saved_from_a_named_split_has_that_split(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(seed_rows(4), split="validation").save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "ds")))  # split defaults to train
+    assert "whose one split is 'validation'; set source.split: validation" in str(e.value)
+    assert open_source(SourceSpec(path=str(tmp_path / "ds"), split="validation")).num_rows == 4
+
+
+def test_a_dataset_dict_folder_lists_its_splits(tmp_path):
+    import datasets
+
+    rows = seed_rows(4)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "validation": datasets.Dataset.from_list(rows)}) \
+        .save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "dd"), split="test"))
+    assert str(e.value) == f"source.split 'test' is not a split of dataset {tmp_path / 'dd'}; splits: train, validation"
+
+
+def test_a_data_file_folder_through_datasets_names_source_split(tmp_path):
+    (tmp_path / "csvs").mkdir()
+    (tmp_path / "csvs" / "a.csv").write_text("id,topic\n1,tea\n")
+    for streaming in (True, False):
+        with pytest.raises(JobError) as e:
+            open_source(SourceSpec(path=str(tmp_path / "csvs"), type="hf", split="test", streaming=streaming))
+        assert str(e.value).startswith("source.split 'test' is not a split of dataset")
+        assert "train" in str(e.value)

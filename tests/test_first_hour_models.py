@@ -106,8 +106,25 @@ def test_a_hub_model_id_offline_fails_in_well_under_5_s_with_one_line(tmp_path, 
     assert "hf download made-up-org/no-such-model --local-dir DIR" in message and "Retry" not in message
 
 
+def test_a_hub_dataset_name_offline_fails_fast_with_one_line(offline):
+    started = time.monotonic()
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path="made-up-org/no-such-dataset", type="hf"))
+    assert time.monotonic() - started < 5
+    assert str(e.value).startswith("source.path 'made-up-org/no-such-dataset' is not a local path, and "
+                                   "HF_HUB_OFFLINE is set")
+    assert "save_to_disk(DIR)" in str(e.value)
+
+
+def test_a_missing_local_dataset_folder_is_named(tmp_path):
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(tmp_path / "no-dataset"), type="hf"))
+    assert str(e.value) == f"source.path: no such folder or file {tmp_path / 'no-dataset'}"
+
+
 def test_a_hub_that_does_not_answer_fails_within_the_probe_timeout(silent_hub):
-    for call, key in [(lambda: loader.locate_model("made-up-org/no-such-model"), "model.path")]:
+    for call, key in [(lambda: loader.locate_model("made-up-org/no-such-model"), "model.path"),
+                      (lambda: open_source(SourceSpec(path="made-up-org/no-such-dataset", type="hf")), "source.path")]:
         started = time.monotonic()
         with pytest.raises(JobError) as e:
             call()
