@@ -1,5 +1,9 @@
 """Prompt rendering: a Jinja2 template over the row's columns, a prompt column, or a messages column;
-optional system prompt; the tokenizer's chat template; then token ids, truncated or rejected when too long."""
+optional system prompt; the tokenizer's chat template; then token ids, truncated or rejected when too long.
+
+Templates run in Jinja2's immutable sandbox (as transformers runs chat templates): a job file from someone
+else cannot reach Python internals through it. A null column is undefined to the template: using it rejects
+the row as `null_value`, unless the template gives a default (`{{ topic | default('a topic') }}`)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from batchgen.errors import JobError, RowError
 from batchgen.job.spec import PromptSpec
@@ -14,12 +19,23 @@ from batchgen.job.spec import PromptSpec
 __all__ = ["PromptRenderer", "RowError"]
 
 
+class NullColumnError(jinja2.UndefinedError):
+    """The template used a column that is null in this row (and gave no default)."""
+
+
+def _null_column(name: str) -> jinja2.StrictUndefined:
+    # Undefined to the template, so `default` and `is defined` see it as missing; any other use raises.
+    return jinja2.StrictUndefined(hint=f"column {name!r} is null in this row (to render a null, give the template "
+                                       f"a default: {{{{ {name} | default('...') }}}})",
+                                  name=name, exc=NullColumnError)
+
+
 class PromptRenderer:
     def __init__(self, spec: PromptSpec, tokenizer, columns: list[str], max_prompt_tokens: int) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
-        self._env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        self._env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
         self._template = None
         if spec.template is not None:
             try:
@@ -46,10 +62,7 @@ class PromptRenderer:
             messages = self._messages(row.get(spec.messages_column))
         else:
             if self._template is not None:
-                try:
-                    text = self._template.render(**row)
-                except jinja2.TemplateError as e:
-                    raise RowError("template_error", f"prompt.template failed on this row: {e}") from None
+                text = self._render_template(row)
             else:
                 value = row.get(spec.column)
                 if value is None:
@@ -70,6 +83,20 @@ class PromptRenderer:
         except Exception as e:  # jinja2 errors, raise_exception() in templates, bad message shapes
             raise RowError("chat_template_error", f"the chat template failed on this row: {type(e).__name__}: {e}") \
                 from None
+
+    def _render_template(self, row: dict[str, Any]) -> str:
+        values = {k: _null_column(k) if v is None else v for k, v in row.items()}
+        try:
+            return self._template.render(**values)
+        except NullColumnError as e:
+            raise RowError("null_value", f"prompt.template: {e}") from None
+        except SecurityError as e:
+            # The template's doing, not the row's: a row-by-row reject would hide it in rejects/.
+            raise JobError(f"prompt.template is not allowed (template_error): {e} Templates run in Jinja2's "
+                           f"sandbox: they may use the row's columns, filters and tests, not Python attributes "
+                           f"starting with _ or methods that change a value; fix the template") from None
+        except jinja2.TemplateError as e:
+            raise RowError("template_error", f"prompt.template failed on this row: {e}") from None
 
     def _messages(self, value: Any) -> list[dict]:
         if value is None:

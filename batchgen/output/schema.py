@@ -3,7 +3,6 @@ how an untyped source's values are fitted to them."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,23 +38,55 @@ class OutputSchema:
         return cls(key_field, tuple(kept), pa.schema(fields))
 
     def coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
-        """Fit an untyped source's values (JSONL) to the schema: text columns take any value (non-text is
-        JSON-encoded); a value that fits no other column type rejects the row instead of failing the shard."""
-        out = {}
+        """Check an untyped source's values (JSONL) against the column types inferred from its first rows:
+        a value of another kind (12345 in a text column, "5" or 2.5 in an integer column, an unknown key in an
+        object column) rejects the row as `schema_mismatch`; nothing is converted or stringified."""
         for name, value in kept.items():
             field_type = self.data.field(name).type
-            if value is None or (pa.types.is_string(field_type) and isinstance(value, str)):
-                out[name] = value
-            elif pa.types.is_string(field_type):
-                out[name] = json.dumps(value, ensure_ascii=False, default=str)
-            else:
-                try:
-                    pa.array([value], type=field_type)
-                except (pa.ArrowException, TypeError, ValueError, OverflowError):
-                    raise RowError("schema_mismatch", f"column {name!r} holds {value!r}, which does not fit the "
-                                                      f"column type {field_type} seen in the first rows") from None
-                out[name] = value
-        return out
+            if not fits(value, field_type):
+                raise RowError("schema_mismatch", f"column {name!r} holds {_short(value)} "
+                                                  f"({type(value).__name__}), which does not fit the column type "
+                                                  f"{field_type} inferred from the source's first rows; fix the "
+                                                  f"value, or leave the column out of output.keep_columns")
+        return kept
+
+
+def fits(value: Any, t: pa.DataType) -> bool:
+    """Whether a JSON value (None, bool, int, float, str, list, dict) fits arrow type `t` as it is: no
+    truncation (2.5 into int64), no bool-as-number, no dropped keys. Null fits every type."""
+    if value is None:
+        return True
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return isinstance(value, str)
+    if pa.types.is_boolean(t):
+        return isinstance(value, bool)
+    if pa.types.is_integer(t):
+        return isinstance(value, int) and not isinstance(value, bool) and _in_range(value, t)
+    if pa.types.is_floating(t):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return isinstance(value, list) and all(fits(v, t.value_type) for v in value)
+    if pa.types.is_struct(t):
+        names = {f.name for f in t}
+        return isinstance(value, dict) and set(value) <= names and all(fits(value.get(f.name), f.type) for f in t)
+    try:  # a type JSON inference does not produce: let arrow decide
+        pa.array([value], type=t)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
+def _in_range(value: int, t: pa.DataType) -> bool:
+    try:
+        pa.scalar(value, type=t)
+    except (pa.ArrowException, OverflowError):
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _kept_columns(spec: JobSpec, columns: list[str]) -> list[str]:

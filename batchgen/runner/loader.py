@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.errors import JobError
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -43,61 +45,138 @@ def resolve_model_path(path: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations))))
 
 
+MODEL_LOCAL_HINT = ("Download it where the hub is reachable (`hf download {name} --local-dir DIR`) and set "
+                    "model.path to DIR")
+
+
+def locate_model(path: str, gguf_file: str | None = None) -> tuple[str, Path | None]:
+    """(folder or hub id to load from, the GGUF file or None). A path that can only be local and does not
+    exist, a GGUF file that is not there, and a hub that cannot be reached are each one clear JobError."""
+    from batchgen.hub import hub_offline, looks_local, offline_miss, require_hub
+
+    path = resolve_model_path(path)
+    folder = Path(path).expanduser()
+    if folder.exists():
+        path = str(folder)
+    elif looks_local(path):
+        raise JobError(f"model.path: no such folder {path}")
+    else:  # a hub id: fail now, not after minutes of retries, when the hub cannot answer
+        from huggingface_hub import try_to_load_from_cache
+
+        hint = MODEL_LOCAL_HINT.format(name=path)
+        require_hub("model.path", path, hint)
+        if gguf_file is None and hub_offline() and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise offline_miss("model.path", path, hint)
+    if gguf_file is None:
+        return path, None
+    if folder.is_dir():
+        gguf = folder / gguf_file
+        if not gguf.is_file():
+            present = sorted(p.name for p in folder.glob("*.gguf"))
+            raise JobError(f"model.gguf_file: no file {gguf_file!r} in {folder}; GGUF files there: "
+                           f"{', '.join(present) or 'none'}")
+        return path, gguf
+    if folder.exists():
+        raise JobError(f"model.path {path} is a file; with model.gguf_file it must be the folder holding "
+                       f"{gguf_file!r}")
+    return path, _hub_gguf(path, gguf_file)
+
+
+def _hub_gguf(repo_id: str, gguf_file: str) -> Path:
+    """The GGUF file of a hub repo, from the local cache or downloaded (the hub was found reachable)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    from batchgen.hub import offline_miss
+
+    try:
+        return Path(hf_hub_download(repo_id, gguf_file))
+    except LocalEntryNotFoundError:
+        raise offline_miss("model.path", f"{repo_id}/{gguf_file}", MODEL_LOCAL_HINT.format(name=repo_id)) from None
+    except (EntryNotFoundError, RepositoryNotFoundError) as e:
+        raise JobError(f"model.gguf_file {gguf_file!r} is not in hub repo model.path {repo_id!r} "
+                       f"({type(e).__name__})") from None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen"))
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's content. Read in full once per (path, size, mtime): the result is kept in a small
+    sidecar under the cache root, so a later run, or another worker, reads 64 bytes instead of gigabytes."""
+    st = path.stat()
+    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    sidecar = cache_root() / "gguf" / "digests" / stamp
+    if sidecar.is_file():
+        digest = sidecar.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sidecar.with_name(f"{stamp}.tmp{os.getpid()}")
+    tmp.write_text(digest)
+    os.replace(tmp, sidecar)  # atomic: a reader sees no digest or the whole digest
+    return digest
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Where the transformers conversion of a GGUF file is kept (keyed by path, size and mtime)."""
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("BATCHGEN_CACHE", Path.home() / ".cache" / "batchgen"))
-    return root / "gguf" / f"{gguf_path.stem}-{key}"
+    """Where the transformers conversion of a GGUF file is kept: keyed by the file's content only, so clones
+    and copies of one file share one conversion. BATCHGEN_CACHE overrides the root (~/.cache/batchgen)."""
+    return cache_root() / "gguf" / f"sha256-{file_digest(gguf_path)[:32]}"
+
+
+def converted_gguf(gguf_path: Path) -> Path:
+    """The folder holding the GGUF file's transformers conversion, converted on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = gguf_cache_dir(gguf_path)
+    if (cached / "config.json").exists():
+        return cached
+    # First use: dequantize through transformers, save as safetensors so later runs load in ~1 s.
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    # The GGUF weights are fully dequantized on load; drop the marker that blocks saving them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process converted it first; use theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
 
 
 def load_model_and_tokenizer(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto"):
     """Returns (model in eval mode on its device, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(path)
+    source, gguf = locate_model(path, gguf_file)
+    if gguf is not None:
+        source = str(converted_gguf(gguf))
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    source = path
-    if gguf_file is not None:
-        gguf_path = Path(path) / gguf_file if Path(path).is_dir() else Path(gguf_file)
-        cached = gguf_cache_dir(gguf_path)
-        if (cached / "config.json").exists():
-            source = str(cached)
-        else:
-            # First use: dequantize through transformers, save as safetensors so later runs load in ~1 s.
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                         dtype=torch.float32)
-            # The GGUF weights are fully dequantized on load; drop the marker that blocks saving them.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            try:
-                tmp.rename(cached)
-            except OSError:  # another process converted it first; use theirs
-                import shutil
-
-                shutil.rmtree(tmp, ignore_errors=True)
-            source = str(cached)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
     return model.to(dev).eval(), tokenizer
 
 
 def load_tokenizer_and_config(path: str, gguf_file: str | None = None):
-    """Tokenizer and model config without the weights (for `batchgen validate`)."""
+    """Tokenizer and model config without the weights (for `batchgen validate`): a GGUF file not converted
+    yet is read directly, not converted."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = resolve_model_path(path)
-    if gguf_file is not None:
-        gguf_path = Path(path) / gguf_file if Path(path).is_dir() else Path(gguf_file)
-        cached = gguf_cache_dir(gguf_path)
-        if (cached / "config.json").exists():
-            return AutoTokenizer.from_pretrained(str(cached)), AutoConfig.from_pretrained(str(cached))
-        return (AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name),
-                AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name))
-    return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    source, gguf = locate_model(path, gguf_file)
+    if gguf is not None:
+        cached = gguf_cache_dir(gguf)
+        if not (cached / "config.json").exists():
+            return (AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
+                    AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+        source = str(cached)
+    return AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)

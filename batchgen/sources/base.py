@@ -18,6 +18,32 @@ class SourceRow:
     error: str | None = None  # why it could not be parsed (the row is rejected, the job goes on)
 
 
+PARQUET_MAGIC = b"PAR1"  # every Parquet file begins (and ends) with these four bytes
+
+
+def sniff_format(path: str) -> str | None:
+    """"parquet" or "jsonl" from a file's first bytes; None when neither is recognisable (gzip, empty, other)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    if head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"{"):  # a UTF-8 byte order mark is allowed
+        return "jsonl"
+    return None
+
+
+def check_format(files: list[str], expected: str, type_given: bool) -> None:
+    """A Parquet file named .jsonl, or a JSONL file named .parquet: say so, instead of a parse error later."""
+    names = {"parquet": "Parquet", "jsonl": "JSONL"}
+    for path in files:
+        actual = sniff_format(path)
+        if actual is not None and actual != expected:
+            said = f"source.type {expected}" if type_given else "its extension"
+            raise JobError(f"file {path} looks like {names[actual]} (it begins with "
+                           f"{'PAR1' if actual == 'parquet' else '{'}), but {said} says {names[expected]}; "
+                           f"{'set source.type' if type_given else 'rename it or set source.type'}: {actual}")
+
+
 class Source:
     """Subclasses set `schema` (arrow schema of the columns), `num_rows` (None if unknown without a full scan)
     and implement `_iter_all`. `limit` is applied here."""

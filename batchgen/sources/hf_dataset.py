@@ -1,4 +1,8 @@
-"""Hugging Face datasets: a save_to_disk folder, local data files through `datasets`, or a hub name."""
+"""Hugging Face datasets: a save_to_disk folder, local data files through `datasets`, or a hub name.
+
+Splits of a save_to_disk folder: a DatasetDict folder has the splits it was saved with; a folder holding a
+single Dataset has exactly one split, named after the split it was made from (Dataset.split) or `train`
+when it records none. source.split must name a split that exists; anything else is an error listing them."""
 
 from __future__ import annotations
 
@@ -6,8 +10,51 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.hub import hub_offline, looks_local, offline_miss, require_hub
 from batchgen.sources.base import Source, SourceRow
 from batchgen.job.spec import SourceSpec
+
+SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+DATASET_LOCAL_HINT = ("Save it where the hub is reachable (datasets.load_dataset({name!r}).save_to_disk(DIR)) and "
+                      "set source.path to DIR")
+
+
+def _from_disk(path: Path, split: str):
+    """The split `split` of a save_to_disk folder."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise JobError(f"source.split {split!r} is not a split of dataset {path}; splits: {', '.join(ds)}")
+        return ds[split]
+    only = str(ds.split) if ds.split is not None else "train"
+    if split != only:
+        raise JobError(f"source.split {split!r} is not a split of dataset {path}: it holds a single Dataset, whose "
+                       f"one split is {only!r}; set source.split: {only}")
+    return ds
+
+
+def _load(path: str, spec: SourceSpec):
+    """A local data-file folder or a hub dataset through datasets.load_dataset."""
+    import datasets
+
+    local = Path(path).expanduser()
+    if not local.exists():
+        if looks_local(path):
+            raise JobError(f"source.path: no such folder or file {path}")
+        require_hub("source.path", path, DATASET_LOCAL_HINT.format(name=path))
+    try:
+        return datasets.load_dataset(str(local) if local.exists() else path, spec.name, split=spec.split,
+                                     streaming=spec.streaming)
+    except ConnectionError:
+        if hub_offline():  # offline mode and no cached copy
+            raise offline_miss("source.path", path, DATASET_LOCAL_HINT.format(name=path)) from None
+        raise
+    except ValueError as e:
+        if "Unknown split" in str(e) or "Bad split" in str(e):  # datasets' words (not streaming / streaming)
+            raise JobError(f"source.split {spec.split!r} is not a split of dataset {path!r} ({e})") from None
+        raise
 
 
 class HFDatasetSource(Source):
@@ -17,16 +64,12 @@ class HFDatasetSource(Source):
 
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
         self.description = f"dataset {path!r} (split {spec.split!r})"
+        folder = Path(path).expanduser()
         try:
-            if Path(path).is_dir() and any((Path(path) / f).exists() for f in
-                                           ("dataset_info.json", "state.json", "dataset_dict.json")):
-                ds = datasets.load_from_disk(path)
-                if isinstance(ds, datasets.DatasetDict):
-                    if spec.split not in ds:
-                        raise JobError(f"{self.description}: no split {spec.split!r}; splits: {', '.join(ds)}")
-                    ds = ds[spec.split]
+            if folder.is_dir() and any((folder / f).exists() for f in SAVE_TO_DISK_MARKERS):
+                ds = _from_disk(folder, spec.split)
             else:
-                ds = datasets.load_dataset(path, spec.name, split=spec.split, streaming=spec.streaming)
+                ds = _load(path, spec)
         except JobError:
             raise
         except Exception as e:  # datasets raises many types: missing hub, bad split, bad files

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
 
 import pyarrow as pa
 
 from batchgen.errors import JobError
-from batchgen.sources.base import Source, SourceRow
+from batchgen.sources.base import Source, SourceRow, check_format
 from batchgen.job.spec import SourceSpec
 
 SCHEMA_SAMPLE_ROWS = 1000
@@ -32,6 +33,39 @@ def _parse(line: str) -> tuple[dict | None, str | None]:
     return obj, None
 
 
+def _kind(value) -> str:
+    """A JSON value's kind; ints and floats are both numbers (a float column takes 3 as well as 2.5)."""
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+
+
+def _nulls_as_strings(t: pa.DataType) -> pa.DataType:
+    """Null types (only nulls seen, e.g. `"name": null` in every sampled message) become string, at any depth."""
+    if pa.types.is_null(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(_nulls_as_strings(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _nulls_as_strings(f.type)) for f in t])
+    return t
+
+
+def column_type(values: list) -> pa.DataType:
+    """A column's type from its values in the first rows: arrow's inference over all of them; where they mix
+    kinds (5 and "five"), the type of the most common kind (the first seen on a tie). Rows whose value does
+    not fit become `schema_mismatch` rejects when the column is kept (output/schema.py). All null: string."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return pa.string()
+    majority = Counter(_kind(v) for v in present).most_common(1)[0][0]
+    same_kind = [v for v in present if _kind(v) == majority]
+    for candidates in (present, same_kind, same_kind[:1]):
+        try:
+            return _nulls_as_strings(pa.array(candidates).type)
+        except (pa.ArrowException, OverflowError, TypeError):
+            continue
+    return pa.string()  # not even one value has an arrow type (an int beyond 64 bits): every value mismatches
+
+
 class JsonlSource(Source):
     typed = False  # the schema is inferred from the first rows; later rows may disagree
     def __init__(self, files: list[str], spec: SourceSpec) -> None:
@@ -39,6 +73,7 @@ class JsonlSource(Source):
         self.files = files
         self.description = f"{len(files)} JSONL file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
         self.num_rows = None  # counting lines would need a full read
+        check_format(files, "jsonl", type_given=spec.type is not None)
         sample = [obj for obj, _ in (_parse(line) for line in islice(self._nonblank(), SCHEMA_SAMPLE_ROWS))
                   if obj is not None]
         if not sample:
@@ -46,15 +81,7 @@ class JsonlSource(Source):
         names: dict[str, None] = {}
         for obj in sample:
             names.update(dict.fromkeys(obj))
-        try:
-            inferred = pa.Table.from_pylist(sample).schema
-        except (pa.ArrowException, TypeError):
-            inferred = None
-        fields = []
-        for name in names:
-            t = inferred.field(name).type if inferred is not None and name in inferred.names else pa.string()
-            fields.append(pa.field(name, pa.string() if pa.types.is_null(t) else t))
-        self.schema = pa.schema(fields)
+        self.schema = pa.schema([pa.field(n, column_type([obj.get(n) for obj in sample])) for n in names])
         self.check_key_column()
 
     def _nonblank(self) -> Iterator[str]:

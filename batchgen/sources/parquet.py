@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
-from batchgen.sources.base import Source, SourceRow
+from batchgen.sources.base import Source, SourceRow, check_format
 from batchgen.job.spec import SourceSpec
 
 BATCH_ROWS = 1024
@@ -27,6 +27,7 @@ class ParquetSource(Source):
         super().__init__(spec.limit, spec.key_column)
         self.files = files
         self.description = f"{len(files)} Parquet file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
+        check_format(files, "parquet", type_given=spec.type is not None)
         metas = [_open(f) for f in files]
         self.schema = metas[0].schema_arrow
         for f, m in zip(files[1:], metas[1:]):
