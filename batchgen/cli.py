@@ -118,11 +118,16 @@ def validate(job: JobArg, set_: SetOpt = None,
 
 @app.command()
 @_user_errors
-def status(output_dir: Annotated[Path, typer.Argument(help="A job's output directory.")]) -> None:
+def status(target: Annotated[Path, typer.Argument(help="A job's output directory, or its job file.",
+                                                  show_default=False)]) -> None:
     """Progress, rate and ETA of a job, from what is on disk (any number of workers)."""
     from batchgen.output.status import describe
 
-    typer.echo(describe(output_dir))
+    if target.is_file():  # a job file: its output directory (output.dir, or out/<name> next to it)
+        from batchgen.job.spec import load_spec
+
+        target = Path(load_spec(target).output.dir)
+    typer.echo(describe(target))
 
 
 @app.command()
