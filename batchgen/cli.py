@@ -47,6 +47,20 @@ def _user_errors(fn):
     return wrapper
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from batchgen import __version__
+
+        typer.echo(f"batchgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print batchgen's version and exit.")] = False) -> None:
+    """Offline batch generation for LLMs: a YAML job in, exactly-once Parquet shards out."""
+
+
 JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set sampling.temperature=0 "
                                                                   "(repeatable).")]
