@@ -1,5 +1,5 @@
 """Issue 17, a new user's first hour: `--version`; `validate` prints resolved paths; the `output:` section is
-optional."""
+optional; a failed start leaves no lock-only folder behind."""
 
 from __future__ import annotations
 
@@ -56,3 +56,15 @@ def test_validate_prints_normalised_paths(tmp_path, tiny_model_dir):
     assert result.exit_code == 0, result.output
     assert f"output -> {tmp_path / 'out' / 'x'}" in result.output and f"({tmp_path / 'rows.jsonl'})" in result.output
     assert "/../" not in result.output
+
+
+def test_a_run_that_fails_at_start_leaves_no_output_folder_behind(tmp_path, tiny_model_dir):
+    job = _job(tmp_path, str(tmp_path / "no-model"), with_output=False)
+    result = _cli("run", job, "--no-progress")
+    assert result.exit_code == 2 and "cannot load model.path" in result.output
+    assert not (tmp_path / "out").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert _cli("run", job, "--no-progress", "-o", kept).exit_code == 2
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its lock file removed, the rest untouched
