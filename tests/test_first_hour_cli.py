@@ -1,8 +1,11 @@
 """Issue 17, a new user's first hour: `--version`; `validate` refuses what `run` would refuse (keep_columns,
 duplicate or null keys, a fingerprint change) and prints resolved paths; the `output:` section is optional;
-a failed start leaves no lock-only folder behind."""
+a failed start leaves no lock-only folder behind; every worker of a small job gets rows, and one without
+rows says why."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import yaml
@@ -11,7 +14,8 @@ from typer.testing import CliRunner
 import batchgen
 from batchgen.cli import app
 from batchgen.job.spec import load_spec
-from jobutil import seed_rows, write_job, write_jsonl
+from batchgen.job.workers import DEFAULT_UNIT_ROWS, WorkerInfo, auto_unit_rows
+from jobutil import read_rows, seed_rows, write_job, write_jsonl
 
 runner = CliRunner()
 
@@ -114,3 +118,60 @@ def test_a_run_that_fails_at_start_leaves_no_output_folder_behind(tmp_path, tiny
     (kept / "notes.txt").write_text("mine")
     assert _cli("run", job, "--no-progress", "-o", kept).exit_code == 2
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its lock file removed, the rest untouched
+
+
+def test_the_automatic_unit_gives_every_worker_rows_whenever_there_are_enough():
+    for rows in range(1, 120):
+        for count in range(1, 10):
+            workers = [WorkerInfo(i, count, auto_unit_rows(rows, count)) for i in range(count)]
+            owned = [w.num_owned(rows) for w in workers]
+            assert sum(owned) == rows
+            assert all(owned) == (rows >= count), (rows, count, owned)
+    assert auto_unit_rows(10**6, 8) == auto_unit_rows(None, 8) == DEFAULT_UNIT_ROWS
+
+
+class _Source:
+    """What WorkerInfo.sized_for reads of a Source: its rows, and the count if known up front (Parquet)."""
+
+    def __init__(self, num_rows: int, known: bool) -> None:
+        self.total, self.read = num_rows, 0
+        self.num_rows = self.expected_rows = num_rows if known else None
+
+    def __iter__(self):
+        for position in range(self.total):
+            self.read += 1
+            yield position
+
+
+@pytest.mark.parametrize("num_rows", [5, 20, 2047, 5000])
+def test_sizing_reads_an_unknown_count_only_as_far_as_it_matters_and_agrees_with_a_known_one(num_rows):
+    known = WorkerInfo(1, 2).sized_for(None, _Source(num_rows, known=True))
+    unknown_source = _Source(num_rows, known=False)
+    counted = WorkerInfo(1, 2).sized_for(None, unknown_source)
+    assert counted.unit_rows == known.unit_rows == min(num_rows // 2, DEFAULT_UNIT_ROWS)
+    assert unknown_source.read == min(num_rows, 2 * DEFAULT_UNIT_ROWS)
+    explicit_source = _Source(num_rows, known=False)
+    explicit = WorkerInfo(1, 2).sized_for(3, explicit_source)
+    assert explicit.unit_rows == 3 and explicit.unit_rows_from_job and explicit_source.read == 0
+
+
+def test_the_second_of_two_workers_generates_half_of_twenty_rows(tmp_path, tiny_model_dir):
+    job = _job(tmp_path, tiny_model_dir, rows=20)  # JSONL: the row count is read, not known up front
+    result = _cli("run", job, "--no-progress", "--worker-index", 1, "--num-workers", 2)
+    assert result.exit_code == 0, result.output
+    assert "10 rows committed" in result.output
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == [f"row-{i:04d}" for i in range(10, 20)]
+    report = json.loads((tmp_path / "out" / "reports" / "w00001.json").read_text())
+    assert report["worker"] == {"index": 1, "count": 2, "unit_rows": 10, "source_rows": 20}
+
+
+def test_a_worker_without_rows_says_why_and_exits_zero_with_a_report(tmp_path, tiny_model_dir):
+    job = _job(tmp_path, tiny_model_dir, rows=2)
+    result = _cli("run", job, "--no-progress", "--worker-index", 2, "--num-workers", 3)
+    assert result.exit_code == 0, result.output
+    assert "worker 2 of 3 has no rows: the source has 2 rows for 3 workers" in result.output
+    assert (tmp_path / "out" / "reports" / "w00002.json").exists()
+    result = _cli("run", job, "--no-progress", "--worker-index", 1, "--num-workers", 2,
+                  "--set", "source.worker_unit_rows=1024")
+    assert result.exit_code == 0, result.output
+    assert "dealt in units of source.worker_unit_rows = 1024 and none fell to it" in result.output

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,6 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
 
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
             show_progress: bool = True) -> RunResult:
-    worker = worker.with_unit_rows(spec.source.worker_unit_rows)
     if worker.local_rank is not None and spec.model.device == "auto":
         import torch
 
@@ -121,6 +121,11 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
         with _StopFlag() as stop:
             result = loop.run(stop)
+        # the partition this worker used (sized from the source unless the job set worker_unit_rows)
+        result.report["worker"].update(unit_rows=loop.worker.unit_rows, source_rows=loop.worker.num_rows)
+        if loop.worker.count > 1 and result.rows_committed + result.rows_skipped == 0 \
+                and result.interrupted_by is None:
+            print(f"batchgen: {loop.worker.why_no_rows()}", file=sys.stderr)
         reports = out_dir / "reports"
         reports.mkdir(exist_ok=True)
         _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))

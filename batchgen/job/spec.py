@@ -41,7 +41,9 @@ class SourceSpec(_Strict):
     streaming: bool = True
     key_column: str | None = None  # row identity; without it, the row's position in the source
     limit: PositiveInt | None = None
-    worker_unit_rows: PositiveInt = 1024  # rows are dealt to workers in units of this many consecutive rows
+    # Rows are dealt to workers in units of this many consecutive rows. None: sized from the source's row
+    # count so that every worker gets rows (job/workers.py sized_for), 1,024 for large sources.
+    worker_unit_rows: PositiveInt | None = None
 
 
 class PromptSpec(_Strict):
