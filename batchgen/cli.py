@@ -141,7 +141,7 @@ def status(target: Annotated[Path, typer.Argument(help="A job's output directory
         from batchgen.job.spec import load_spec
 
         target = Path(load_spec(target).output.dir)
-    typer.echo(describe(target))
+    typer.echo(describe(target.resolve()))
 
 
 @app.command()

@@ -79,7 +79,7 @@ def test_a_signalled_run_is_stopped_with_its_report_status(out):
     (out / "reports").mkdir()
     (out / "reports" / "w00000.json").write_text(json.dumps({"status": "interrupted", "time": time.time()}))
     result = _status(out)
-    assert "w00000: stopped" in result.output and "its last run ended interrupted" in result.output
+    assert "w00000: stopped" in result.output and "its last run ended" in result.output and "ago (interrupted)" in result.output
     assert "ETA" not in result.output
 
 

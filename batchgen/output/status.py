@@ -145,7 +145,7 @@ def _worker_line(w: _Worker, now: float, rows_remain: bool) -> str:
     line = f"stopped; {committed}"
     report_time = (w.report or {}).get("time")
     if report_time is not None and (w.started is None or report_time >= w.started):
-        line += f"; its last run ended {w.report.get('status', '?')} {_ago(now - report_time)} ago"
+        line += f"; its last run ended {_ago(now - report_time)} ago ({w.report.get('status', '?')})"
     elif w.started is not None:
         line += (f"; its last run (started {_ago(now - w.started)} ago) ended without a report: killed, or it "
                  f"failed (its error message says why)")
