@@ -79,7 +79,8 @@ def test_a_signalled_run_is_stopped_with_its_report_status(out):
     (out / "reports").mkdir()
     (out / "reports" / "w00000.json").write_text(json.dumps({"status": "interrupted", "time": time.time()}))
     result = _status(out)
-    assert "w00000: stopped" in result.output and "its last run ended" in result.output and "ago (interrupted)" in result.output
+    assert "w00000: stopped" in result.output
+    assert "its last run ended" in result.output and "ago (interrupted)" in result.output
     assert "ETA" not in result.output
 
 
@@ -136,4 +137,5 @@ def test_a_folder_with_only_a_lock_file_says_what_is_there(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("x")
     result = _status(tmp_path / "notes")
-    assert result.exit_code == 2 and "holds no batchgen output" in result.output and "it holds: todo.txt" in result.output
+    assert result.exit_code == 2
+    assert "holds no batchgen output" in result.output and "it holds: todo.txt" in result.output
