@@ -47,16 +47,30 @@ def _user_errors(fn):
     return wrapper
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from batchgen import __version__
+
+        typer.echo(f"batchgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print batchgen's version and exit.")] = False) -> None:
+    """Offline batch generation for LLMs: a YAML job in, exactly-once Parquet shards out."""
+
+
 JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set sampling.temperature=0 "
                                                                   "(repeatable).")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory (overrides output.dir; "
+                                                                         "relative to the current folder).")]
 
 
 @app.command()
 @_user_errors
-def run(job: JobArg, set_: SetOpt = None,
-        output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory (overrides "
-                                                                             "output.dir).")] = None,
+def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         fresh: Annotated[bool, typer.Option("--fresh", help="Delete this output's results and start over.")] = False,
         worker_index: Annotated[Optional[int], typer.Option(help="This worker's index (0-based); default from "
                                                                  "Slurm/torchrun/Kubernetes variables.")] = None,
@@ -105,24 +119,29 @@ def run(job: JobArg, set_: SetOpt = None,
 
 @app.command()
 @_user_errors
-def validate(job: JobArg, set_: SetOpt = None,
+def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
              sample_rows: Annotated[int, typer.Option(help="Rows to render and tokenize for the audit.")] = 1000,
              show: Annotated[int, typer.Option(help="Rendered prompts to print.")] = 2) -> None:
-    """Check a job without generating: spec, source, prompts, token lengths, model config."""
+    """Check a job without generating: spec, source, prompts, token lengths, model, keys, output directory."""
     from batchgen.job.spec import load_spec
     from batchgen.job.validate import audit
 
-    spec = load_spec(job, set_ or [])
+    spec = load_spec(job, set_ or [], output)
     typer.echo(audit(spec, sample_rows=sample_rows, show=show))
 
 
 @app.command()
 @_user_errors
-def status(output_dir: Annotated[Path, typer.Argument(help="A job's output directory.")]) -> None:
+def status(target: Annotated[Path, typer.Argument(help="A job's output directory, or its job file.",
+                                                  show_default=False)]) -> None:
     """Progress, rate and ETA of a job, from what is on disk (any number of workers)."""
     from batchgen.output.status import describe
 
-    typer.echo(describe(output_dir))
+    if target.is_file():  # a job file: its output directory (output.dir, or out/<name> next to it)
+        from batchgen.job.spec import load_spec
+
+        target = Path(load_spec(target).output.dir)
+    typer.echo(describe(target.resolve()))
 
 
 @app.command()

@@ -51,6 +51,7 @@ class JobLoop:
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
+        self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
         self.schema = OutputSchema.build(spec, self.source.schema)
         try:
             model, tokenizer = load_model_and_tokenizer(spec.model.path, spec.model.gguf_file, spec.model.dtype,

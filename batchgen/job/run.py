@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +80,34 @@ def fresh_start(spec: JobSpec) -> None:
         lock.release()
 
 
+def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str], created: list[Path]) -> None:
+    """After a run failed: if all it left is its own new lock file (nothing else was written), remove that,
+    and the folders this run created (`created`, the output directory first) while they are empty.
+    Anything else stays."""
+    if lock.path.name in entries_before:
+        return  # the lock file was there before this run
+    try:
+        if set(os.listdir(out_dir)) - entries_before != {lock.path.name}:
+            return  # the run (or another worker) wrote something: leave the directory as it is
+        lock.remove()
+        for folder in created:
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
+    except OSError:
+        pass  # tidying only: the error that stopped the run is the one to report
+
+
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
             show_progress: bool = True) -> RunResult:
-    worker = worker.with_unit_rows(spec.source.worker_unit_rows)
     if worker.local_rank is not None and spec.model.device == "auto":
         import torch
 
         if torch.cuda.is_available():  # torchrun: LOCAL_RANK picks this worker's GPU
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": f"cuda:{worker.local_rank}"})})
     out_dir = Path(spec.output.dir).resolve()
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # what mkdir creates, deepest first
+    entries_before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -101,10 +121,17 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
         with _StopFlag() as stop:
             result = loop.run(stop)
+        # the partition this worker used (sized from the source unless the job set worker_unit_rows)
+        result.report["worker"].update(unit_rows=loop.worker.unit_rows, source_rows=loop.worker.num_rows)
+        if loop.worker.count > 1 and result.rows_committed + result.rows_skipped == 0 \
+                and result.interrupted_by is None:
+            print(f"batchgen: {loop.worker.why_no_rows()}", file=sys.stderr)
         reports = out_dir / "reports"
         reports.mkdir(exist_ok=True)
         _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
         return result
+    except BaseException:
+        _clean_failed_start(out_dir, lock, entries_before, created)
+        raise
     finally:
         lock.release()
-

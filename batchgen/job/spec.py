@@ -8,6 +8,7 @@ the value. Relative paths resolve against the job file's folder. `--set a.b=valu
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,7 +41,9 @@ class SourceSpec(_Strict):
     streaming: bool = True
     key_column: str | None = None  # row identity; without it, the row's position in the source
     limit: PositiveInt | None = None
-    worker_unit_rows: PositiveInt = 1024  # rows are dealt to workers in units of this many consecutive rows
+    # Rows are dealt to workers in units of this many consecutive rows. None: sized from the source's row
+    # count so that every worker gets rows (job/workers.py sized_for), 1,024 for large sources.
+    worker_unit_rows: PositiveInt | None = None
 
 
 class PromptSpec(_Strict):
@@ -65,7 +68,7 @@ class PromptSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    dir: str
+    dir: str | None = None  # None: out/<name> next to the job file (load_spec always sets it)
     rows_per_shard: PositiveInt = 1000
     commit_interval_s: Annotated[float, Field(gt=0)] = 60.0  # commit at least this often, even if a shard is short
     keep_columns: Literal["all", "none"] | list[str] = "all"
@@ -80,7 +83,7 @@ class JobSpec(_Strict):
     prompt: PromptSpec
     sampling: SamplingParams = Field(default_factory=SamplingParams)  # the one definition: sampling_params.py
     engine: EngineConfig = Field(default_factory=EngineConfig)  # the one definition: engine/config.py
-    output: OutputSpec
+    output: OutputSpec = Field(default_factory=OutputSpec)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -134,13 +137,27 @@ def apply_override(raw: dict, assignment: str) -> None:
         raise JobError(f"--set {assignment!r}: the value is not valid YAML ({e})") from None
 
 
-def _resolve(base: Path, value: str) -> str:
-    """Resolve a relative local path against the job file's folder; leave hub ids and URLs alone."""
-    if "://" in value or value.startswith("package:") or Path(value).is_absolute():
+def _resolve(base: Path, value: str, normalize: bool = False) -> str:
+    """Resolve a relative local path against the job file's folder; leave hub ids and URLs alone.
+    `normalize` folds `a/../b` (not for model.path: it is part of the fingerprint as written)."""
+    if "://" in value or value.startswith("package:"):
         return value
+    if Path(value).is_absolute():
+        return os.path.normpath(value) if normalize else value
     candidate = base / value
     looks_local = value.startswith((".", "~")) or candidate.exists() or any(c in value for c in "*?[")
-    return str(candidate) if looks_local else value
+    if not looks_local:
+        return value
+    return os.path.normpath(candidate) if normalize else str(candidate)
+
+
+def _default_output_dir(spec: JobSpec, job_path: Path, base: Path) -> Path:
+    """out/<name> next to the job file; name = the job's `name:`, else the job file's stem."""
+    name = spec.name if spec.name is not None else job_path.stem
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise JobError(f"name {name!r} in {job_path} cannot name the default output folder out/<name>: "
+                       f"give a plain name, or set output.dir")
+    return base / "out" / name
 
 
 def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | None = None) -> JobSpec:
@@ -163,8 +180,13 @@ def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | Non
     base = path.resolve().parent
     model = spec.model.model_copy(update={"path": _resolve(base, spec.model.path)})
     paths = [spec.source.path] if isinstance(spec.source.path, str) else spec.source.path
-    resolved = [_resolve(base, p) for p in paths]
+    resolved = [_resolve(base, p, normalize=True) for p in paths]
     source = spec.source.model_copy(update={"path": resolved[0] if isinstance(spec.source.path, str) else resolved})
-    out_dir = output_dir if output_dir is not None else str(base / spec.output.dir)
-    output = spec.output.model_copy(update={"dir": out_dir})
+    if output_dir is not None:  # --output: relative to the current folder
+        out_dir = Path(output_dir).resolve()
+    elif spec.output.dir is not None:  # output.dir: relative to the job file's folder
+        out_dir = (base / spec.output.dir).resolve()
+    else:
+        out_dir = _default_output_dir(spec, path, base)
+    output = spec.output.model_copy(update={"dir": str(out_dir)})
     return spec.model_copy(update={"model": model, "source": source, "output": output})

@@ -1,13 +1,20 @@
-"""`batchgen validate`: everything that can be checked without generating, in a short report."""
+"""`batchgen validate`: everything that can be checked without generating, in a short report.
+
+What `batchgen run` refuses, validate refuses with the same message: output.keep_columns (through run's
+OutputSchema.build), a null or duplicate key (a full scan with run's normalize_key and KeySet, worded as
+run's message), and a fingerprint change against an existing output directory (fingerprint.refusal)."""
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from batchgen.errors import JobError
-from batchgen.prompts import PromptRenderer, RowError
-from batchgen.sources import open_source
 from batchgen.job.spec import JobSpec
+from batchgen.output.keyset import KeySet
+from batchgen.output.schema import OutputSchema
+from batchgen.prompts import PromptRenderer, RowError
+from batchgen.sources import Source, open_source
 
 
 def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
@@ -16,6 +23,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
 
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
+    OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run checks
     expected = source.expected_rows
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
@@ -65,4 +73,52 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                      + ", ".join(f"{k}: {v}" for k, v in sorted(rejects.items())))
     lines.append(f"sampling: n={spec.sampling.n}, max_new_tokens={spec.sampling.max_new_tokens}, "
                  f"temperature={spec.sampling.temperature}, seed={spec.sampling.seed}")
+    lines.append(_check_resume(spec, tokenizer, config))
+    lines.append(_check_keys(spec, source))
     return "\n".join(lines)
+
+
+def _check_resume(spec: JobSpec, tokenizer, config) -> str:
+    """The fingerprint `run` would compute, against the output directory's: the same refusal as run's."""
+    from batchgen import __version__
+    from batchgen.output.fingerprint import FILE, components, refusal
+    from batchgen.runner.loader import gguf_cache_dir, resolve_device, resolve_dtype, resolve_model_path
+
+    out_dir = Path(spec.output.dir)
+    if not (out_dir / FILE).exists():
+        return f"output: {out_dir} holds no earlier run; a run starts it there"
+    if spec.model.gguf_file is not None:
+        folder = Path(resolve_model_path(spec.model.path))
+        gguf = folder / spec.model.gguf_file if folder.is_dir() else Path(spec.model.gguf_file)
+        if not (gguf_cache_dir(gguf) / "config.json").exists():  # the config run sees is the converted one
+            return (f"output: {out_dir} holds an earlier run; not compared with this job because the GGUF file "
+                    f"is not converted on this machine yet (a run converts it, then compares)")
+    model_config = config.to_dict()
+    if "dtype" in model_config:  # a loaded model's config records the dtype it was loaded in
+        dtype = resolve_dtype(spec.model.dtype, resolve_device(spec.model.device))
+        model_config["dtype"] = str(dtype).removeprefix("torch.")
+    message = refusal(out_dir, components(spec, model_config, tokenizer, __version__))
+    if message is not None:
+        raise JobError(message)
+    return f"output: {out_dir} holds an earlier run of this job; a run resumes it"
+
+
+def _check_keys(spec: JobSpec, source: Source) -> str:
+    """A full scan of the source's keys: the first null or duplicate key is an error, as in run."""
+    from batchgen.job.loop import normalize_key
+
+    key_column = spec.source.key_column
+    if key_column is None:
+        return "keys: rows are keyed by their position (no source.key_column)"
+    first_seen = KeySet()
+    num_rows = 0
+    for row in source:
+        num_rows += 1
+        if row.columns is None:
+            continue  # unparseable: run keys it by its position and rejects it
+        key = normalize_key(row.columns.get(key_column), row.position, key_column)
+        earlier = first_seen.add(key, row.position)
+        if earlier is not None:
+            raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
+                           f"{row.position}); keys must be unique, or drop key_column to key rows by position")
+    return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null"

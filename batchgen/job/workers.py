@@ -6,14 +6,17 @@ the GPU), or a Kubernetes indexed job (JOB_COMPLETION_INDEX with BATCHGEN_NUM_WO
 environment; two environments that disagree are an error.
 
 Partition: rows are dealt to workers in units of `unit_rows` consecutive rows, round-robin, so each worker
-reads its source sequentially and computes its part alone, with no coordinator.
+reads its source sequentially and computes its part alone, with no coordinator. Unless the job sets
+source.worker_unit_rows, the unit is sized from the source's row count (`sized_for`): every worker of a run
+computes it from the same source, so all of them deal the rows alike.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import islice
 
 from batchgen.errors import JobError
 
@@ -27,6 +30,8 @@ class WorkerInfo:
     unit_rows: int = DEFAULT_UNIT_ROWS
     source: str = "default"  # where the identity came from, for messages
     local_rank: int | None = None  # the GPU to use, when the launcher says so
+    num_rows: int | None = None  # the source's row count the partition was sized from (None: not counted)
+    unit_rows_from_job: bool = False  # unit_rows was set by source.worker_unit_rows (not sized automatically)
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
@@ -44,8 +49,37 @@ class WorkerInfo:
         owned = rounds * self.unit_rows + (self.unit_rows if self.index < extra else 0)
         return owned + (tail if self.index == extra else 0)
 
-    def with_unit_rows(self, unit_rows: int) -> WorkerInfo:
-        return WorkerInfo(self.index, self.count, unit_rows, self.source, self.local_rank)
+    def sized_for(self, unit_rows: int | None, source) -> WorkerInfo:
+        """The partition for a Source: `unit_rows` as the job sets it, else sized from its row count so that
+        every worker gets rows. A count the source does not know (JSONL) is read, up to count *
+        DEFAULT_UNIT_ROWS rows: beyond that the default unit gives every worker rows anyway."""
+        rows = source.expected_rows if source.num_rows is not None else None  # exact, or not known
+        if unit_rows is not None:
+            return replace(self, unit_rows=unit_rows, num_rows=rows, unit_rows_from_job=True)
+        if rows is None and self.count > 1:
+            cap = self.count * DEFAULT_UNIT_ROWS
+            counted = sum(1 for _ in islice(source, cap))
+            rows = counted if counted < cap else None
+        return replace(self, unit_rows=auto_unit_rows(rows, self.count), num_rows=rows)
+
+    def why_no_rows(self) -> str:
+        """Why this worker owns no row (for its one line of output)."""
+        me = f"worker {self.index} of {self.count} has no rows"
+        if self.unit_rows_from_job:
+            size = f"the source's {self.num_rows} rows" if self.num_rows is not None else "the source's rows"
+            return (f"{me}: {size} are dealt in units of source.worker_unit_rows = {self.unit_rows} and none "
+                    f"fell to it; lower source.worker_unit_rows (or remove it: sized automatically) or start "
+                    f"fewer workers")
+        return f"{me}: the source has {self.num_rows} rows for {self.count} workers; start at most {self.num_rows}"
+
+
+def auto_unit_rows(num_rows: int | None, count: int) -> int:
+    """A deterministic unit from (rows, workers): floor(rows / workers), so there are at least `count` units
+    whenever rows >= count (ceil would leave a worker empty: 9 rows, 4 workers -> 3 units of 3), capped at
+    DEFAULT_UNIT_ROWS (sequential reads per worker); DEFAULT_UNIT_ROWS when the count is unknown or large."""
+    if num_rows is None:
+        return DEFAULT_UNIT_ROWS
+    return max(1, min(DEFAULT_UNIT_ROWS, num_rows // count))
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -45,21 +45,31 @@ def _diff(old: Any, new: Any, path: str) -> list[str]:
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
+def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
+    """Why resuming into `out_dir` with these components must be refused (None: it may resume, or nothing is
+    recorded yet). Reads only. A component that the stored fingerprint predates (an output begun by an
+    earlier batchgen) is not compared, so an upgrade alone never blocks a resume."""
+    path = out_dir / FILE
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())["components"]
+    comparable = {k: v for k, v in json.loads(json.dumps(current, default=str)).items() if k in stored}
+    changes = _diff(stored, comparable, "")
+    if not changes:
+        return None
+    return (f"refusing to resume into {out_dir}: what decides the output changed since it was started:\n  - "
+            + "\n  - ".join(changes)
+            + "\nRevert the change, pick another output.dir (or --output), or pass --fresh to start over "
+              "(deletes this directory's results).")
+
+
 def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
-    """First run: record the fingerprint. Later runs: refuse if it changed. A component that the stored
-    fingerprint predates (an output begun by an earlier batchgen) is not compared, so an upgrade alone never
-    blocks a resume."""
+    """First run: record the fingerprint. Later runs: refuse if it changed (see `refusal`)."""
     path = out_dir / FILE
     if path.exists():
-        stored = json.loads(path.read_text())["components"]
-        comparable = {k: v for k, v in json.loads(json.dumps(current, default=str)).items() if k in stored}
-        changes = _diff(stored, comparable, "")
-        if changes:
-            raise JobError(
-                f"refusing to resume into {out_dir}: what decides the output changed since it was started:\n  - "
-                + "\n  - ".join(changes)
-                + "\nRevert the change, pick another output.dir (or --output), or pass --fresh to start over "
-                  "(deletes this directory's results).")
+        message = refusal(out_dir, current)
+        if message is not None:
+            raise JobError(message)
         return
     tmp = path.with_name(FILE + ".tmp")
     tmp.write_text(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))

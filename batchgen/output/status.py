@@ -1,15 +1,111 @@
-"""`batchgen status`: progress, rate and ETA of an output directory from its manifests alone."""
+"""`batchgen status`: progress, rates and ETA of an output directory, from what is on disk.
+
+Per worker: committed rows from its manifest; running or stopped from whether a process holds its lock
+(`.lock-wNNNNN`, probed without blocking); the latest run's progress and rate from its throughput log
+(`logs/throughput-wNNNNN.jsonl`, a record every ~5 s: rows finished and committed in that run, seconds since
+it began generating); how its last run ended from its report. An ETA is given only while a worker runs."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
+from batchgen.output.lock import is_held
+
+STALLED_AFTER_S = 600  # a running worker without a commit for this long is flagged
+LOG_TAIL_BYTES = 1 << 16  # a throughput record is ~1 KB: the last one is in the file's last 64 KiB
+TAG = re.compile(r"w\d{5}")
+
+
+@dataclass
+class _Worker:
+    tag: str
+    rows: int = 0  # committed input rows (rejects included), all runs
+    rejects: int = 0
+    tokens: int = 0
+    last_commit: float | None = None  # unix time
+    running: bool = False  # a live process holds the worker's lock
+    started: float | None = None  # unix time the latest run took the lock (the lock file's mtime)
+    log: dict | None = None  # the last throughput record
+    report: dict | None = None  # reports/wNNNNN.json: written when a run ends normally (done or signalled)
+
+    @property
+    def latest_log(self) -> dict | None:
+        """The last throughput record if it belongs to the latest run (None before that run's first one)."""
+        if self.log is None or (self.started is not None and self.log.get("time", 0) < self.started):
+            return None
+        return self.log
+
+    @property
+    def rate_rows_s(self) -> float | None:
+        rec = self.latest_log
+        if rec is None or rec.get("elapsed_s", 0) <= 0:
+            return None
+        return rec["rows_done"] / rec["elapsed_s"]
+
+    @property
+    def uncommitted(self) -> int:
+        """Rows a running worker has finished in this run but not committed yet."""
+        rec = self.latest_log
+        return max(0, rec["rows_done"] - rec["rows_committed"]) if self.running and rec else 0
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _last_record(path: Path) -> dict | None:
+    """The last complete JSON line of a log (a line torn by kill -9 is skipped)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - LOG_TAIL_BYTES))
+        lines = f.read().split(b"\n")[:-1]  # text after the last newline is torn or empty
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _read_workers(out_dir: Path) -> dict[str, _Worker]:
+    workers: dict[str, _Worker] = {}
+
+    def worker(tag: str) -> _Worker | None:
+        return workers.setdefault(tag, _Worker(tag)) if TAG.fullmatch(tag) else None
+
+    for tag, r in mf.read_all(out_dir):
+        w = worker(tag)
+        w.rows, w.rejects = w.rows + r["num_rows"], w.rejects + r["num_rejects"]
+        w.tokens += r["num_completion_tokens"]
+        w.last_commit = max(w.last_commit or 0.0, r["time"])
+    for lock in out_dir.glob(".lock-w*"):
+        if (w := worker(lock.name.removeprefix(".lock-"))) is not None:
+            try:
+                w.started = lock.stat().st_mtime
+            except FileNotFoundError:  # removed meanwhile (a failed start cleaning up)
+                continue
+            w.running = is_held(lock)
+    for log in (out_dir / "logs").glob("throughput-w*.jsonl"):
+        if (w := worker(log.stem.removeprefix("throughput-"))) is not None:
+            w.log = _last_record(log)
+    for report in (out_dir / "reports").glob("w*.json"):
+        if (w := worker(report.stem)) is not None:
+            try:
+                w.report = json.loads(report.read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
+    return workers
 
 
 def _expected_rows(out_dir: Path) -> int | None:
@@ -29,38 +125,73 @@ def _expected_rows(out_dir: Path) -> int | None:
         return None
 
 
+def _worker_line(w: _Worker, now: float, rows_remain: bool) -> str:
+    committed = f"{w.rows} rows committed, {w.tokens} tokens"
+    rate = w.rate_rows_s
+    if w.running:
+        rec = w.latest_log
+        line = f"running{f' for {_ago(now - w.started)}' if w.started is not None else ''}; {committed}"
+        if rec is None:
+            line += "; no row finished yet in this run (loading the model or in its first steps)"
+        else:
+            line += f" (+{w.uncommitted} finished, not committed yet)" if w.uncommitted else ""
+            line += f"; {rate:.2f} rows/s" if rate is not None else ""
+            this_run = w.last_commit is not None and (w.started is None or w.last_commit >= w.started)
+            line += f"; last commit {_ago(now - w.last_commit)} ago" if this_run else "; no commit yet in this run"
+        quiet_since = max(w.last_commit or 0.0, w.started or 0.0)  # the latest commit or start
+        if rows_remain and quiet_since and now - quiet_since > STALLED_AFTER_S:
+            line += f"  (no commit for {_ago(now - quiet_since)}: stalled?)"
+        return line
+    line = f"stopped; {committed}"
+    report_time = (w.report or {}).get("time")
+    if report_time is not None and (w.started is None or report_time >= w.started):
+        line += f"; its last run ended {_ago(now - report_time)} ago ({w.report.get('status', '?')})"
+    elif w.started is not None:
+        line += (f"; its last run (started {_ago(now - w.started)} ago) ended without a report: killed, or it "
+                 f"failed (its error message says why)")
+    return line + (f"; {rate:.2f} rows/s in that run" if rate is not None else "")
+
+
+def _what_is_there(out_dir: Path) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir())
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "")
+    return f"it holds: {shown}"
+
+
 def describe(out_dir: Path) -> str:
-    if not (out_dir / mf.MANIFEST_DIR).is_dir():
-        raise JobError(f"{out_dir} holds no batchgen output (no {mf.MANIFEST_DIR}/ folder)")
-    per_worker: dict[str, dict] = {}
-    for tag, r in mf.read_all(out_dir):
-        w = per_worker.setdefault(tag, {"rows": 0, "rejects": 0, "tokens": 0, "first": r["time"], "last": r["time"]})
-        w["rows"] += r["num_rows"]
-        w["rejects"] += r["num_rejects"]
-        w["tokens"] += r["num_completion_tokens"]
-        w["first"], w["last"] = min(w["first"], r["time"]), max(w["last"], r["time"])
+    if not out_dir.is_dir():
+        raise JobError(f"{out_dir} does not exist: no batchgen run has written there yet")
+    workers = _read_workers(out_dir)
+    if not workers:
+        raise JobError(f"{out_dir} holds no batchgen output (no {mf.MANIFEST_DIR}/, logs, reports or worker "
+                       f"locks); {_what_is_there(out_dir)}")
     expected = _expected_rows(out_dir)
-    total = sum(w["rows"] for w in per_worker.values())
+    total = sum(w.rows for w in workers.values())
+    uncommitted = sum(w.uncommitted for w in workers.values())
+    rows_remain = expected is None or total < expected
     now = time.time()
     lines = [f"{out_dir}: {total} rows committed"
              + (f" of {expected} ({100 * total / max(expected, 1):.1f}%)" if expected else "")
-             + f", {sum(w['rejects'] for w in per_worker.values())} rejected, "
-               f"{sum(w['tokens'] for w in per_worker.values())} completion tokens"]
-    rate_total = 0.0
-    for tag, w in sorted(per_worker.items()):
-        span = w["last"] - w["first"]
-        rate = w["rows"] / span if span > 0 else 0.0
-        rate_total += rate
-        idle = now - w["last"]
-        lines.append(f"  {tag}: {w['rows']} rows, {w['tokens']} tokens, {rate:.2f} rows/s, last commit "
-                     f"{idle:.0f}s ago" + ("  (stalled?)" if idle > 600 and (expected is None or total < expected)
-                                         else ""))
-    reports = sorted((out_dir / "reports").glob("w*.json")) if (out_dir / "reports").is_dir() else []
-    finished = [json.loads(p.read_text()).get("status") for p in reports]
-    if expected and total < expected and rate_total > 0:
-        lines.append(f"rate {rate_total:.2f} rows/s; ETA {(expected - total) / rate_total / 60:.1f} min")
-    elif expected and total >= expected:
+             + (f" (+{uncommitted} finished, not committed yet)" if uncommitted else "")
+             + f", {sum(w.rejects for w in workers.values())} rejected, "
+               f"{sum(w.tokens for w in workers.values())} completion tokens"]
+    lines += [f"  {tag}: {_worker_line(w, now, rows_remain)}" for tag, w in sorted(workers.items())]
+    running = [w for w in workers.values() if w.running]
+    if expected and total >= expected:
         lines.append("complete")
-    if finished:
-        lines.append(f"worker reports: {', '.join(f'{p.stem}={s}' for p, s in zip(reports, finished))}")
+    elif running:
+        rate = sum(w.rate_rows_s or 0.0 for w in running)
+        summary = f"{len(running)} of {len(workers)} workers running"
+        if rate > 0:
+            summary += f"; rate {rate:.2f} rows/s"
+            if expected:
+                summary += f"; ETA {max(expected - total - uncommitted, 0) / rate / 60:.1f} min"
+        lines.append(summary)
+    else:
+        left = f"{expected - total} rows remain; " if expected else ""
+        lines.append(f"no worker is running: {left}run the same command again to resume")
+    if not (out_dir / mf.MANIFEST_DIR).is_dir() and not running:
+        lines.append(f"nothing was committed here; {_what_is_there(out_dir)}")
     return "\n".join(lines)
