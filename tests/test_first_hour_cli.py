@@ -111,7 +111,7 @@ def test_validate_refuses_a_sampling_change_against_an_existing_output_as_run_do
 def test_a_run_that_fails_at_start_leaves_no_output_folder_behind(tmp_path, tiny_model_dir):
     job = _job(tmp_path, str(tmp_path / "no-model"), with_output=False)
     result = _cli("run", job, "--no-progress")
-    assert result.exit_code == 2 and "cannot load model.path" in result.output
+    assert result.exit_code == 2 and "model.path: no such folder" in result.output
     assert not (tmp_path / "out").exists()
     kept = tmp_path / "kept"
     kept.mkdir()

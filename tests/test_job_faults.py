@@ -97,7 +97,16 @@ def test_out_of_memory_at_start_up_names_the_knobs(setup, monkeypatch):
     result = CliRunner().invoke(app, ["run", str(job), "-o", str(tmp / "oom"), "--no-progress"])
     assert result.exit_code == 2
     assert "out of memory while setting up the engine" in result.output
-    assert "engine.gpu_memory_utilization" in result.output and "engine.max_num_seqs" in result.output
+    assert "engine.num_kv_blocks" in result.output and "engine.cpu_kv_cache_bytes" in result.output  # CPU knobs
+
+
+def test_a_kv_cache_larger_than_memory_on_cpu_exits_2_naming_the_knobs_before_allocating(setup):
+    tmp, job, _ = setup
+    result = CliRunner().invoke(app, ["run", str(job), "-o", str(tmp / "huge"), "--no-progress",
+                                      "--set", "engine.num_kv_blocks=50000000"])
+    assert result.exit_code == 2, result.output
+    assert "the KV cache needs" in result.output and "GiB of memory is available" in result.output
+    assert "engine.num_kv_blocks (now 50000000)" in result.output and "run the same command" not in result.output
 
 
 def test_kv_cache_exhaustion_preempts_and_every_row_matches_a_large_cache_run(setup, tiny_model_dir):

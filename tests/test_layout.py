@@ -13,8 +13,8 @@ ALLOWED = {
     "kernels": {"kernels"},
     "attention": {"attention", "kernels"},
     "models": {"models", "attention", "kernels"},
-    "sample": {"sample", "engine.batch"},
-    "runner": {"runner", "models", "attention", "sample", "kernels", "engine.batch", "errors"},
+    "sample": {"sample", "engine.batch", "kernels"},
+    "runner": {"runner", "models", "attention", "sample", "kernels", "engine.batch", "errors", "hub"},
     "engine": {"engine", "sampling_params", "seeding", "errors"},
     "engine/engine.py": {"engine", "runner", "attention", "sampling_params", "seeding", "errors"},  # composition root
 }

@@ -51,8 +51,19 @@ class KVCache:
         self.block_size = block_size
         self.trash_slot = num_blocks * block_size
         shape = (geometry.num_layers, num_blocks + 1, block_size, geometry.num_kv_heads, geometry.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
+        need = (num_blocks + 1) * geometry.bytes_per_block(block_size, dtype)  # K and V
+        available = _available_host_bytes() if device.type == "cpu" else None
+        if available is not None and need > available:
+            raise MemoryError(f"the KV cache needs {need / 2**30:.1f} GiB ({num_blocks} blocks of {block_size} "
+                              f"tokens) but {available / 2**30:.1f} GiB of memory is available")
+        try:
+            self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
+            self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, bs, Hkv, D]
+        except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
+            if "alloc" not in str(e).lower() or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise MemoryError(f"the KV cache ({need / 2**30:.1f} GiB) could not be allocated: "
+                              f"{str(e).splitlines()[0][:200]}") from None
         # Compiled graphs reach the cache through this id (an op argument), never as a graph input: a graph
         # input that an op mutates would be functionalized, i.e. copied whole, by torch.compile.
         self.cache_id = id(self)
@@ -76,6 +87,18 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def plan_num_blocks(geometry: KVGeometry, block_size: int, dtype: torch.dtype, device: torch.device,

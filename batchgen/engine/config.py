@@ -31,5 +31,10 @@ class EngineConfig(BaseModel):
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
 
+    def context_length(self, model_config) -> int:
+        """Tokens a sequence may hold: max_model_len, else the model's max_position_embeddings."""
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        return self.max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
+
     def async_on(self, device_type: str) -> bool:
         return device_type == "cuda" if self.async_pipeline == "auto" else self.async_pipeline

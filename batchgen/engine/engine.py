@@ -64,7 +64,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         text_config = model.config.get_text_config()
-        self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 1 << 30)
+        self.max_model_len = config.context_length(model.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         geometry = KVGeometry.from_config(model.config)
         dtype = next(model.parameters()).dtype

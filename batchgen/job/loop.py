@@ -19,9 +19,10 @@ from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
-from batchgen.output.schema import OutputSchema
+from batchgen.output.schema import OutputSchema, fits
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
+from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
 from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
 from batchgen.job.spec import JobSpec
@@ -39,10 +40,8 @@ def normalize_key(value: Any, position: int, key_column: str) -> str | int:
 
 class JobLoop:
     def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool) -> None:
+        from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
-
-        from batchgen.engine.engine import Engine
-        from batchgen.runner.loader import load_model_and_tokenizer
 
         hf_logging.disable_progress_bar()  # one progress bar: ours
         setup_started = time.monotonic()
@@ -53,37 +52,29 @@ class JobLoop:
         self.source = open_source(spec.source)
         self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
         self.schema = OutputSchema.build(spec, self.source.schema)
+        # Everything that can refuse the job or find it done needs only the tokenizer and the config: the
+        # weights load when the first row needs the engine (a refused resume or a finished job loads none).
+        self.device = resolve_device(spec.model.device)
         try:
-            model, tokenizer = load_model_and_tokenizer(spec.model.path, spec.model.gguf_file, spec.model.dtype,
-                                                        spec.model.device)
+            self.model_source = model_source(spec.model.path, spec.model.gguf_file)
+            tokenizer = AutoTokenizer.from_pretrained(self.model_source)
+            config = AutoConfig.from_pretrained(self.model_source)
         except (OSError, ValueError) as e:
             raise JobError(f"cannot load model.path {spec.model.path!r}"
                            + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        self.tokenizer = tokenizer
         self.params = spec.sampling
-        try:
-            self.engine = Engine(model, tokenizer, spec.engine)
-        except (torch.OutOfMemoryError, MemoryError) as e:
-            raise JobError(f"out of memory while setting up the engine on {spec.model.device}: "
-                           f"{str(e).splitlines()[0]}. Lower engine.gpu_memory_utilization (now "
-                           f"{spec.engine.gpu_memory_utilization}), engine.max_num_batched_tokens (now "
-                           f"{spec.engine.max_num_batched_tokens}) or engine.max_num_seqs (now "
-                           f"{spec.engine.max_num_seqs}), set engine.num_kv_blocks, or use a smaller dtype") from None
-        # Say what actually runs, so no engine key is silently without effect.
-        graphs = self.engine.runner.graphs is not None
-        print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
-              f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
-              f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
-              f"{', compiled' if graphs and spec.engine.compile else ''}; "
-              f"decode forward {self.engine.runner.decode_forward.name}; "
-              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}",
-              file=sys.stderr)
-        max_prompt = spec.prompt.max_prompt_tokens or self.engine.max_model_len - spec.sampling.max_new_tokens
+        self.engine = None  # built by _engine() on the first row that needs it
+        self.engine_setup_s = 0.0
+        context = spec.engine.context_length(config)
+        max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
         if max_prompt < 1:
             raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
-                           f"in the model's context of {self.engine.max_model_len} tokens")
+                           f"in the model's context of {context} tokens")
         self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
-        check_or_write(out_dir, components(spec, model.config.to_dict(), tokenizer, __version__))
+        check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
+                                           tokenizer, __version__))
 
         owned = {mf.worker_tag(worker.index)}
         if worker.index == 0:  # workers beyond today's count (an earlier, wider run) are nobody's but ours
@@ -97,7 +88,47 @@ class JobLoop:
         mine = None if expected is None else worker.num_owned(expected)
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
                                      mine, show_progress=show_progress)
-        self.setup_s = time.monotonic() - setup_started  # model load, engine, KV cache, CUDA graph capture
+        self.setup_s = time.monotonic() - setup_started  # checks, tokenizer; _engine() adds the model and engine
+
+    def _engine(self):
+        """The engine, built on first use: model weights, KV cache, CUDA graphs."""
+        if self.engine is not None:
+            return self.engine
+        from batchgen.engine.engine import Engine
+
+        spec = self.spec
+        t0 = time.monotonic()
+        try:
+            model = load_model(self.model_source, spec.model.dtype, spec.model.device)
+        except (OSError, ValueError) as e:
+            raise JobError(f"cannot load the weights of model.path {spec.model.path!r}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        try:
+            self.engine = Engine(model, self.tokenizer, spec.engine)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            cpu = self.device.type == "cpu"
+            knobs = ("engine.num_kv_blocks (now {}) or engine.cpu_kv_cache_bytes (now {})".format(
+                spec.engine.num_kv_blocks, spec.engine.cpu_kv_cache_bytes) if cpu else
+                     f"engine.gpu_memory_utilization (now {spec.engine.gpu_memory_utilization}), "
+                     f"engine.max_num_batched_tokens (now {spec.engine.max_num_batched_tokens}) or "
+                     f"engine.max_num_seqs (now {spec.engine.max_num_seqs}), set engine.num_kv_blocks")
+            raise JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
+                           f"Lower {knobs}, or use a smaller model.dtype") from None
+        # Say what actually runs, so no engine key is silently without effect.
+        graphs = self.engine.runner.graphs is not None
+        print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
+              f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
+              f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
+              f"{', compiled' if graphs and spec.engine.compile else ''}; "
+              f"decode forward {self.engine.runner.decode_forward.name}; "
+              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}",
+              file=sys.stderr)
+        self.engine_setup_s = time.monotonic() - t0
+        self.setup_s += self.engine_setup_s
+        return self.engine
+
+    def _stats(self) -> dict:
+        return self.engine.stats() if self.engine is not None else {}
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, stop) -> Any:
@@ -106,6 +137,7 @@ class JobLoop:
         try:
             skipped = self._loop(stop)
         except BaseException:
+            self._close_engine()
             # Rows already finished are complete and correct: commit them, unless writing is what failed.
             if not self.writer.failed:
                 try:
@@ -117,11 +149,17 @@ class JobLoop:
             raise
         while self._commit():
             pass
-        self.meter.maybe_log(self.engine.stats(), force=True)
+        self.meter.maybe_log(self._stats(), force=True)
         self.meter.close()
         t = self.meter.totals
-        report = self._report(time.monotonic() - started, skipped, stop.signum)
+        # the loop's wall time without the model load and engine set-up (those are in setup_s)
+        report = self._report(time.monotonic() - started - self.engine_setup_s, skipped, stop.signum)
+        self._close_engine()
         return RunResult(self.out_dir, t.rows_committed, t.rows_rejected, skipped, stop.signum, report)
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def _key(self, row, first_seen: KeySet) -> Any:
         key_column = self.spec.source.key_column
@@ -130,6 +168,9 @@ class JobLoop:
         if row.columns is None:  # unparseable: no key of its own; its position identifies it
             return f"<unparsed row {row.position}>"
         key = normalize_key(row.columns.get(key_column), row.position, key_column)
+        if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred
+            raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
+                           f"rows hold {self.schema.key_field.type} keys; keys must all be strings or all integers")
         earlier = first_seen.add(key, row.position)
         if earlier is not None:
             raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows "
@@ -139,7 +180,7 @@ class JobLoop:
 
     def _loop(self, stop) -> int:
         """Keep the engine fed, step it, commit. Returns how many rows earlier runs had committed."""
-        engine, writer, totals = self.engine, self.writer, self.meter.totals
+        writer, totals = self.writer, self.meter.totals
         lookahead = 2 * self.spec.engine.max_num_seqs
         pending: dict[str, tuple] = {}  # request id -> (key, position, kept values, prompt, num prompt tokens)
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
@@ -148,7 +189,8 @@ class JobLoop:
         exhausted = False
         while True:
             t_admit = time.perf_counter()
-            while stop.signum is None and not exhausted and engine.num_unfinished_prompts < lookahead:
+            while stop.signum is None and not exhausted and (
+                    self.engine is None or self.engine.num_unfinished_prompts < lookahead):
                 row = next(rows, None)
                 if row is None:
                     exhausted = True
@@ -159,7 +201,8 @@ class JobLoop:
                     else:
                         self._admit(row, key, pending)
             totals.admit_s += time.perf_counter() - t_admit
-            if stop.signum is not None or (exhausted and not engine.has_unfinished):
+            engine = self.engine
+            if stop.signum is not None or (exhausted and (engine is None or not engine.has_unfinished)):
                 return skipped  # on a signal, in-flight rows are abandoned: the next run generates them
             faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
             t0 = time.perf_counter()
@@ -168,7 +211,7 @@ class JobLoop:
             totals.step_s += time.perf_counter() - t0
             while writer.should_commit():
                 self._commit()
-            self.meter.maybe_log(engine.stats())
+            self.meter.maybe_log(self._stats())
 
     def _admit(self, row, key, pending: dict) -> None:
         if row.columns is None:
@@ -188,7 +231,7 @@ class JobLoop:
                 self._reject(key, row.position, e.error_class, str(e))
                 return
         seeds = [derive_seed(self.spec.sampling.seed, key, i) for i in range(self.params.n)]
-        rid = self.engine.add_request(ids, self.params, sample_seeds=seeds)
+        rid = self._engine().add_request(ids, self.params, sample_seeds=seeds)
         pending[rid] = (key, row.position, kept, text, len(ids))
         self.meter.totals.prompt_tokens += len(ids)
 
@@ -247,5 +290,5 @@ class JobLoop:
                        "gc": round(t.gc_s, 3)},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
-            "engine": self.engine.stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
+            "engine": self._stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
         }

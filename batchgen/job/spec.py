@@ -142,10 +142,13 @@ def _resolve(base: Path, value: str, normalize: bool = False) -> str:
     `normalize` folds `a/../b` (not for model.path: it is part of the fingerprint as written)."""
     if "://" in value or value.startswith("package:"):
         return value
+    if value.startswith("~"):
+        value = str(Path(value).expanduser())
     if Path(value).is_absolute():
         return os.path.normpath(value) if normalize else value
     candidate = base / value
-    looks_local = value.startswith((".", "~")) or candidate.exists() or any(c in value for c in "*?[")
+    looks_local = (value.startswith(".") or candidate.exists() or (base / Path(value).parts[0]).exists()
+                   or any(c in value for c in "*?["))
     if not looks_local:
         return value
     return os.path.normpath(candidate) if normalize else str(candidate)

@@ -19,8 +19,9 @@ from batchgen.sources import Source, open_source
 
 def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     from batchgen.attention.kv_cache import KVGeometry
-    from batchgen.runner.loader import load_tokenizer_and_config
+    from batchgen.runner.loader import load_tokenizer_and_config, resolve_device
 
+    resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
     OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run checks
@@ -82,7 +83,7 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     """The fingerprint `run` would compute, against the output directory's: the same refusal as run's."""
     from batchgen import __version__
     from batchgen.output.fingerprint import FILE, components, refusal
-    from batchgen.runner.loader import gguf_cache_dir, resolve_device, resolve_dtype, resolve_model_path
+    from batchgen.runner.loader import fingerprint_config, gguf_cache_dir, resolve_model_path
 
     out_dir = Path(spec.output.dir)
     if not (out_dir / FILE).exists():
@@ -93,10 +94,7 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
         if not (gguf_cache_dir(gguf) / "config.json").exists():  # the config run sees is the converted one
             return (f"output: {out_dir} holds an earlier run; not compared with this job because the GGUF file "
                     f"is not converted on this machine yet (a run converts it, then compares)")
-    model_config = config.to_dict()
-    if "dtype" in model_config:  # a loaded model's config records the dtype it was loaded in
-        dtype = resolve_dtype(spec.model.dtype, resolve_device(spec.model.device))
-        model_config["dtype"] = str(dtype).removeprefix("torch.")
+    model_config = fingerprint_config(config, spec.model.dtype, spec.model.device)
     message = refusal(out_dir, components(spec, model_config, tokenizer, __version__))
     if message is not None:
         raise JobError(message)

@@ -12,9 +12,24 @@ from batchgen.errors import JobError
 
 
 def resolve_device(device: str) -> torch.device:
+    """model.device as a torch device; a device this machine does not have is a JobError naming the key."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise JobError(f"model.device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise JobError(f"model.device is {device!r} but this machine has no CUDA GPU (torch "
+                           f"{torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); set "
+                           f"model.device: auto or cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise JobError(f"model.device {device!r}: this machine has {torch.cuda.device_count()} visible GPU(s) "
+                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type != "cpu":
+        raise JobError(f"model.device {device!r}: batchgen runs on cpu or cuda")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -154,17 +169,36 @@ def converted_gguf(gguf_path: Path) -> Path:
     return cached
 
 
+def model_source(path: str, gguf_file: str | None = None) -> str:
+    """The folder or hub id the model, its tokenizer and its config load from (a GGUF file: its conversion,
+    made on first use)."""
+    source, gguf = locate_model(path, gguf_file)
+    return source if gguf is None else str(converted_gguf(gguf))
+
+
+def load_model(source: str, dtype: str = "auto", device: str = "auto") -> torch.nn.Module:
+    """The weights from `model_source`'s answer, in eval mode on the device."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
+    return model.to(dev).eval()
+
+
+def fingerprint_config(config, dtype: str, device: str) -> dict:
+    """The model config as the fingerprint records it: as a loaded model's config reads, which records the
+    dtype the weights were loaded in (so it can be computed before loading them)."""
+    d = config.to_dict()
+    d["dtype"] = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+    return d
+
+
 def load_model_and_tokenizer(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto"):
     """Returns (model in eval mode on its device, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    source, gguf = locate_model(path, gguf_file)
-    if gguf is not None:
-        source = str(converted_gguf(gguf))
-    dev = resolve_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
-    return model.to(dev).eval(), tokenizer
+    source = model_source(path, gguf_file)
+    return load_model(source, dtype, device), AutoTokenizer.from_pretrained(source)
 
 
 def load_tokenizer_and_config(path: str, gguf_file: str | None = None):
