@@ -171,6 +171,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           = None,
           profile_steps: Annotated[int, typer.Option(help="job: decode steps to profile per max_num_seqs "
                                                           "(0: none).")] = 20,
+          compare: Annotated[Optional[str], typer.Option(
+              help="job: also run each job with the batchgen in this folder (a checkout), before this one.")]
+          = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
@@ -185,7 +188,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         from batchgen.bench.job import main as job_main
 
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
-                 tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out)
+                 tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
+                 compare=compare)
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main

@@ -124,18 +124,25 @@ def steady_tok_s(log_path: Path, rows: int) -> float | None:
     mid = [r for r in records if 0.1 * rows <= r["rows_done"] <= 0.9 * rows]
     if len(mid) < 2:
         return None
-    return (mid[-1]["num_generated_tokens"] - mid[0]["num_generated_tokens"]) / (mid[-1]["elapsed_s"] -
-                                                                               mid[0]["elapsed_s"])
+    field = "num_generated_tokens" if "num_generated_tokens" in mid[0] else "generated_tokens"  # older logs
+    return (mid[-1][field] - mid[0][field]) / (mid[-1]["elapsed_s"] - mid[0]["elapsed_s"])
 
 
 def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, vocab: int,
-            num_params: int, c: Ceilings) -> dict:
+            num_params: int, c: Ceilings, batchgen_dir: str | None = None) -> dict:
+    """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout)."""
+    import os
+
     import pyarrow.parquet as pq
 
+    env = dict(os.environ)
+    if batchgen_dir:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(batchgen_dir).resolve()), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out_dir), "--fresh", "--no-progress",
            "--set", f"engine.max_num_seqs={max_num_seqs}", "--set", f"sampling.repetition_penalty={penalty}"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    # `python -m` puts the working folder first on sys.path: run the other checkout from its own folder
+    subprocess.run(cmd, check=True, env=env, cwd=batchgen_dir or None)
     process_s = time.perf_counter() - t0
     report = json.loads((out_dir / "reports" / "w00000.json").read_text())
     table = pq.read_table(glob.glob(str(out_dir / "data" / "*.parquet")),
@@ -146,7 +153,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     limit = run_limit_s(outputs, num_params, steps, c)
     tokens = report["generated_tokens"]
     return {
-        "max_num_seqs": max_num_seqs, "repetition_penalty": penalty, "rows": len(outputs),
+        "code": batchgen_dir or "this", "max_num_seqs": max_num_seqs, "repetition_penalty": penalty,
+        "rows": len(outputs),
         "generated_tokens": tokens, "process_s": round(process_s, 2), "setup_s": report["setup_s"],
         "loop_s": report["wall_s"], "tok_s_end_to_end": round(tokens / report["wall_s"], 1),
         "tok_s_steady": round(steady_tok_s(out_dir / "logs" / "throughput-w00000.jsonl", rows) or 0.0, 1),
@@ -217,7 +225,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
-         json_path: str | None = None) -> dict:
+         json_path: str | None = None, compare: str | None = None) -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-"))
@@ -232,9 +240,10 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
               "vocab_size": vocab, "runs": [], "profiles": []}
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
-            r = run_job(job, work / f"out-{s}-{p}", s, p, rows, vocab, num_params, ceilings)
-            report["runs"].append(r)
-            print("run", json.dumps(r), flush=True)
+            for code in ([compare] if compare else []) + [None]:  # the other checkout first, then this one
+                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, vocab, num_params, ceilings, code)
+                report["runs"].append(r)
+                print("run", json.dumps(r), flush=True)
     if profile_steps_n:
         for s in (int(x) for x in seqs.split(",")):
             r = profile_steps(model_dir, s, profile_steps_n, new_tokens, 1.0)
@@ -242,10 +251,10 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
             print("profile", json.dumps(r), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
-    print(f"{'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
+    print(f"{'code':>8} {'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
           f"{'ms/step':>8} {'host ms':>8}")
     for r in report["runs"]:
-        print(f"{r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
+        print(f"{r['code'][-8:]:>8} {r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
               f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f}")
     for r in report["profiles"]:

@@ -56,6 +56,11 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset()
 
 
+# Decode steps of up to this many sequences replay CUDA graphs (buckets of 16 above 16): 512 covers the
+# throughput regime (bench --workload job); each bucket costs ~0.1 s of capture and shares one memory pool.
+MAX_GRAPH_BATCH = 512
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -78,7 +83,7 @@ class Engine:
         self.async_pipeline = config.async_on(self.device.type)
         try:
             self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                      max_graph_batch=min(config.max_num_seqs, 256), max_model_len=self.max_model_len,
+                                      max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_model_len=self.max_model_len,
                                       compile=config.compile, fused_decoder=config.fused_decoder,
                                       blas_library=config.graph_blas_library)
         except BaseException:

@@ -94,10 +94,10 @@ class JobLoop:
         """The engine, built on first use: model weights, KV cache, CUDA graphs."""
         if self.engine is not None:
             return self.engine
+        t0 = time.monotonic()
         from batchgen.engine.engine import Engine
 
         spec = self.spec
-        t0 = time.monotonic()
         try:
             model = load_model(self.model_source, spec.model.dtype, spec.model.device)
         except (OSError, ValueError) as e:

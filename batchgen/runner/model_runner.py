@@ -152,7 +152,7 @@ class ModelRunner:
         if graphed:
             logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay
-            tokens = greedy.clone() if sampling is None else sample(logits, sampling)
+            tokens = greedy.clone() if sampling is None else sample(logits, sampling, self.use_triton)
         else:
             if decode_only:  # one token per sequence, all sample, in batch order
                 logits = self.decode_forward(ids_d, pos_d, slots_d, tables_d, lens_d, int(a.seq_lens.max()))
@@ -165,7 +165,7 @@ class ModelRunner:
                     out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
                                      use_cache=False, **{METADATA_KWARG: attention})
                 logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, in batch order
-            tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling)
+            tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling, self.use_triton)
         self.staging.end_step()
         return self._start_copy_back(tokens)
 
