@@ -228,7 +228,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
          json_path: str | None = None, compare: str | None = None) -> dict:
     import tempfile
 
-    work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-"))
+    work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
     tok_dir = tokenizer_dir(tokenizer, work)
