@@ -65,6 +65,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self._closed = False
+        self._owns_model = False  # from_pretrained: the model is the engine's to drop on close
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -83,7 +84,8 @@ class Engine:
         self.async_pipeline = config.async_on(self.device.type)
         try:
             self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                      max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_model_len=self.max_model_len,
+                                      max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                      max_model_len=self.max_model_len,
                                       compile=config.compile, fused_decoder=config.fused_decoder,
                                       blas_library=config.graph_blas_library)
         except BaseException:
@@ -105,8 +107,6 @@ class Engine:
         engine = cls(model, tokenizer, config)
         engine._owns_model = True
         return engine
-
-    _owns_model = False  # from_pretrained: the model is the engine's to drop on close
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -158,7 +158,8 @@ class Engine:
         if len(seeds) != params.n:
             raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
         reqs = [Request(
-            request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params, seed=seeds[i],
+            request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params,
+            seed=seeds[i],
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, sample_idx=i,
             stop_watcher=StopStringWatcher(self.tokenizer, params.stop) if params.stop and self.tokenizer else None,
         ) for i in range(params.n)]
@@ -187,10 +188,10 @@ class Engine:
 
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""
+        self._check_open()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.schedule_s += time.perf_counter() - t0
-        self._check_open()
         if not self.async_pipeline:
             if batch:
                 self._apply(batch, self.runner.execute(batch))

@@ -38,6 +38,17 @@ def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     return value
 
 
+def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -> str | int:
+    """The row's key, recorded in `first_seen`; a null, wrongly typed or duplicate key stops the job (run and
+    validate give the same message)."""
+    key = normalize_key(value, position, key_column)
+    earlier = first_seen.add(key, position)
+    if earlier is not None:
+        raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
+                       f"{position}); keys must be unique, or drop key_column to key rows by position")
+    return key
+
+
 class JobLoop:
     def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -167,15 +178,10 @@ class JobLoop:
             return row.position
         if row.columns is None:  # unparseable: no key of its own; its position identifies it
             return f"<unparsed row {row.position}>"
-        key = normalize_key(row.columns.get(key_column), row.position, key_column)
+        key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred
             raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
                            f"rows hold {self.schema.key_field.type} keys; keys must all be strings or all integers")
-        earlier = first_seen.add(key, row.position)
-        if earlier is not None:
-            raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows "
-                           f"{earlier} and {row.position}); keys must be unique, or drop key_column to "
-                           f"key rows by position")
         return key
 
     def _loop(self, stop) -> int:

@@ -1,7 +1,7 @@
 """`batchgen validate`: everything that can be checked without generating, in a short report.
 
 What `batchgen run` refuses, validate refuses with the same message: output.keep_columns (through run's
-OutputSchema.build), a null or duplicate key (a full scan with run's normalize_key and KeySet, worded as
+OutputSchema.build), a null or duplicate key (a full scan with run's unique_key, so the same
 run's message), and a fingerprint change against an existing output directory (fingerprint.refusal)."""
 
 from __future__ import annotations
@@ -83,14 +83,13 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     """The fingerprint `run` would compute, against the output directory's: the same refusal as run's."""
     from batchgen import __version__
     from batchgen.output.fingerprint import FILE, components, refusal
-    from batchgen.runner.loader import fingerprint_config, gguf_cache_dir, resolve_model_path
+    from batchgen.runner.loader import fingerprint_config, gguf_cache_dir, locate_model
 
     out_dir = Path(spec.output.dir)
     if not (out_dir / FILE).exists():
         return f"output: {out_dir} holds no earlier run; a run starts it there"
-    if spec.model.gguf_file is not None:
-        folder = Path(resolve_model_path(spec.model.path))
-        gguf = folder / spec.model.gguf_file if folder.is_dir() else Path(spec.model.gguf_file)
+    _, gguf = locate_model(spec.model.path, spec.model.gguf_file)
+    if gguf is not None:
         if not (gguf_cache_dir(gguf) / "config.json").exists():  # the config run sees is the converted one
             return (f"output: {out_dir} holds an earlier run; not compared with this job because the GGUF file "
                     f"is not converted on this machine yet (a run converts it, then compares)")
@@ -103,7 +102,7 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
 
 def _check_keys(spec: JobSpec, source: Source) -> str:
     """A full scan of the source's keys: the first null or duplicate key is an error, as in run."""
-    from batchgen.job.loop import normalize_key
+    from batchgen.job.loop import unique_key
 
     key_column = spec.source.key_column
     if key_column is None:
@@ -114,9 +113,5 @@ def _check_keys(spec: JobSpec, source: Source) -> str:
         num_rows += 1
         if row.columns is None:
             continue  # unparseable: run keys it by its position and rejects it
-        key = normalize_key(row.columns.get(key_column), row.position, key_column)
-        earlier = first_seen.add(key, row.position)
-        if earlier is not None:
-            raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
-                           f"{row.position}); keys must be unique, or drop key_column to key rows by position")
+        unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
     return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null"

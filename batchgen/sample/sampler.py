@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.sample import sample_rows
 from batchgen.sample.noise import uniform_noise
 from batchgen.sample.tensors import SamplingTensors
 
@@ -24,8 +25,6 @@ def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) 
     with torch.profiler.record_function("batchgen.sample"):
         if not use_triton:
             return sample_ref(logits, st)
-        from batchgen.kernels.sample import sample_rows
-
         if st.penalty is not None or st.suppress_rows is not None:
             logits = apply_penalties(logits.float(), st)
         return sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key)
