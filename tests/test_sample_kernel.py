@@ -29,10 +29,12 @@ for dtype in (torch.float32, torch.bfloat16):
     logits[0, 5] = logits[0, 2999] = logits[0].max() + 1  # a greedy tie: the first index wins
     logits[3, :100] = float("-inf")  # suppressed tokens
     st = SamplingTensors.build(rows, list(range(100, 100 + S)), V, torch.device("cpu"))
-    for block in (1024, 256):
-        got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key, block=block)
-        ref = sample_ref(logits, st)
-        assert got.tolist() == ref.tolist(), (dtype, block, got.tolist(), ref.tolist())
+    ref = sample_ref(logits, st)
+    # max_rounds 0: the exact top-p search alone; 1: rows whose first candidate is dropped take the search
+    for block, max_rounds in ((1024, 8), (256, 8), (256, 1), (256, 0)):
+        got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key, block=block,
+                          max_rounds=max_rounds)
+        assert got.tolist() == ref.tolist(), (dtype, block, max_rounds, got.tolist(), ref.tolist())
     assert got[0].item() == 5 and got[7].item() == logits[7].float().argmax().item()  # top_p ~0: the max only
 print("ok")
 """
@@ -98,8 +100,9 @@ def test_triton_sampler_on_gpu_agrees_with_the_reference_and_its_distribution():
                         min_p=0.0, repetition_penalty=1.0, seed=i, suppressed_token_ids=()) for i in range(S)]
     logits = (torch.randn(S, V, generator=g) * 4).to("cuda", torch.bfloat16)
     st = SamplingTensors.build(rows, [64] * S, V, torch.device("cuda"))
-    got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key)
     ref = sample_ref(logits, st)
-    # the GPU's fast exp/log move a draw only at near-ties of the Gumbel scores or the top-p boundary
-    assert (got == ref).float().mean().item() >= 0.97, (got != ref).sum().item()
-    assert torch.equal(got[0::3], ref[0::3])  # greedy rows: exactly torch.argmax
+    for max_rounds in (8, 0):  # top-p by rejection, and the exact search alone
+        got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key, max_rounds=max_rounds)
+        # the GPU's fast exp/log move a draw only at near-ties of the Gumbel scores or the top-p boundary
+        assert (got == ref).float().mean().item() >= 0.97, (max_rounds, (got != ref).sum().item())
+        assert torch.equal(got[0::3], ref[0::3])  # greedy rows: exactly torch.argmax

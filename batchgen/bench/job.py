@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 from batchgen.bench.seed import LLAMA_8B, Ceilings, measure_ceilings
 
@@ -176,9 +177,28 @@ def _kind(name: str) -> str:
     return "other"
 
 
+def kernel_kinds(events) -> tuple[dict[str, float], int]:
+    """GPU µs by kind (GEMM, attention, sampling, other) and the number of kernels, from profiler events. The
+    `batchgen.sample` range appears on the GPU timeline as an annotation spanning the sampler's kernels: it
+    gives the sampling time and is not a kernel itself."""
+    kernel_us: dict[str, float] = defaultdict(float)
+    num_kernels = 0
+    sample_us = 0.0
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        if e.name == "batchgen.sample":
+            sample_us += e.device_time
+            continue
+        kernel_us[_kind(e.name)] += e.device_time
+        num_kernels += 1
+    kernel_us["other"] -= sample_us  # the sampler's kernels are none of GEMM or attention
+    kernel_us["sampling"] = sample_us
+    return kernel_us, num_kernels
+
+
 def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens: int, penalty: float) -> dict:
     """GPU ms per steady-state decode step by kernel kind, through the engine (graphs, async pipeline)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -204,16 +224,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
                 engine.step()
             torch.cuda.synchronize()
             wall_s = time.perf_counter() - t0
-    events = prof.events()
-    kernel_us: dict[str, float] = defaultdict(float)
-    num_kernels = 0
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            kernel_us[_kind(e.name)] += e.device_time
-            num_kernels += 1
-    sample_us = sum(e.device_time_total for e in events if e.name == "batchgen.sample")
-    kernel_us["other"] -= sample_us  # the sampler's kernels are none of GEMM or attention
-    kernel_us["sampling"] = sample_us
+    kernel_us, num_kernels = kernel_kinds(prof.events())
     del model
     torch.cuda.empty_cache()
     ms = {k: round(v / 1e3 / num_steps, 3) for k, v in kernel_us.items()}
