@@ -33,18 +33,19 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen3: per-head q/k norms
-def test_engine_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
+def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
     model = make_model(arch)
     prompts = random_prompts((5, 17, 33, 8))
     expected = [hf_greedy(model, p, 12) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
     assert engine.runner.decode_forward.is_fused and engine.runner.decode_forward.name == "fused"
-    calls = []
-    fused_call = engine.runner.decode_forward.__call__
-    engine.runner.decode_forward = lambda *a: calls.append(1) or fused_call(*a)
+    fused, calls = engine.runner.decode_forward, []
+    decode, packed = fused.forward, fused.forward_packed
+    fused.forward = lambda *a: calls.append("decode") or decode(*a)
+    fused.forward_packed = lambda *a: calls.append("packed") or packed(*a)
     got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [r.samples[0].token_ids for r in got] == expected
-    assert len(calls) >= 11  # every decode step went through it
+    assert calls.count("decode") >= 11 and calls.count("packed") >= 1  # every step went through it
 
 
 def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
@@ -101,12 +102,34 @@ for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qw
     real = slice(0, 8)  # the reference also writes the padding row's K/V into the trash block
     torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[0].v_cache[:, real], caches[1].v_cache[:, real], atol=1e-5, rtol=1e-5)
+    # a packed (mixed) step: two decode rows first, then a 5-token prefill chunk after 3 cached tokens
+    import numpy as np
+    from batchgen.attention.backend import AttentionMetadata
+    from batchgen.kernels.paged_prefill import prefill_work
+    q_lens, seq_lens = np.array([1, 1, 5]), np.array([9, 2, 8])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    pos = torch.tensor([8, 1, 3, 4, 5, 6, 7])
+    seq_of = torch.tensor([0, 1, 2, 2, 2, 2, 2])
+    slots = tables.long()[seq_of, pos // 16] * 16 + pos % 16
+    ids = torch.randint(3, model.config.vocab_size, (7,), generator=g)
+    keep = torch.tensor([0, 1, 6])
+    logits = []
+    for c, tri in zip(caches, (True, False)):
+        meta = AttentionMetadata(kv_cache=c, slot_mapping=slots, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                                 max_query_len=5, max_seq_len=9, use_triton=tri, num_decode_seqs=2,
+                                 prefill_work=torch.from_numpy(prefill_work(q_lens, qsl)) if tri else None)
+        logits.append(LlamaDecoder(model, c, use_triton=tri).forward_packed(ids, pos, meta, keep))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)
 print("ok")
 """
 
 
-def test_fused_decode_step_with_triton_kernels_matches_the_reference_path_under_triton_interpreter():
-    """The decoder's wiring of its Triton kernels (QKV layout, rotary tables, slots, block tables) on CPU."""
+def test_fused_decode_and_packed_steps_with_triton_kernels_match_the_reference_path_under_triton_interpreter():
+    """The decoder's wiring of its Triton kernels (QKV layout, rotary tables, slots, block tables) on CPU, for a
+    decode step and for a packed step (decode rows, then a prefill chunk)."""
     import os
     import subprocess
     import sys

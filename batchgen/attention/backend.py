@@ -1,9 +1,10 @@
 """The one place that picks an attention kernel for a step: Triton decode, Triton ragged prefill, or the torch
 reference (CPU, and what the kernels cannot serve: soft-capping and windows shorter than the context in decode).
 
-Callers: transformers' attention hook (`interface.py`, prefill, mixed and non-fused decode steps) and the
-fused decoders of `models/` (decode steps). Both hand over the step's queries and new K/V; the K/V are written
-into the paged cache here, before any sequence attends.
+Callers: transformers' attention hook (`interface.py`: prefill, mixed and non-fused decode steps), which
+hands over the step's queries and new K/V (written into the paged cache here, before any sequence attends),
+and the fused forwards of `models/` (decode steps, and packed steps through `attend_cached`: their rotary
+kernel has already written the K/V).
 """
 
 from __future__ import annotations
@@ -61,30 +62,38 @@ def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torc
     """A packed step of any shape through transformers' modules. q: [T, H, D]; k_new/v_new: [T, Hkv, D].
     Returns [T, H, D]."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
-    decode_ok = softcap is None and (sliding_window is None or sliding_window >= meta.max_seq_len)
-    if meta.use_triton and decode_ok and meta.max_query_len == 1:
+    if meta.use_triton and _decode_ok(meta, sliding_window, softcap) and meta.max_query_len == 1:
         # Decode-only step; a graph's metadata may be a larger static buffer: slice it to the step's tokens.
         n = q.shape[0]
         return torch.ops.batchgen.decode_attention(q, k_new, v_new, meta.slot_mapping[:n], meta.block_tables[:n],
                                                    meta.seq_lens[:n], meta.kv_cache.cache_id, layer_idx, scale)
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    return attend_cached(meta, q, k_cache, v_cache, scale, sliding_window, softcap)
+
+
+def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """A packed step whose new K/V are already in the cache (the fused forwards write them with the rotary).
+    q: [T, H, D]. Returns [T, H, D]."""
     if meta.use_triton and meta.prefill_work is not None:
         # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel
         # where it applies; every other row the prefill kernel, over its own sequence only.
-        d = meta.num_decode_seqs if decode_ok else 0
-        write_kv(k_cache, v_cache, k_new[d:], v_new[d:], meta.slot_mapping[d:])
+        d = meta.num_decode_seqs if _decode_ok(meta, sliding_window, softcap) else 0
         out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
                                       out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
         if d:
-            out[:d] = torch.ops.batchgen.decode_attention(
-                q[:d], k_new[:d], v_new[:d], meta.slot_mapping[:d], meta.block_tables[:d], meta.seq_lens[:d],
-                meta.kv_cache.cache_id, layer_idx, scale)
+            out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, True)
         return out
     # CPU (and graphs of models the decode kernel cannot serve): the torch reference.
-    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
     return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window,
                                softcap=softcap)
+
+
+def _decode_ok(meta: AttentionMetadata, sliding_window: int | None, softcap: float | None) -> bool:
+    """Whether the decode kernel serves this layer (no soft-capping, no window shorter than the context)."""
+    return softcap is None and (sliding_window is None or sliding_window >= meta.max_seq_len)
 
 
 @torch.library.custom_op("batchgen::decode_attention", mutates_args=())

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.attention.backend import AttentionMetadata
+
 
 class DecodeForward:
     name: str = "?"  # what the start-up line prints: "fused (llama)", "transformers (<why not fused>)"
     is_fused: bool = False
+    has_packed: bool = False  # implements forward_packed; otherwise prefill steps run transformers' modules
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         """The step's computation alone: what a CUDA graph captures and torch.compile may compile."""
+        raise NotImplementedError
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       logits_index: torch.Tensor) -> torch.Tensor:
+        """A step of any shape (prefill chunks, with or without decodes packed first): input_ids, positions [T]
+        int64; `meta` as transformers' attention hook gets it; logits_index [S] int64: the rows whose logits
+        are wanted. Returns logits [S, V]. Only where `has_packed`."""
         raise NotImplementedError
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

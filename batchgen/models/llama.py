@@ -8,7 +8,9 @@ and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 G
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 (plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
-separate rotary kernel for Qwen3, whose q/k RMSNorm runs there). On CPU, and wherever Triton is absent, every
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there). Prefill and mixed steps (`forward_packed`)
+run the same layers over every token, with the rotary + K/V write kernel and the prefill attention kernel
+(decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
 kernel has a torch reference with the same rounding, so CI runs this exact code path.
 """
 
@@ -20,7 +22,8 @@ import torch
 
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.models.base import DecodeForward
-from batchgen.models.blocks import DecodeStep, add_rmsnorm, gated_mlp, self_attention
+from batchgen.attention.backend import AttentionMetadata
+from batchgen.models.blocks import StepInputs, add_rmsnorm, gated_mlp, self_attention
 from batchgen.models.weights import fuse_linears
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -67,6 +70,7 @@ class _Layer:
 
 class LlamaDecoder(DecodeForward):
     is_fused = True
+    has_packed = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool) -> None:
         cfg = model.config.get_text_config()
@@ -99,11 +103,24 @@ class LlamaDecoder(DecodeForward):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
+        h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
+            positions, slot_mapping, block_tables, seq_lens, cos, sin, self.use_triton, max_seq_len))
+        return self.lm_head(h)  # [B, V]
+
+    @torch.inference_mode()
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       logits_index: torch.Tensor) -> torch.Tensor:
+        h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
+            positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, cos, sin, self.use_triton,
+            meta.max_seq_len, packed=meta))
+        return self.lm_head(h[logits_index])  # [S, V]
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, make_step) -> torch.Tensor:
+        """The final-normed hidden states [B, E] of every row; `make_step(cos, sin)` builds the StepInputs."""
         tri, geo = self.use_triton, self.geometry
         residual = self.embed(input_ids)  # [B, E]; a fresh tensor, updated in place below
         cos, sin = self.rotary(residual, positions[None])  # [1, B, D] each, in the activation dtype
-        step = DecodeStep(positions, slot_mapping, block_tables, seq_lens, cos[0].contiguous(), sin[0].contiguous(),
-                          tri, max_seq_len)
+        step = make_step(cos[0].contiguous(), sin[0].contiguous())
         first = self.layers[0]
         h = add_rmsnorm(residual, first.input_norm, first.input_eps, None, tri)
         for i, layer in enumerate(self.layers):
@@ -115,4 +132,4 @@ class LlamaDecoder(DecodeForward):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             norm, eps = (nxt.input_norm, nxt.input_eps) if nxt is not None else (self.final_norm, self.final_eps)
             h = add_rmsnorm(mlp, norm, eps, residual, tri)
-        return self.lm_head(h)  # [B, V]
+        return h

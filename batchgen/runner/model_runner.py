@@ -62,7 +62,8 @@ class ModelRunner:
         self._out_host = [torch.empty(256, dtype=torch.int64, pin_memory=True) for _ in range(2)] if cuda else []
         self._out_next = 0
         # Decode steps (one token per sequence) run the model family's decode forward, replayed from CUDA
-        # graphs where they are on; prefill and mixed steps run transformers' forward with our attention.
+        # graphs where they are on; prefill and mixed steps run its packed forward where the family has one,
+        # else transformers' forward with our attention.
         self.decode_forward = build_decode_forward(model, kv_cache, self.use_triton, max_model_len,
                                                    fused_decoder=fused_decoder, compile=compile)
         self.graphs = None
@@ -161,10 +162,13 @@ class ModelRunner:
                     kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
                     block_tables=tables_d, max_query_len=int(a.q_lens.max()), max_seq_len=int(a.seq_lens.max()),
                     use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs, prefill_work=work_d)
-                with paged_attention_enabled(self.model):
-                    out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
-                                     use_cache=False, **{METADATA_KWARG: attention})
-                logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, in batch order
+                if self.decode_forward.has_packed:  # the fused layers, with the prefill attention kernel
+                    logits = self.decode_forward.forward_packed(ids_d, pos_d, attention, keep_d)
+                else:
+                    with paged_attention_enabled(self.model):
+                        out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
+                                         use_cache=False, **{METADATA_KWARG: attention})
+                    logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, batch order
             tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling, self.use_triton)
         self.staging.end_step()
         return self._start_copy_back(tokens)
