@@ -174,6 +174,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           compare: Annotated[Optional[str], typer.Option(
               help="job: also run each job with the batchgen in this folder (a checkout), before this one.")]
           = None,
+          compare_last: Annotated[bool, typer.Option(
+              help="job: run the --compare checkout after this one, not before (alternate to see order effects).")]
+          = False,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
@@ -189,7 +192,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
-                 compare=compare)
+                 compare=compare, compare_last=compare_last)
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main

@@ -236,7 +236,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
-         json_path: str | None = None, compare: str | None = None) -> dict:
+         json_path: str | None = None, compare: str | None = None, compare_last: bool = False) -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
@@ -251,7 +251,8 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
               "vocab_size": vocab, "runs": [], "profiles": []}
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
-            for code in ([compare] if compare else []) + [None]:  # the other checkout first, then this one
+            order = ([compare] if compare else []) + [None]  # the other checkout first, then this one
+            for code in reversed(order) if compare_last else order:
                 r = run_job(job, work / f"out-{s}-{p}", s, p, rows, vocab, num_params, ceilings, code)
                 report["runs"].append(r)
                 print("run", json.dumps(r), flush=True)
