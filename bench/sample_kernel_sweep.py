@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.kernels.sample import sample_rows  # noqa: E402
 
-GRID = [(1024, 16, 8), (512, 16, 8), (512, 16, 4), (256, 16, 4), (2048, 16, 16)]
+GRID = [(2048, 16, 16), (1024, 16, 8), (4096, 16, 16), (4096, 16, 32), (2048, 16, 32)]
 
 
 def event_us(fn, reps: int = 20) -> float:
