@@ -72,13 +72,14 @@ def tokenizer():
     return make_tokenizer()
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
     """transformers' own greedy generate for one prompt, EOS ignored (EOS may be generated like any token)."""
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             repetition_penalty=repetition_penalty)
     finally:
         model.generation_config.eos_token_id = saved
     generated = out[0, len(prompt_ids):].tolist()

@@ -74,8 +74,8 @@ def test_async_generation_stops_at_context_length():
 
 
 def test_async_repetition_penalty_decodes_every_step_with_its_history_completed_on_the_device():
-    """The in-flight token ends the penalty history as a placeholder filled on the device, so a penalised
-    sequence is scheduled every step (not every other step) and still samples exactly what sync samples."""
+    """The in-flight token is marked in the sequence's row of the device penalty table right after its step,
+    so a penalised sequence is scheduled every step (not every other step) and samples exactly what sync does."""
     import torch
 
     model = make_model("llama")
@@ -92,3 +92,16 @@ def test_async_repetition_penalty_decodes_every_step_with_its_history_completed_
     assert len(set(results[0].samples[0].token_ids)) > 12  # the penalty, not the echo, decided the tokens
     assert engine.num_steps <= 24 + 2  # one prefill, 23 decode steps, and the pipeline's one step of slack
     assert all(len(r.samples[0].token_ids) == 24 for r in results)
+
+
+def test_repetition_penalty_survives_preemption_and_slot_reuse_and_matches_transformers():
+    """Penalised sequences in a cache too small for all of them: preempted ones give their table slot back and
+    send their whole history (prompt + output so far) when they return; finished ones' slots go to new
+    sequences. Greedy tokens equal transformers' generate with the same repetition penalty, sync and async."""
+    model = make_model("llama")
+    prompts = random_prompts((9, 21, 14, 30, 5, 17), seed=3)
+    expected = [hf_greedy(model, p, 20, repetition_penalty=1.8) for p in prompts]
+    params = SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.8, ignore_eos=True)
+    engine, results = _both(model, prompts, params, num_kv_blocks=12, block_size=8, max_num_seqs=4)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.samples[0].token_ids for r in results] == expected

@@ -8,17 +8,19 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from batchgen.engine.batch import SeqSampling
 from batchgen.sample.noise import uniform_noise
-from batchgen.sample.sampler import SamplingTensors, sample
+from batchgen.sample.penalty import PenaltyTable
+from batchgen.sample.sampler import SamplingTensors, apply_penalties, sample
 
 
-def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0, suppress=(), history=None):
+def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0, suppress=(), history=None, slot=-1):
     return SeqSampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty,
-                       seed=seed, suppressed_token_ids=tuple(suppress), penalty_token_ids=history)
+                       seed=seed, suppressed_token_ids=tuple(suppress), penalty_slot=slot, penalty_history=history)
 
 
 def _sample(logits, rows, positions=None):
     positions = positions or list(range(len(rows)))
-    return sample(logits, SamplingTensors.build(rows, positions, logits.shape[-1], logits.device))
+    table = PenaltyTable(len(rows), logits.shape[-1], logits.device)
+    return sample(logits, SamplingTensors.build(rows, positions, logits.shape[-1], logits.device, penalty_table=table))
 
 
 def _allowed_by(warper, logits):
@@ -57,12 +59,15 @@ def test_repetition_penalty_matches_transformers():
     history = [(3, 7, 7, 12), (0, 29)]
     expected = torch.stack([RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([h]), logits[i:i + 1].clone())[0]
                             for i, h in enumerate(history)])
-    got = _sample(logits, [_row(temperature=0, penalty=1.7, history=h) for h in history])
+    rows = [_row(temperature=0, penalty=1.7, history=h, slot=i) for i, h in enumerate(history)]
+    got = _sample(logits, rows)
     assert got.tolist() == expected.argmax(-1).tolist()
+    st = SamplingTensors.build(rows, [0, 0], 30, logits.device, penalty_table=PenaltyTable(2, 30, logits.device))
+    assert torch.equal(apply_penalties(logits, st), expected)  # the penalised logits themselves, bit for bit
     # penalised token that was the argmax loses its place
     peak = torch.full((1, 10), 0.5)
     peak[0, 4] = 1.0
-    assert _sample(peak, [_row(temperature=0, penalty=10.0, history=(4,))]).item() != 4
+    assert _sample(peak, [_row(temperature=0, penalty=10.0, history=(4,), slot=0)]).item() != 4
 
 
 def test_suppressed_tokens_are_never_sampled():

@@ -112,21 +112,26 @@ def test_block_table_views_handed_out_never_change_when_the_table_grows_or_is_re
     assert req.block_table_view().dtype == np.int32
 
 
-def test_penalty_history_views_keep_their_contents_as_the_sequence_grows():
-    import numpy as np
-    import pytest
-
-    req = _req("r", 4)
-    req.token_ids = [1, 2, 3, 4]
-    plain = req.token_ids_view(placeholder=False)
-    with_slot = req.token_ids_view(placeholder=True)  # the in-flight token's slot, 0 until the device fills it
-    assert plain.tolist() == [1, 2, 3, 4] and with_slot.tolist() == [1, 2, 3, 4, 0] and plain.dtype == np.int64
-    req.token_ids.append(8)  # the sampled token lands in the placeholder's slot; earlier entries never change
-    assert plain.tolist() == [1, 2, 3, 4] and req.token_ids_view(placeholder=False).tolist() == [1, 2, 3, 4, 8]
-    req.token_ids.extend(range(100, 200))  # past the buffer: a new buffer, earlier views keep the old one
-    grown = req.token_ids_view(placeholder=True)
-    assert grown.tolist() == [1, 2, 3, 4, 8, *range(100, 200), 0] and plain.tolist() == [1, 2, 3, 4]
-    req.token_ids = [7]  # a new list: a new buffer
-    assert req.token_ids_view(placeholder=False).tolist() == [7] and grown[0] == 1
-    with pytest.raises(ValueError):
-        grown[0] = 5  # read-only
+def test_penalised_sequences_hold_a_table_slot_while_running_and_send_their_history_once_per_admission():
+    s = Scheduler(BlockManager(6, 4), max_num_seqs=3, max_num_batched_tokens=100)
+    reqs = [_req(f"r{i}", 7, max_new=10, start=10 * i) for i in range(3)]
+    for r in reqs:
+        r.params = r.params.model_copy(update={"repetition_penalty": 1.3})
+        s.add(r)
+    first = _step(s, token=5)  # admitted: each samples with its own slot and its whole prompt as history
+    assert sorted(x.sampling.penalty_slot for x in first.seqs) == [0, 1, 2]
+    assert [x.sampling.penalty_history.tolist() for x in first.seqs] == [list(range(10 * i, 10 * i + 7))
+                                                                         for i in range(3)]
+    second = _step(s, token=6)
+    assert all(x.sampling.penalty_history is None for x in second.seqs)  # later tokens are marked on the device
+    preempting = _step(s)  # r2 is preempted (the cache is full): its slot is free again
+    assert preempting.preempted_request_ids == ["r2"] and reqs[2].penalty_slot == -1
+    while reqs[2].status is not RequestStatus.RUNNING:
+        batch = _step(s, token=8)
+    back = next(x for x in batch.seqs if x.request_id == "r2")
+    # re-admitted: a free slot (none held by a running sequence) and the history again, outputs included
+    assert back.sampling.penalty_slot not in {r.penalty_slot for r in reqs[:2] if r.status is RequestStatus.RUNNING}
+    assert back.sampling.penalty_history.tolist() == list(range(20, 27)) + [5, 6]
+    while s.has_work:
+        _step(s)
+    assert all(r.penalty_slot == -1 for r in reqs) and sorted(s._free_penalty_slots) == [0, 1, 2]

@@ -25,10 +25,12 @@ class SeqSampling:
     repetition_penalty: float  # 1.0 -> off
     seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
     suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
-    # prompt + output, only when repetition_penalty != 1; when the sequence's SeqSchedule has `carry_from`,
-    # the last entry is the in-flight token's placeholder (the runner fills it on the device). The scheduler
-    # hands over a read-only int64 view (`Request.token_ids_view`), read once when the step's inputs are built.
-    penalty_token_ids: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
+    # repetition_penalty != 1: the sequence's row of the runner's PenaltyTable (sample/penalty.py), and, on the
+    # first step that samples after the slot was assigned, its whole history (prompt + output, all known then:
+    # a sequence is admitted only with no token in flight) to initialise that row; None on later steps, whose
+    # sampled tokens the runner marks on the device.
+    penalty_slot: int = -1
+    penalty_history: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,11 @@
 """ListMirror: a read-only numpy view of a Python list of ints, kept in step at O(new entries) a call.
 
-The scheduler hands each step's block tables and repetition-penalty histories to the runner as such views,
-so the step's arrays are filled by memory copies instead of converting every id of every sequence from
-Python on every step.
+The scheduler hands each step's block tables to the runner as such views, so the step's arrays are filled by
+memory copies instead of converting every id of every sequence from Python on every step.
 
 Invariant that makes handing out views safe: the mirrored list only grows by appends in place, or is
 replaced by a new list (which gets a new buffer). An earlier view keeps its contents: appends write past its
-end, and a full buffer is replaced (the view keeps the old one). The one exception is a view's optional
-placeholder slot (one trailing 0 after the list's entries), which is where the next append writes.
+end, and a full buffer is replaced (the view keeps the old one).
 """
 
 from __future__ import annotations
@@ -24,25 +22,21 @@ class ListMirror:
         self._len = 0  # entries of _src copied into _buf
         self._view: np.ndarray | None = None  # the latest view without a placeholder
 
-    def view(self, src: list[int], placeholder: bool = False) -> np.ndarray:
+    def view(self, src: list[int]) -> np.ndarray:
         n = len(src)
-        if not placeholder and self._src is src and self._view is not None and len(self._view) == n == self._len:
+        if self._src is src and self._view is not None and len(self._view) == n == self._len:
             return self._view  # unchanged since the last call: most decode steps
         if self._src is not src:
             self._src, self._len, self._view = src, 0, None
             self._buf = np.empty(max(self._min_capacity, n + 1), self._dtype)
-        size = n + placeholder
-        if size > len(self._buf):
-            grown = np.empty(max(size, 2 * len(self._buf)), self._dtype)
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf)), self._dtype)
             grown[:self._len] = self._buf[:self._len]
             self._buf = grown
         if n > self._len:
             self._buf[self._len:n] = src[self._len:n]
             self._len = n
-        if placeholder:
-            self._buf[n] = 0
-        view = self._buf[:size]
+        view = self._buf[:n]
         view.flags.writeable = False
-        if not placeholder:
-            self._view = view
+        self._view = view
         return view

@@ -59,9 +59,12 @@ class Request:
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
     followers: list[Request] = field(default_factory=list)
     last_sampling: object | None = None  # the scheduler's latest SeqSampling, reused while it is unchanged
-    # numpy mirrors of `block_table` and `token_ids` (see `block_table_view`, `token_ids_view`)
+    # repetition penalty: this sequence's row of the runner's PenaltyTable while it runs (-1: none), and
+    # whether its history has been sent to that row since the slot was assigned
+    penalty_slot: int = -1
+    penalty_history_sent: bool = False
+    # a numpy mirror of `block_table` (see `block_table_view`)
     _table_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int32), repr=False)
-    _ids_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int64, min_capacity=64), repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -86,7 +89,7 @@ class Request:
 
     def can_extend(self) -> bool:
         """Whether another token may be scheduled now. With a token in flight: not if that token alone may
-        end the sequence by length. (A repetition penalty's history gets the in-flight id on the device.)"""
+        end the sequence by length. (A repetition penalty's table gets the in-flight id on the device.)"""
         if self.num_pending == 0:
             return True
         return (len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
@@ -96,12 +99,6 @@ class Request:
         """`block_table` as a read-only int32 array, kept in step with the list at O(new blocks) a call
         (engine/list_mirror.py says why handing it out is safe)."""
         return self._table_mirror.view(self.block_table)
-
-    def token_ids_view(self, placeholder: bool) -> np.ndarray:
-        """`token_ids` as a read-only int64 array, a repetition penalty's history, plus one trailing slot for
-        the in-flight token when `placeholder`. The next append writes that slot, which is harmless: the
-        runner overwrites placeholders on the device with the sampled id."""
-        return self._ids_mirror.view(self.token_ids, placeholder)
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Tokens that must not be sampled now (EOS and stop ids before min_new_tokens)."""

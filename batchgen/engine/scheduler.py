@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from batchgen.engine.batch import ScheduledBatch, SeqSampling, SeqSchedule, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import FinishReason, Request, RequestStatus
@@ -29,6 +31,8 @@ class Scheduler:
         self._done: list[Request] = []  # finished or failed since the last `take_finished`
         self._in_flight: dict[int, list[Request]] = {}  # id(batch) -> its requests, until `update`
         self.num_preemptions = 0
+        # rows of the runner's PenaltyTable, one per running penalised sequence (running <= max_num_seqs)
+        self._free_penalty_slots = list(range(max_num_seqs - 1, -1, -1))
 
     # ---- admission -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -99,6 +103,8 @@ class Scheduler:
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
+                if req.params.repetition_penalty != 1.0:
+                    req.penalty_slot, req.penalty_history_sent = self._free_penalty_slots.pop(), False
                 self.running.append(req)
                 self._emit(batch, reqs, req, num_new)
                 budget -= num_new
@@ -122,17 +128,21 @@ class Scheduler:
             p = req.params
             suppressed = req.suppressed_token_ids()
             cached = req.last_sampling
-            if (p.repetition_penalty == 1.0 and cached is not None
-                    and cached.suppressed_token_ids == suppressed):
+            first_penalised = req.penalty_slot >= 0 and not req.penalty_history_sent
+            if (cached is not None and not first_penalised and cached.penalty_history is None
+                    and cached.penalty_slot == req.penalty_slot and cached.suppressed_token_ids == suppressed):
                 sampling = cached  # unchanged since the last step (immutable, so sharing it is safe)
             else:
                 sampling = req.last_sampling = SeqSampling(
                     temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                     repetition_penalty=p.repetition_penalty, seed=req.seed, suppressed_token_ids=suppressed,
-                    # with a carry-over, the in-flight token is the history's last entry: a placeholder too
-                    penalty_token_ids=(req.token_ids_view(placeholder=carry_from is not None)
-                                       if p.repetition_penalty != 1.0 else None),
+                    penalty_slot=req.penalty_slot,
+                    # the slot's first sampling step: every token is known (no carry-over right after admission)
+                    penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
                 )
+                if first_penalised:
+                    assert carry_from is None, "a penalty history with a token in flight"
+                    req.penalty_history_sent = True
             req.pending_row = batch.num_samples
             batch.num_samples += 1
             req.num_pending += 1
@@ -151,8 +161,15 @@ class Scheduler:
                                                 min(end, req.num_tokens))
         reqs.append(req)
 
+    def _release_penalty_slot(self, req: Request) -> None:
+        """The slot's row is reinitialised by its next owner's first step, queued after this one's marks."""
+        if req.penalty_slot >= 0:
+            self._free_penalty_slots.append(req.penalty_slot)
+            req.penalty_slot = -1
+
     def _preempt(self, req: Request) -> None:
         # A token in flight stays pending: `update` appends it while the request waits.
+        self._release_penalty_slot(req)
         self.block_manager.free(req.block_table)
         req.block_table, req.block_keys, req.num_computed_tokens = [], [], 0
         req.status = RequestStatus.WAITING
@@ -190,6 +207,7 @@ class Scheduler:
                 self.waiting.extendleft(reversed(followers))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release_penalty_slot(req)
         self.block_manager.free(req.block_table)
         req.block_table = []
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)

@@ -21,6 +21,7 @@ from batchgen.kernels.paged_prefill import prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
+from batchgen.sample.penalty import PenaltyTable
 from batchgen.sample.sampler import SamplingTensors, sample
 
 
@@ -45,7 +46,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
                  compile: bool = False, fused_decoder: bool = True,
-                 blas_library: str | None = "cublaslt") -> None:
+                 blas_library: str | None = "cublaslt", max_num_seqs: int = 256) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -53,6 +54,7 @@ class ModelRunner:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
         self.use_triton = device.type == "cuda" and _triton_available()
+        self.penalties = PenaltyTable(max_num_seqs, self.vocab_size, device)  # rows: the scheduler's slots
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
         # Three non-default streams on CUDA: H2D (inside `staging`), compute, D2H. None on CPU.
         cuda = device.type == "cuda"
@@ -83,6 +85,7 @@ class ModelRunner:
         self._last_tokens = None
         self._out_host = []
         self.staging = None
+        self.penalties.close()
 
     def _sampling(self, batch: ScheduledBatch) -> SamplingTensors | None:
         """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
@@ -91,7 +94,7 @@ class ModelRunner:
         if all(r.temperature == 0 and r.repetition_penalty == 1.0 and not r.suppressed_token_ids for r, _ in rows):
             return None
         return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device,
-                                     to_device=self.staging.to_device)
+                                     to_device=self.staging.to_device, penalty_table=self.penalties)
 
     def _carry_rows(self, batch: ScheduledBatch, last_index: np.ndarray) -> list[np.ndarray]:
         """[packed positions [K], source rows [K]] of the placeholders to fill from the previous step's
@@ -102,19 +105,6 @@ class ModelRunner:
         prev = self._last_tokens
         assert prev is not None and max(src for _, src in rows) < prev.shape[0], "carry-over without its step"
         return [np.array([p for p, _ in rows], dtype=np.int64), np.array([s for _, s in rows], dtype=np.int64)]
-
-    def _penalty_carry(self, batch: ScheduledBatch) -> list[torch.Tensor]:
-        """[sample rows [K], history columns [K], source rows [K]] on the device: the placeholders that end
-        the penalty histories of carried-over sequences, or [] when there are none."""
-        rows, cols, srcs = [], [], []
-        for row, s in enumerate(s for s in batch.seqs if s.sampling is not None):
-            if s.carry_from is not None and s.sampling.penalty_token_ids is not None:
-                rows.append(row)
-                cols.append(len(s.sampling.penalty_token_ids) - 1)
-                srcs.append(s.carry_from)
-        if not rows:
-            return []
-        return self.staging.to_device([np.array(v, dtype=np.int64) for v in (rows, cols, srcs)])
 
     @torch.inference_mode()
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
@@ -143,13 +133,9 @@ class ModelRunner:
         work_d = rest.pop(0) if work else None
         carry_d = rest
         sampling = self._sampling(batch)
-        penalty_carry = self._penalty_carry(batch) if sampling is not None and sampling.penalty is not None else []
         self.prepare_s += time.perf_counter() - t0
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
             ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
-        if penalty_carry:  # and so do the placeholders at the end of repetition-penalty histories
-            rows_d, cols_d, src_d = penalty_carry
-            sampling.penalty_token_ids[rows_d, cols_d] = self._last_tokens[src_d]
         if graphed:
             logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay
@@ -170,6 +156,8 @@ class ModelRunner:
                                          use_cache=False, **{METADATA_KWARG: attention})
                     logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, batch order
             tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling, self.use_triton)
+        if sampling is not None and sampling.penalty is not None:  # the next step's penalty sees these tokens
+            self.penalties.record(sampling.penalty_slot, tokens)
         self.staging.end_step()
         return self._start_copy_back(tokens)
 

@@ -32,10 +32,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The repetition penalty and the suppressed tokens (min_new_tokens) on fp32 logits [S, V]."""
-    if st.penalty is not None:
-        score = logits.gather(1, st.penalty_token_ids)
+    if st.penalty is not None:  # tokens the row's sequence has seen: negative logits * p, positive / p
         p = st.penalty[:, None]
-        logits = logits.scatter(1, st.penalty_token_ids, torch.where(score < 0, score * p, score / p))
+        logits = torch.where(st.penalty_seen[st.penalty_slot], torch.where(logits < 0, logits * p, logits / p), logits)
     if st.suppress_rows is not None:
         # the fill value is made on the device: a host scalar tensor would be a synchronising copy
         logits = logits.index_put((st.suppress_rows, st.suppress_token_ids), logits.new_full((1,), float("-inf")))

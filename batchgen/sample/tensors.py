@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.batch import SeqSampling
 from batchgen.sample.noise import row_noise_key
+from batchgen.sample.penalty import PenaltyTable
 
 
 @dataclass
@@ -21,8 +22,9 @@ class SamplingTensors:
     top_p: torch.Tensor  # [S] float32
     min_p: torch.Tensor  # [S] float32
     noise_key: torch.Tensor  # [S] int64 in [0, 2^32)
-    penalty: torch.Tensor | None  # [S] float32, None when no row penalizes
-    penalty_token_ids: torch.Tensor | None  # [S, P] int64 (padded by repeating a row's first token)
+    penalty: torch.Tensor | None  # [S] float32 (1.0 for rows that do not penalise), None when no row does
+    penalty_slot: torch.Tensor | None  # [S] int64: each row's PenaltyTable row (the scratch row if 1.0)
+    penalty_seen: torch.Tensor | None  # [slots + 1, V] bool: the PenaltyTable, this step's new rows filled
     suppress_rows: torch.Tensor | None  # [K] int64 with suppress_token_ids: logits[row, token] = -inf
     suppress_token_ids: torch.Tensor | None  # [K] int64
     any_random: bool
@@ -32,9 +34,12 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, rows: list[SeqSampling], positions: list[int], vocab_size: int, device: torch.device,
-              to_device: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None) -> SamplingTensors:
+              to_device: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
+              penalty_table: PenaltyTable | None = None) -> SamplingTensors:
         """`positions[i]`: position of the token row i samples (noise depends on it). `to_device` moves a
-        list of host arrays to the device in one go (the runner's pinned staging); default: one copy each."""
+        list of host arrays to the device in one go (the runner's pinned staging); default: one copy each.
+        Rows with a repetition penalty need `penalty_table`; those with a `penalty_history` (re)initialise
+        their slot's row of it here, queued before this step's sampling."""
         arrays: dict[str, np.ndarray] = {
             "temperature": np.array([r.temperature for r in rows], dtype=np.float32),
             "top_k": np.array([r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows], dtype=np.int64),
@@ -42,17 +47,18 @@ class SamplingTensors:
             "min_p": np.array([r.min_p for r in rows], dtype=np.float32),
             "noise_key": np.array([row_noise_key(r.seed, p) for r, p in zip(rows, positions)], dtype=np.int64),
         }
-        if any(r.repetition_penalty != 1.0 for r in rows):
-            # histories are numpy views from the scheduler (one memory copy each), or any sequence of ids
-            histories = [r.penalty_token_ids if r.penalty_token_ids is not None and len(r.penalty_token_ids) > 0
-                         else (0,) for r in rows]
-            width = max(len(h) for h in histories)
-            padded = np.empty((len(rows), width), dtype=np.int64)
-            for i, ids in enumerate(histories):
-                padded[i, :len(ids)] = ids
-                padded[i, len(ids):] = ids[0]
+        penalised = [i for i, r in enumerate(rows) if r.repetition_penalty != 1.0]
+        if penalised:
+            if penalty_table is None:
+                raise ValueError("a repetition penalty needs a PenaltyTable")
             arrays["penalty"] = np.array([r.repetition_penalty for r in rows], dtype=np.float32)
-            arrays["penalty_token_ids"] = padded
+            arrays["penalty_slot"] = np.array([r.penalty_slot if r.repetition_penalty != 1.0 else
+                                               penalty_table.scratch_slot for r in rows], dtype=np.int64)
+            fresh = [rows[i] for i in penalised if rows[i].penalty_history is not None]
+            if fresh:  # slots (re)assigned since their last step: clear and fill their rows first
+                arrays["init_slots"] = np.array([r.penalty_slot for r in fresh], dtype=np.int64)
+                arrays["init_id_slots"] = np.repeat(arrays["init_slots"], [len(r.penalty_history) for r in fresh])
+                arrays["init_ids"] = np.concatenate([np.asarray(r.penalty_history, dtype=np.int64) for r in fresh])
         if any(r.suppressed_token_ids for r in rows):
             arrays["suppress_rows"] = np.array([i for i, r in enumerate(rows) for _ in r.suppressed_token_ids],
                                                dtype=np.int64)
@@ -61,10 +67,13 @@ class SamplingTensors:
             def to_device(host: list[np.ndarray]) -> list[torch.Tensor]:
                 return [torch.from_numpy(a).to(device, non_blocking=True) for a in host]
         tensors = dict(zip(arrays, to_device(list(arrays.values()))))
+        if "init_slots" in tensors:
+            penalty_table.init_rows(tensors["init_slots"], tensors["init_id_slots"], tensors["init_ids"])
         return cls(
             temperature=tensors["temperature"], top_k=tensors["top_k"], top_p=tensors["top_p"],
             min_p=tensors["min_p"], noise_key=tensors["noise_key"],
-            penalty=tensors.get("penalty"), penalty_token_ids=tensors.get("penalty_token_ids"),
+            penalty=tensors.get("penalty"), penalty_slot=tensors.get("penalty_slot"),
+            penalty_seen=penalty_table.table() if penalised else None,
             suppress_rows=tensors.get("suppress_rows"), suppress_token_ids=tensors.get("suppress_token_ids"),
             any_random=any(r.temperature > 0 for r in rows),
             any_top_k=any(0 < r.top_k < vocab_size and r.temperature > 0 for r in rows),
