@@ -81,6 +81,35 @@ def test_async_pipeline_on_gpu_samples_exactly_what_the_sync_engine_samples(arch
     assert all(len(t) >= 6 for t in runs[0])
 
 
+def test_dispatching_a_step_never_makes_a_synchronising_cuda_call():
+    """The async pipeline's premise: queuing a step (staged inputs, prefill or graphed decode, sampling with
+    top-p, suppressed EOS and a repetition penalty, the penalty table's marks) never waits for the device; only
+    `collect` does. torch's sync debug mode raises on any synchronising call (a host scalar copied into a
+    device tensor, `.item()`, a pageable copy)."""
+    model = make_model("llama").cuda()
+    prompts = random_prompts((5, 17, 33, 8, 64, 1, 40), seed=4)
+    params = [SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=i, min_new_tokens=4,
+                             repetition_penalty=1.3 if i % 2 else 1.0) for i in range(len(prompts))]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32, async_pipeline=True))
+    dispatch = engine.runner.dispatch
+    calls = []
+
+    def strict_dispatch(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return dispatch(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(batch.num_prefill_tokens)
+
+    engine.runner.dispatch = strict_dispatch
+    engine.generate(prompts, params)  # warm: kernels compiled, staging and the penalty table allocated
+    calls.clear()
+    results = engine.generate(prompts, params)
+    assert all(len(r.samples[0].token_ids) == 16 for r in results)
+    assert any(n > 0 for n in calls) and any(n == 0 for n in calls)  # prefill and decode steps both ran
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_mixed_steps_on_gpu_split_decodes_from_prefill_chunks_exactly_fp32(arch):
     """A 20-token budget interleaves decodes with prefill chunks in most steps: the decode rows (packed
