@@ -42,21 +42,22 @@ def make_tokenizer():
     return fast
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # the families with batchgen's fused forwards
 
 
 def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_layers: int = 2, **overrides):
     """A tiny random fp32 decoder of the given architecture."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+               "gemma": (GemmaConfig, GemmaForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma"):
         kwargs["head_dim"] = 16
     kwargs.update(overrides)
     torch.manual_seed(seed)
@@ -64,6 +65,10 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
     # Random init gives near-uniform logits; sharpen them so greedy ties (fp noise flips) are implausible.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        if arch == "gemma":  # Gemma's norm weights start at 0 (a scale of 1): make the (1 + w) visible
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     return model
 
 

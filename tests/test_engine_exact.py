@@ -92,7 +92,7 @@ def _more_archs():
     }
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "phi3", "olmo2", "granite", "starcoder2", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2", "granite", "starcoder2", "qwen2_moe"])
 def test_greedy_matches_transformers_on_more_architectures(arch):
     import torch
 

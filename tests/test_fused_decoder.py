@@ -9,7 +9,7 @@ from batchgen import Engine, EngineConfig, SamplingParams
 from batchgen.models.llama import LlamaDecoder
 from batchgen.models.registry import unsupported_reason
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from conftest import hf_greedy, make_model, random_prompts
+from conftest import ARCHS, hf_greedy, make_model, random_prompts
 
 
 def _cache(model):
@@ -32,7 +32,7 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
     assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen3: per-head q/k norms
+@pytest.mark.parametrize("arch", ARCHS)  # qwen3: per-head q/k norms; gemma: (1 + w) norms, GELU-tanh gate
 def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
     model = make_model(arch)
     prompts = random_prompts((5, 17, 33, 8))
@@ -51,10 +51,13 @@ def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_trans
 def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
     from test_engine_exact import _more_archs
 
-    config_cls, model_cls, extra = _more_archs()["gemma"]
-    gemma = model_cls(config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, **extra))
-    assert unsupported_reason(gemma, 1024).startswith("model type 'gemma'")
+    config_cls, model_cls, extra = _more_archs()["phi3"]
+    phi3 = model_cls(config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2,
+                                pad_token_id=0, **extra))
+    assert unsupported_reason(phi3, 1024).startswith("model type 'phi3'")
+    assert unsupported_reason(make_model("gemma", hidden_act="gelu_pytorch_tanh"), 1024) is None
+    assert unsupported_reason(make_model("gemma", hidden_act="relu"), 1024) == "activation 'relu'"
     windowed = make_model("mistral", sliding_window=16)
     assert "sliding window 16" in unsupported_reason(windowed, 1024)
     assert unsupported_reason(windowed, 16) is None
@@ -83,8 +86,9 @@ import torch, sys
 sys.path.insert(0, "tests")
 from conftest import make_model
 from batchgen.models.llama import LlamaDecoder
+from batchgen.models.gemma import GemmaDecoder
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qwen3: rope_kv (q/k norm) first
+for arch in ("llama", "qwen3", "gemma"):  # llama: rotary in the attention kernel; qwen3: rope_kv (q/k norm) first
     model = make_model(arch)
     caches = [KVCache(KVGeometry.from_config(model.config), 8, 16, torch.float32, torch.device("cpu")) for _ in "ab"]
     g = torch.Generator().manual_seed(0)
@@ -97,7 +101,8 @@ for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qw
     pos = (seq_lens.long() - 1).clamp(min=0)
     slots = torch.where(seq_lens > 0, tables.long()[torch.arange(4), pos // 16] * 16 + pos % 16, caches[0].trash_slot)
     ids = torch.randint(3, model.config.vocab_size, (4,), generator=g)
-    logits = [LlamaDecoder(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
+    decoder_cls = GemmaDecoder if arch == "gemma" else LlamaDecoder
+    logits = [decoder_cls(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
     torch.testing.assert_close(logits[0][:3], logits[1][:3], atol=1e-4, rtol=1e-4)
     real = slice(0, 8)  # the reference also writes the padding row's K/V into the trash block
     torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)
@@ -120,7 +125,7 @@ for arch in ("llama", "qwen3"):  # llama: rotary inside the attention kernel; qw
                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
                                  max_query_len=5, max_seq_len=9, use_triton=tri, num_decode_seqs=2,
                                  prefill_work=torch.from_numpy(prefill_work(q_lens, qsl)) if tri else None)
-        logits.append(LlamaDecoder(model, c, use_triton=tri).forward_packed(ids, pos, meta, keep))
+        logits.append(decoder_cls(model, c, use_triton=tri).forward_packed(ids, pos, meta, keep))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)
 print("ok")

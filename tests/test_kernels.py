@@ -143,12 +143,12 @@ def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
 
 
-# ---- fused decode-step kernels: rmsnorm (+ residual), rotary + K/V write, SiLU-gated activation ----------
+# ---- fused decode-step kernels: rmsnorm (+ residual), rotary + K/V write, gated activation (SiLU, GELU-tanh) ----------
 
 def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, head_dim=32, inter=80, atol=1e-5):
     from batchgen.kernels.rmsnorm import rmsnorm
     from batchgen.kernels.rope_kv import rope_kv
-    from batchgen.kernels.silu_mul import silu_mul
+    from batchgen.kernels.gated_act import gated_act
 
     g = torch.Generator().manual_seed(0)
 
@@ -156,11 +156,11 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
         return torch.randn(*shape, generator=g).to(device, dtype)
 
     x, res, w = rand(num_tokens, hidden), rand(num_tokens, hidden), rand(hidden)
-    for residual in (None, res):
+    for residual, unit_offset in ((None, False), (res, False), (res, True)):  # unit_offset: Gemma's (1 + w)
         r_kernel = None if residual is None else residual.clone()
         r_ref = None if residual is None else residual.clone()
-        out = rmsnorm(x, w, 1e-6, residual=r_kernel, use_triton=True)
-        ref = rmsnorm(x, w, 1e-6, residual=r_ref, use_triton=False)
+        out = rmsnorm(x, w, 1e-6, residual=r_kernel, use_triton=True, unit_offset=unit_offset)
+        ref = rmsnorm(x, w, 1e-6, residual=r_ref, use_triton=False, unit_offset=unit_offset)
         torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
         if residual is not None:
             torch.testing.assert_close(r_kernel, r_ref, atol=0, rtol=0)
@@ -182,9 +182,10 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
         torch.testing.assert_close(caches[0][0], caches[1][0], atol=atol, rtol=atol)
         torch.testing.assert_close(caches[0][1], caches[1][1], atol=0, rtol=0)
 
-    gate_up = rand(num_tokens, 2 * inter)
-    torch.testing.assert_close(silu_mul(gate_up, use_triton=True), silu_mul(gate_up, use_triton=False),
-                               atol=atol, rtol=atol)
+    gate_up = rand(num_tokens, 2 * inter) * 3
+    for activation in ("silu", "gelu_tanh"):
+        torch.testing.assert_close(gated_act(gate_up, activation, use_triton=True),
+                                   gated_act(gate_up, activation, use_triton=False), atol=atol, rtol=atol)
 
 
 FUSED_INTERPRET_SCRIPT = """

@@ -16,7 +16,7 @@ from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
-from batchgen.kernels.silu_mul import silu_mul
+from batchgen.kernels.gated_act import gated_act
 
 __all__ = ["StepInputs", "add_rmsnorm", "gated_mlp", "self_attention"]
 
@@ -38,9 +38,10 @@ class StepInputs:
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                use_triton: bool) -> torch.Tensor:
-    """RMSNorm(x + residual) with `residual` updated in place to x + residual (or RMSNorm(x) without one)."""
-    return rmsnorm(x, weight, eps, residual=residual, use_triton=use_triton)
+                use_triton: bool, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm(x + residual) with `residual` updated in place to x + residual (or RMSNorm(x) without one).
+    `unit_offset`: Gemma's norm, whose weight is an offset from 1."""
+    return rmsnorm(x, weight, eps, residual=residual, use_triton=use_triton, unit_offset=unit_offset)
 
 
 def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
@@ -69,6 +70,7 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
 
 
 def gated_mlp(h: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-              use_triton: bool) -> torch.Tensor:
-    """down(silu(gate(h)) * up(h)) with gate and up as one GEMM ([2 I, E]). h: [B, E] -> [B, E]."""
-    return F.linear(silu_mul(F.linear(h, gate_up_weight), use_triton=use_triton), down_weight)
+              use_triton: bool, activation: str = "silu") -> torch.Tensor:
+    """down(act(gate(h)) * up(h)) with gate and up as one GEMM ([2 I, E]); act: "silu" or "gelu_tanh".
+    h: [B, E] -> [B, E]."""
+    return F.linear(gated_act(F.linear(h, gate_up_weight), activation, use_triton=use_triton), down_weight)

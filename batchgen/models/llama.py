@@ -32,11 +32,18 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
     """Why this Llama-family model cannot use the fused decoder, or None when it can."""
     cfg = model.config.get_text_config()
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    return layout_reason(model, max_model_len)
+
+
+def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
+    """Why a model with the Llama layer layout (pre-norm layers of q/k/v/o attention and a gated MLP) cannot
+    run the fused layers, whatever its norm and activation: module layout, MLP biases, rope type, windows."""
+    cfg = model.config.get_text_config()
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a causal LM with model.layers and lm_head"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r}"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
@@ -50,6 +57,11 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
     if slides and window < max_model_len:
         return f"sliding window {window} < max_model_len {max_model_len}"
     return None
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (Llama-style modules call it variance_epsilon, Gemma's eps)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 @dataclass
@@ -71,6 +83,8 @@ class _Layer:
 class LlamaDecoder(DecodeForward):
     is_fused = True
     has_packed = True
+    norm_unit_offset = False  # Gemma: RMSNorm weights are offsets from 1
+    activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool) -> None:
         cfg = model.config.get_text_config()
@@ -81,7 +95,7 @@ class LlamaDecoder(DecodeForward):
         self.geometry = KVGeometry.from_config(cfg)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.final_norm, self.final_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.final_norm, self.final_eps = inner.norm.weight, norm_eps(inner.norm)
         self.lm_head = model.lm_head
         self.layers = []
         with torch.no_grad():
@@ -90,15 +104,15 @@ class LlamaDecoder(DecodeForward):
                 qkv_w, qkv_b = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
                 gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
                 self.layers.append(_Layer(
-                    input_norm=layer.input_layernorm.weight, input_eps=layer.input_layernorm.variance_epsilon,
+                    input_norm=layer.input_layernorm.weight, input_eps=norm_eps(layer.input_layernorm),
                     qkv_weight=qkv_w, qkv_bias=qkv_b, o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias,
                     post_norm=layer.post_attention_layernorm.weight,
-                    post_eps=layer.post_attention_layernorm.variance_epsilon,
+                    post_eps=norm_eps(layer.post_attention_layernorm),
                     gate_up_weight=gate_up_w, down_weight=mlp.down_proj.weight,
                     scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
                     # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
                     qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
-                             attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None))
+                             norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -121,15 +135,15 @@ class LlamaDecoder(DecodeForward):
         residual = self.embed(input_ids)  # [B, E]; a fresh tensor, updated in place below
         cos, sin = self.rotary(residual, positions[None])  # [1, B, D] each, in the activation dtype
         step = make_step(cos[0].contiguous(), sin[0].contiguous())
-        first = self.layers[0]
-        h = add_rmsnorm(residual, first.input_norm, first.input_eps, None, tri)
+        first, unit = self.layers[0], self.norm_unit_offset
+        h = add_rmsnorm(residual, first.input_norm, first.input_eps, None, tri, unit)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm)
-            h = add_rmsnorm(o, layer.post_norm, layer.post_eps, residual, tri)
-            mlp = gated_mlp(h, layer.gate_up_weight, layer.down_weight, tri)
+            h = add_rmsnorm(o, layer.post_norm, layer.post_eps, residual, tri, unit)
+            mlp = gated_mlp(h, layer.gate_up_weight, layer.down_weight, tri, self.activation)
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             norm, eps = (nxt.input_norm, nxt.input_eps) if nxt is not None else (self.final_norm, self.final_eps)
-            h = add_rmsnorm(mlp, norm, eps, residual, tri)
+            h = add_rmsnorm(mlp, norm, eps, residual, tri, unit)
         return h

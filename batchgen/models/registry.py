@@ -10,13 +10,14 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.models import llama
+from batchgen.models import gemma, llama
 from batchgen.models.base import DecodeForward
 from batchgen.models.transformers_forward import TransformersDecode
 
 # model_type -> (why a model of that type cannot be fused, or None; the decoder class)
 DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
     **{t: (llama.unsupported_reason, llama.LlamaDecoder) for t in llama.MODEL_TYPES},
+    **{t: (gemma.unsupported_reason, gemma.GemmaDecoder) for t in gemma.MODEL_TYPES},
 }
 
 
