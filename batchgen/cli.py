@@ -145,6 +145,22 @@ def status(target: Annotated[Path, typer.Argument(help="A job's output directory
 
 
 @app.command()
+@_user_errors
+def report(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
+    """Write the output's dataset card (README.md), plots and reports/index.html from what is committed."""
+    from batchgen.errors import JobError
+    from batchgen.output.report import write_report
+
+    if not (out_dir / "manifest").is_dir():
+        raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+    result = write_report(out_dir)
+    for note in result.notes:
+        typer.echo(f"batchgen: {note}", err=True)
+    for path in result.files:
+        typer.echo(str(path))
+
+
+@app.command()
 def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token prompts, fixed output length "
                                                       "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024; 'job': "
                                                       "`batchgen run` of chat rows, sampled, 256 new tokens.")] = "seed",

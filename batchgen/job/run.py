@@ -29,6 +29,19 @@ from batchgen.job.workers import WorkerInfo
 OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, "job.yaml")
 
 
+def _write_report(out_dir: Path) -> None:
+    """The dataset card, plots and page. The rows are committed already: a failure here is reported, not
+    raised (`batchgen report OUT` writes them again)."""
+    from batchgen.output.report import write_report
+
+    try:
+        for line in write_report(out_dir).notes:
+            print(f"batchgen: {line}", file=sys.stderr)
+    except Exception as e:
+        print(f"batchgen: the report could not be written ({type(e).__name__}: {e}); the output is complete; "
+              f"run `batchgen report {out_dir}` to try again", file=sys.stderr)
+
+
 class _StopFlag:
     """First SIGINT/SIGTERM: finish cleanly. Second: exit at once (commits are atomic, nothing corrupts)."""
 
@@ -129,6 +142,8 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         reports = out_dir / "reports"
         reports.mkdir(exist_ok=True)
         _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
+        if spec.output.report and result.interrupted_by is None:
+            _write_report(out_dir)
         return result
     except BaseException:
         _clean_failed_start(out_dir, lock, entries_before, created)

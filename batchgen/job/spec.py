@@ -74,6 +74,7 @@ class OutputSpec(_Strict):
     keep_columns: Literal["all", "none"] | list[str] = "all"
     keep_prompt: bool = False
     keep_token_ids: bool = False  # also store each completion's token ids (list<int32>; a stop token id is kept, as counted)
+    report: bool = True  # when a run ends: README.md (dataset card), reports/*.png and reports/index.html
 
 
 class JobSpec(_Strict):

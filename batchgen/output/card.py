@@ -1,0 +1,157 @@
+"""The output directory's dataset card, `OUT/README.md`, and the statistics behind it.
+
+The card is a Hugging Face dataset card: its YAML front matter points `configs` at `data/*.parquet`, so
+`datasets.load_dataset(OUT)` and the Hub's viewer read the completions (not the rejects, not the manifest).
+Its body says what the data is: row counts, columns, prompt and completion lengths, finish reasons, rejects by
+class, the model and sampling settings, the resolved job spec, the batchgen version and the run's throughput.
+Everything is read back from what the run committed (manifests, shards, reports), so `batchgen report OUT`
+rebuilds it at any time; shards no manifest names (a crash's leftovers) are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import yaml
+
+from batchgen.output import manifest as mf
+
+CARD_FILE = "README.md"
+MARKER = "<!-- dataset card written by batchgen: `batchgen report` rewrites it -->"
+
+
+def committed_shards(out_dir: Path, folder: str) -> list[Path]:
+    """The shards of `folder` ("data" or "rejects") that manifests record, in commit order per worker."""
+    return [out_dir / r[folder] for _, r in mf.read_all(out_dir) if r.get(folder)]
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {}
+    p = np.percentile(values, [5, 50, 95])
+    return {"mean": round(float(values.mean()), 1), "p5": float(p[0]), "p50": float(p[1]), "p95": float(p[2]),
+            "max": int(values.max())}
+
+
+def collect(out_dir: Path) -> dict[str, Any]:
+    """What the card reports, from the committed output."""
+    out_dir = Path(out_dir)
+    data = committed_shards(out_dir, "data")
+    stats: dict[str, Any] = {"num_data_files": len(data), "num_rows": 0, "num_input_rows": 0, "columns": [],
+                             "prompt_tokens": {}, "completion_tokens": {}, "finish_reasons": {}, "rejects": {}}
+    if data:
+        schema = pq.read_schema(data[0])
+        stats["columns"] = [(f.name, str(f.type)) for f in schema]
+        wanted = [c for c in ("num_prompt_tokens", "num_completion_tokens", "finish_reason") if c in schema.names]
+        table = pq.read_table(data, columns=wanted)
+        stats["num_rows"] = table.num_rows
+        if "num_prompt_tokens" in wanted:
+            stats["prompt_tokens"] = _percentiles(table["num_prompt_tokens"].to_numpy())
+        if "num_completion_tokens" in wanted:
+            completion = table["num_completion_tokens"].to_numpy()
+            stats["completion_tokens"] = _percentiles(completion)
+            stats["total_completion_tokens"] = int(completion.sum())
+        if "finish_reason" in wanted:
+            stats["finish_reasons"] = dict(Counter(table["finish_reason"].to_pylist()).most_common())
+    rejects = committed_shards(out_dir, "rejects")
+    if rejects:
+        classes = pq.read_table(rejects, columns=["error_class"])["error_class"].to_pylist()
+        stats["rejects"] = dict(Counter(classes).most_common())
+    stats["num_input_rows"] = sum(r.get("num_rows", 0) for _, r in mf.read_all(out_dir))
+    job_path = out_dir / "job.yaml"
+    stats["job"] = yaml.safe_load(job_path.read_text()) if job_path.exists() else {}
+    fp_path = out_dir / "fingerprint.json"
+    components = json.loads(fp_path.read_text()).get("components", {}) if fp_path.exists() else {}
+    stats["batchgen_version"] = components.get("batchgen_version")
+    stats["runs"] = _runs(out_dir)
+    return stats
+
+
+def _runs(out_dir: Path) -> list[dict[str, Any]]:
+    """Each worker's latest run report: its rows, tokens, wall time and rate."""
+    runs = []
+    for path in sorted((out_dir / "reports").glob("w*.json")):
+        r = json.loads(path.read_text())
+        runs.append({"worker": path.stem, "status": r.get("status"), "rows_committed": r.get("rows_committed"),
+                     "generated_tokens": r.get("generated_tokens"), "wall_s": r.get("wall_s"),
+                     "setup_s": r.get("setup_s"),
+                     "tok_s": round(r["generated_tokens"] / r["wall_s"], 1) if r.get("wall_s") else None})
+    return runs
+
+
+def _size_category(n: int) -> str:
+    for bound, name in ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
+                        (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M")):
+        if n < bound:
+            return name
+    return "n>10M"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render(stats: dict[str, Any], name: str) -> str:
+    """The card's text: YAML front matter, then the body."""
+    front = {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/*.parquet"}]}],
+        "size_categories": [_size_category(stats["num_rows"])],
+        "tags": ["synthetic", "batchgen"],
+    }
+    job = stats["job"]
+    model = job.get("model", {})
+    model_name = model.get("path") or model.get("name") or "?"
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", MARKER, "", f"# {name}", "",
+             f"Completions generated by batchgen {stats['batchgen_version'] or ''} with "
+             f"`{model_name}`: {stats['num_rows']:,} rows in {stats['num_data_files']} Parquet files under "
+             f"`data/` (one row per input row and sample), from {stats['num_input_rows']:,} input rows "
+             f"({sum(stats['rejects'].values()):,} rejected, under `rejects/`).", "",
+             "```python", "import datasets", f'ds = datasets.load_dataset("path/to/{name}", split="train")',
+             "```", "", "## Columns", "", _table(("column", "type"), stats["columns"]), ""]
+    length_rows = [(k, *(v.get(s, "") for s in ("mean", "p5", "p50", "p95", "max")))
+                   for k, v in (("prompt tokens", stats["prompt_tokens"]),
+                                ("completion tokens", stats["completion_tokens"])) if v]
+    if length_rows:
+        lines += ["## Lengths", "", _table(("", "mean", "p5", "p50", "p95", "max"), length_rows), ""]
+    if stats["finish_reasons"]:
+        lines += ["## Finish reasons", "", _table(("finish_reason", "rows"), list(stats["finish_reasons"].items())),
+                  ""]
+    if stats["rejects"]:
+        lines += ["## Rejected rows", "", _table(("error_class", "rows"), list(stats["rejects"].items())), ""]
+    if stats["runs"]:
+        lines += ["## Throughput (each worker's latest run)", "",
+                  _table(("worker", "status", "rows committed", "generated tokens", "loop s", "set-up s",
+                          "generated tok/s"),
+                         [tuple(r[k] for k in ("worker", "status", "rows_committed", "generated_tokens", "wall_s",
+                                               "setup_s", "tok_s")) for r in stats["runs"]]), ""]
+    sampling = job.get("sampling", {})
+    if sampling:
+        lines += ["## Sampling", "", _table(("setting", "value"), [(k, json.dumps(v)) for k, v in sampling.items()]),
+                  ""]
+    lines += ["## Job", "", "The resolved job spec of the latest run:", "", "```yaml",
+              yaml.safe_dump(job, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write_card(out_dir: Path, stats: dict[str, Any] | None = None, name: str | None = None) -> Path | None:
+    """Write `OUT/README.md` atomically (workers finishing together each write a complete card); None, and
+    nothing written, when a README.md that batchgen did not write is there. `stats`: `collect(out_dir)`, when
+    the caller has it already."""
+    out_dir = Path(out_dir)
+    path = out_dir / CARD_FILE
+    if path.exists() and MARKER not in path.read_text(errors="replace"):
+        return None
+    stats = stats if stats is not None else collect(out_dir)
+    text = render(stats, name or stats["job"].get("name") or out_dir.name)
+    tmp = path.with_name(f".{CARD_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,82 @@
+"""Plots of a job's output (PNG, headless: matplotlib's Figure API, no pyplot state, no display).
+
+- throughput: generated tok/s over time (one line per worker; each run of a worker is its own segment), the
+  running and waiting sequences, and the KV cache's use, from `logs/throughput-wNNNNN.jsonl`;
+- lengths: histograms of completion and prompt lengths in tokens, from the committed data shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchgen.output.card import committed_shards
+
+
+def _records(out_dir: Path) -> dict[str, list[dict]]:
+    logs = {}
+    for path in sorted((out_dir / "logs").glob("throughput-w*.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+        if records:
+            logs[path.stem.removeprefix("throughput-")] = records
+    return logs
+
+
+def throughput_png(out_dir: Path, path: Path) -> Path | None:
+    """Three stacked panels against wall-clock time since the first record; None without any log."""
+    from matplotlib.figure import Figure
+
+    logs = _records(out_dir)
+    if not logs:
+        return None
+    t0 = min(r["time"] for records in logs.values() for r in records)
+    span_s = max(r["time"] for records in logs.values() for r in records) - t0
+    unit, per = ("hours", 3600) if span_s > 3 * 3600 else ("minutes", 60) if span_s > 300 else ("seconds", 1)
+    fig = Figure(figsize=(9, 7), layout="constrained")
+    rate, seqs, kv = fig.subplots(3, 1, sharex=True)
+    style = dict(marker="o", markersize=3)  # a short run has a record or two: points, not only lines
+    for worker, records in logs.items():
+        t = [(r["time"] - t0) / per for r in records]
+        rate.plot(t, [r.get("gen_tok_s_window", 0) for r in records], label=worker, **style)
+        seqs.plot(t, [r.get("num_running", 0) for r in records], label=f"{worker} running", **style)
+        seqs.plot(t, [r.get("num_waiting", 0) for r in records], linestyle="--", label=f"{worker} waiting", **style)
+        kv.plot(t, [100 * r.get("kv_cache_usage", 0) for r in records], label=worker, **style)
+    rate.set_ylabel("generated tok/s")
+    rate.set_title("Throughput (window of each log record)")
+    seqs.set_ylabel("sequences")
+    kv.set_ylabel("KV cache used (%)")
+    kv.set_xlabel(f"{unit} since the first record")
+    for ax in (rate, seqs, kv):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def lengths_png(out_dir: Path, path: Path) -> Path | None:
+    """Histograms of completion and prompt tokens per row; None without committed data."""
+    from matplotlib.figure import Figure
+
+    data = committed_shards(out_dir, "data")
+    if not data:
+        return None
+    table = pq.read_table(data, columns=["num_completion_tokens", "num_prompt_tokens"])
+    fig = Figure(figsize=(9, 3.5), layout="constrained")
+    completion, prompt = fig.subplots(1, 2)
+    completion.hist(table["num_completion_tokens"].to_numpy(), bins=50, color="tab:blue")
+    completion.set_title("completion length")
+    prompt.hist(table["num_prompt_tokens"].to_numpy(), bins=50, color="tab:gray")
+    prompt.set_title("prompt length")
+    for ax in (completion, prompt):
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("rows")
+        ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=100)
+    return path

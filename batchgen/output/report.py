@@ -1,0 +1,85 @@
+"""`batchgen report OUT` (and the end of every run): the dataset card, the plots and a page that shows them.
+
+Writes `OUT/README.md` (output/card.py), `OUT/reports/throughput.png` and `OUT/reports/lengths.png`
+(output/plots.py) and `OUT/reports/index.html`: the plots with the card's figures, readable offline in any
+browser. Each file is written whole under a temporary name and renamed, so workers finishing together leave
+complete files.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchgen.output.card import CARD_FILE, collect, write_card
+from batchgen.output.plots import lengths_png, throughput_png
+
+
+def _replace(path: Path, write) -> Path | None:
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        if write(tmp) is None:
+            return None
+        os.replace(tmp, path)
+        return path
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _page(stats: dict, images: list[str], name: str) -> str:
+    def table(rows) -> str:
+        return "<table>" + "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+                                   for k, v in rows) + "</table>"
+
+    summary = [("rows (completions)", f"{stats['num_rows']:,}"), ("input rows", f"{stats['num_input_rows']:,}"),
+               ("rejected", f"{sum(stats['rejects'].values()):,}"), ("data files", stats["num_data_files"]),
+               ("batchgen", stats["batchgen_version"])]
+    parts = [f"<!doctype html><meta charset=utf-8><title>{html.escape(name)}</title>",
+             "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}th{text-align:left;"
+             "padding-right:1em}img{max-width:100%}</style>", f"<h1>{html.escape(name)}</h1>", table(summary)]
+    for title, key in (("Prompt tokens", "prompt_tokens"), ("Completion tokens", "completion_tokens")):
+        if stats[key]:
+            parts += [f"<h2>{title}</h2>", table(stats[key].items())]
+    if stats["finish_reasons"]:
+        parts += ["<h2>Finish reasons</h2>", table(stats["finish_reasons"].items())]
+    if stats["rejects"]:
+        parts += ["<h2>Rejects by class</h2>", table(stats["rejects"].items())]
+    for run in stats["runs"]:
+        parts += [f"<h2>Run report {html.escape(run['worker'])}</h2>", table(run.items())]
+    parts += [f'<p><img src="{html.escape(img)}" alt="{html.escape(img)}"></p>' for img in images]
+    return "\n".join(parts) + "\n"
+
+
+@dataclass
+class Report:
+    files: list[Path] = field(default_factory=list)  # written
+    notes: list[str] = field(default_factory=list)  # what was not written, and why
+
+
+def write_report(out_dir: Path) -> Report:
+    """Write the card, the plots and the page."""
+    out_dir = Path(out_dir)
+    if not (out_dir / "manifest").is_dir():
+        raise FileNotFoundError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+    reports = out_dir / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    stats = collect(out_dir)
+    report = Report()
+    card = write_card(out_dir, stats)
+    if card is None:
+        report.notes.append(f"{out_dir / CARD_FILE} exists and was not written by batchgen: left as is, no "
+                            f"dataset card written")
+    else:
+        report.files.append(card)
+    images = []
+    for name, plot in (("throughput.png", throughput_png), ("lengths.png", lengths_png)):
+        path = _replace(reports / name, lambda tmp, plot=plot: plot(out_dir, tmp))
+        if path is not None:
+            report.files.append(path)
+            images.append(name)
+    name = stats["job"].get("name") or out_dir.name
+    report.files.append(_replace(reports / "index.html",
+                                 lambda tmp: tmp.write_text(_page(stats, images, name)) or tmp))
+    return report
