@@ -161,6 +161,24 @@ def report(out_dir: Annotated[Path, typer.Argument(help="A job's output director
 
 
 @app.command()
+@_user_errors
+def export(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)],
+           to: Annotated[Path, typer.Option("--to", help="The file to write.", show_default=False)],
+           format_: Annotated[str, typer.Option("--format", help="openai (batch output lines), jsonl (one row a "
+                                                                 "line) or parquet (one file).")] = "jsonl",
+           errors: Annotated[Optional[Path], typer.Option(
+               help="openai: write rejected rows' error lines here (default: into --to).")] = None) -> None:
+    """Write a job's committed output as one file, rows in source order."""
+    from batchgen.job.export import export as export_output
+
+    result = export_output(out_dir, format_, to, errors)
+    for note in result.notes:
+        typer.echo(f"batchgen: {note}", err=True)
+    extra = f" and {result.num_errors} error lines" + (f" to {errors}" if errors else "") if format_ == "openai" else ""
+    typer.echo(f"batchgen: {result.num_rows} {'lines' if format_ == 'openai' else 'rows'}{extra} -> {to}")
+
+
+@app.command()
 def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token prompts, fixed output length "
                                                       "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024; 'job': "
                                                       "`batchgen run` of chat rows, sampled, 256 new tokens.")] = "seed",

@@ -1,0 +1,177 @@
+"""`batchgen export OUT --format openai|jsonl|parquet --to FILE [--errors FILE]`: a job's output as one file.
+
+- `parquet`: every committed completion row in one file; `jsonl`: the same rows, one flat JSON object a line.
+- `openai`: one line per input row in the shape of OpenAI's batch output (`{id, custom_id, response: {status_code,
+  request_id, body: {id, object, created, model, choices, usage}}, error}`), its samples as `choices`; rejected
+  rows become error lines `{id, custom_id, response: null, error: {code, message}}`, in `--errors` when given,
+  else in the same file. Every input row that is committed appears exactly once across the two files.
+
+Order: the source's. Rows keyed by position (`row_idx`) sort by it; with a `key_column` the source named in the
+output's job.yaml is read again to learn each key's position; if it cannot be read, rows keep commit order and
+the result says so. Only committed shards count (a crash's leftovers are not read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from batchgen.errors import JobError
+from batchgen.output import manifest as mf
+
+FORMATS = ("openai", "jsonl", "parquet")
+OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length"}
+
+
+@dataclass
+class ExportResult:
+    num_rows: int = 0  # lines (openai) or rows (jsonl, parquet) written to `to`
+    num_errors: int = 0  # error lines (openai)
+    order: str = "source"  # or "commit" when the source could not be read
+    notes: list[str] = field(default_factory=list)
+
+
+def _committed(out_dir: Path, folder: str) -> list[tuple[Path, float]]:
+    return [(out_dir / r[folder], r.get("time", 0.0)) for _, r in mf.read_all(out_dir) if r.get(folder)]
+
+
+def _spec(out_dir: Path):
+    from batchgen.job.spec import JobSpec
+
+    path = out_dir / "job.yaml"
+    if not path.is_file():
+        raise JobError(f"{out_dir} has no job.yaml: not a batchgen output directory, or never run")
+    return JobSpec.model_validate(yaml.safe_load(path.read_text()))
+
+
+def _positions(spec, key_name: str, keys: set, result: ExportResult) -> dict | None:
+    """key -> source position, or None (commit order) when the source cannot be read again."""
+    if key_name == "row_idx" and spec.source.key_column is None:
+        return None  # the key is the position
+    from batchgen.sources import open_source
+
+    try:
+        positions = {}
+        for row in open_source(spec.source):
+            if row.columns is not None:
+                key = row.columns.get(spec.source.key_column)
+                if key in keys and key not in positions:
+                    positions[key] = row.position
+    except (JobError, OSError) as e:
+        result.order = "commit"
+        result.notes.append(f"the source could not be read again ({e}): rows are in commit order")
+        return None
+    return positions
+
+
+def _sorted_data(out_dir: Path, spec, result: ExportResult) -> tuple[pa.Table | None, str, np.ndarray]:
+    """All committed data rows in source order, the key column's name, and each row's commit time."""
+    shards = _committed(out_dir, "data")
+    if not shards:
+        return None, "", np.zeros(0)
+    tables = [pq.read_table(p) for p, _ in shards]
+    table = pa.concat_tables(tables, promote_options="permissive")
+    times = np.concatenate([np.full(t.num_rows, when) for t, (_, when) in zip(tables, shards)])
+    key_name = table.schema.names[0]
+    keys = table[key_name].to_pylist()
+    positions = _positions(spec, key_name, set(keys), result)
+    if positions is not None:
+        pos = np.array([positions.get(k, -1) for k in keys], dtype=np.int64)
+    else:  # keyed by position, or commit order when the source could not be read
+        pos = np.array(keys, dtype=np.int64) if result.order == "source" else np.arange(len(keys))
+    order = np.lexsort((table["sample_idx"].to_numpy(), pos))  # by position, then sample
+    return table.take(order), key_name, times[order]
+
+
+def _rejects(out_dir: Path) -> list[tuple[str, dict]]:
+    """(key as text, reject row) of every committed reject, in source order."""
+    rows = []
+    for path, _ in _committed(out_dir, "rejects"):
+        table = pq.read_table(path)
+        key_name = table.schema.names[0]  # the key column, stored as text in rejects
+        rows += [(r[key_name], r) for r in table.to_pylist()]
+    return sorted(rows, key=lambda kr: kr[1]["row_position"])
+
+
+def _digest(key: Any) -> str:
+    return hashlib.sha1(json.dumps(key, default=str).encode()).hexdigest()[:24]
+
+
+def _openai_lines(table: pa.Table, key_name: str, times: np.ndarray, spec) -> list[str]:
+    chat = spec.prompt.chat
+    model = spec.model.path or "batchgen"
+    rows = table.to_pylist()
+    lines, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j][key_name] == rows[i][key_name]:
+            j += 1
+        samples, key, h = rows[i:j], rows[i][key_name], _digest(rows[i][key_name])
+        choices = [{"index": s["sample_idx"], **({"message": {"role": "assistant", "content": s["completion"]}}
+                                                  if chat else {"text": s["completion"]}),
+                    "finish_reason": OPENAI_FINISH.get(s["finish_reason"], s["finish_reason"]), "logprobs": None}
+                   for s in samples]
+        completion = sum(s["num_completion_tokens"] for s in samples)
+        prompt = samples[0]["num_prompt_tokens"]
+        body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{h}", "object": "chat.completion" if chat else
+                "text_completion", "created": int(times[i]), "model": model, "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+        lines.append(json.dumps({"id": f"batch_req_{h}", "custom_id": str(key), "response": {
+            "status_code": 200, "request_id": f"req_{h}", "body": body}, "error": None}, ensure_ascii=False))
+        i = j
+    return lines
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        for line in lines:
+            f.write(line + "\n")
+    os.replace(tmp, path)
+
+
+def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None) -> ExportResult:
+    out_dir, to = Path(out_dir), Path(to)
+    if fmt not in FORMATS:
+        raise JobError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
+    if errors is not None and fmt != "openai":
+        raise JobError("--errors is for --format openai (the other formats hold completion rows only)")
+    if not (out_dir / mf.MANIFEST_DIR).is_dir():
+        raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+    spec = _spec(out_dir)
+    result = ExportResult()
+    table, key_name, times = _sorted_data(out_dir, spec, result)
+    if fmt == "parquet":
+        if table is None:
+            raise JobError(f"{out_dir} has no committed completion rows to export")
+        tmp = to.with_name(f".{to.name}.{os.getpid()}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, to)
+        result.num_rows = table.num_rows
+        return result
+    if fmt == "jsonl":
+        rows = table.to_pylist() if table is not None else []
+        _write_lines(to, [json.dumps(r, ensure_ascii=False, default=str) for r in rows])
+        result.num_rows = len(rows)
+        return result
+    lines = _openai_lines(table, key_name, times, spec) if table is not None else []
+    error_lines = [json.dumps({"id": f"batch_req_{_digest(key)}", "custom_id": str(key), "response": None,
+                               "error": {"code": r["error_class"], "message": r["message"]}}, ensure_ascii=False)
+                   for key, r in _rejects(out_dir)]
+    result.num_rows, result.num_errors = len(lines), len(error_lines)
+    if errors is None:
+        _write_lines(to, lines + error_lines)
+    else:
+        _write_lines(to, lines)
+        _write_lines(errors, error_lines)
+    return result
