@@ -35,7 +35,8 @@ class ModelSpec(_Strict):
 
 class SourceSpec(_Strict):
     path: str | list[str]  # files, globs, a save_to_disk folder, or a hub dataset name
-    type: Literal["parquet", "jsonl", "hf"] | None = None  # inferred from the path when omitted
+    # inferred from the path when omitted; batchgen_output: another job's output directory (chained jobs)
+    type: Literal["parquet", "jsonl", "hf", "batchgen_output"] | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration
     streaming: bool = True

@@ -26,11 +26,6 @@ CARD_FILE = "README.md"
 MARKER = "<!-- dataset card written by batchgen: `batchgen report` rewrites it -->"
 
 
-def committed_shards(out_dir: Path, folder: str) -> list[Path]:
-    """The shards of `folder` ("data" or "rejects") that manifests record, in commit order per worker."""
-    return [out_dir / r[folder] for _, r in mf.read_all(out_dir) if r.get(folder)]
-
-
 def _percentiles(values: np.ndarray) -> dict[str, float]:
     if len(values) == 0:
         return {}
@@ -42,7 +37,7 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 def collect(out_dir: Path) -> dict[str, Any]:
     """What the card reports, from the committed output."""
     out_dir = Path(out_dir)
-    data = committed_shards(out_dir, "data")
+    data = mf.committed_shards(out_dir, "data")
     stats: dict[str, Any] = {"num_data_files": len(data), "num_rows": 0, "num_input_rows": 0, "columns": [],
                              "prompt_tokens": {}, "completion_tokens": {}, "finish_reasons": {}, "rejects": {}}
     if data:
@@ -59,7 +54,7 @@ def collect(out_dir: Path) -> dict[str, Any]:
             stats["total_completion_tokens"] = int(completion.sum())
         if "finish_reason" in wanted:
             stats["finish_reasons"] = dict(Counter(table["finish_reason"].to_pylist()).most_common())
-    rejects = committed_shards(out_dir, "rejects")
+    rejects = mf.committed_shards(out_dir, "rejects")
     if rejects:
         classes = pq.read_table(rejects, columns=["error_class"])["error_class"].to_pylist()
         stats["rejects"] = dict(Counter(classes).most_common())

@@ -33,7 +33,19 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         "row_identity": {"key_column": spec.source.key_column},
         # the data shards' columns: shards of one output must share one schema
         "output_columns": spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
+        # a chained job: what decided its source, the upstream output (None for any other source)
+        "upstream": upstream_fingerprint(spec.source.path),
     }
+
+
+def upstream_fingerprint(source_path: str | list[str]) -> str | None:
+    """The digest of an upstream batchgen output's fingerprint, when the source is one."""
+    if not isinstance(source_path, str):
+        return None
+    path = Path(source_path) / FILE
+    if not (Path(source_path) / "manifest").is_dir() or not path.is_file():
+        return None
+    return _digest(json.loads(path.read_text())["components"])
 
 
 def _diff(old: Any, new: Any, path: str) -> list[str]:

@@ -90,6 +90,11 @@ class Manifest:
         self.next_commit += 1
 
 
+def committed_shards(out_dir: Path, folder: str) -> list[Path]:
+    """The shards of `folder` ("data" or "rejects") that manifests record: worker by worker, in commit order."""
+    return [out_dir / r[folder] for _, r in read_all(out_dir) if r.get(folder)]
+
+
 def committed_files(out_dir: Path) -> set[str]:
     names = set()
     for _, r in read_all(out_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchgen.output.card import committed_shards
+from batchgen.output.manifest import committed_shards
 
 
 def _records(out_dir: Path) -> dict[str, list[dict]]:

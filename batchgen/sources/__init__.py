@@ -6,7 +6,7 @@ import glob
 from pathlib import Path
 
 from batchgen.errors import JobError
-from batchgen.sources.base import Source, SourceRow
+from batchgen.sources.base import Source, SourceRow, is_output_dir
 from batchgen.job.spec import SourceSpec
 
 __all__ = ["Source", "SourceRow", "open_source"]
@@ -39,6 +39,8 @@ def infer_type(spec: SourceSpec) -> str:
     if lower.endswith((".jsonl", ".ndjson", ".json", ".jsonl.gz")):
         return "jsonl"
     p = Path(first)
+    if is_output_dir(p):  # a batchgen output: its committed completions, never its rejects or leftovers
+        return "batchgen_output"
     if p.is_dir() and not (p / "dataset_info.json").exists() and not (p / "state.json").exists() \
             and not (p / "dataset_dict.json").exists():
         if any(p.rglob("*.parquet")):
@@ -58,6 +60,10 @@ def open_source(spec: SourceSpec) -> Source:
         from batchgen.sources.jsonl import JsonlSource
 
         return JsonlSource(expand_files(spec.path, "jsonl"), spec)
+    if kind == "batchgen_output":
+        from batchgen.sources.batchgen_output import OutputDirSource
+
+        return OutputDirSource(spec)
     from batchgen.sources.hf_dataset import HFDatasetSource
 
     return HFDatasetSource(spec)

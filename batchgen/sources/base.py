@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -16,6 +17,11 @@ class SourceRow:
     position: int  # 0-based index in the source's order (the row key when no key column is set)
     columns: dict[str, Any] | None  # None when the row could not be parsed
     error: str | None = None  # why it could not be parsed (the row is rejected, the job goes on)
+
+
+def is_output_dir(path: Path) -> bool:
+    """A batchgen output directory (a chained job's source): it has a manifest/ and a data/ folder."""
+    return path.is_dir() and (path / "manifest").is_dir() and (path / "data").is_dir()
 
 
 PARQUET_MAGIC = b"PAR1"  # every Parquet file begins (and ends) with these four bytes
