@@ -156,3 +156,17 @@ def test_local_data_files_through_datasets(tmp_path, tiny_model_dir):
     result = runner.invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == [r["id"] for r in rows]
+
+
+def test_the_progress_bar_knows_a_jsonl_sources_total_and_a_resumed_run_starts_from_the_committed_rows(
+        tmp_path, tiny_model_dir):
+    rows = seed_rows(12)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+    result = runner.invoke(app, ["run", str(job)])  # with the progress bar
+    assert result.exit_code == 0, result.output
+    assert "12/12" in result.output
+    write_jsonl(tmp_path / "rows.jsonl", rows + seed_rows(16)[12:])  # 4 more rows appended
+    result = runner.invoke(app, ["run", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "12/16" in result.output and "16/16" in result.output  # resumed: starts at the 12 committed

@@ -95,10 +95,12 @@ class JobLoop:
         self.done_keys = KeySet.from_keys(k for _, r in mf.read_all(out_dir) for k in r["keys"])
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
-        expected = self.source.expected_rows
+        expected = self.source.progress_rows() if show_progress else self.source.expected_rows
         mine = None if expected is None else worker.num_owned(expected)
-        self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl",
-                                     mine, show_progress=show_progress)
+        tag = self.writer.manifest.tag
+        committed_before = sum(r.get("num_rows", 0) for t, r in mf.read_all(out_dir) if t == tag)
+        self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{tag}.jsonl", mine,
+                                     show_progress=show_progress, initial_rows=committed_before)
         self.setup_s = time.monotonic() - setup_started  # checks, tokenizer; _engine() adds the model and engine
 
     def _engine(self):

@@ -81,6 +81,10 @@ class Source:
                 return
             yield row
 
+    def progress_rows(self) -> int | None:
+        """The progress bar's total: `expected_rows`, or a count where one is cheap (JSONL overrides)."""
+        return self.expected_rows
+
     @property
     def expected_rows(self) -> int | None:
         if self.num_rows is None:

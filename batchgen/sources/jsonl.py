@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
@@ -15,6 +16,7 @@ from batchgen.sources.base import Source, SourceRow, check_format
 from batchgen.job.spec import SourceSpec
 
 SCHEMA_SAMPLE_ROWS = 1000
+PROGRESS_SCAN_BYTES = 1 << 30  # count a JSONL source's rows for the progress bar up to this size
 
 
 def _lines(path: str) -> Iterator[str]:
@@ -94,6 +96,16 @@ class JsonlSource(Source):
         for position, line in enumerate(self._nonblank()):
             obj, error = _parse(line)
             yield SourceRow(position, obj, error)
+
+    def progress_rows(self) -> int | None:
+        """Rows for the progress bar: counted when the files are uncompressed and at most PROGRESS_SCAN_BYTES
+        together (a line scan, ~1 s per 500 MB), else unknown."""
+        if self.expected_rows is not None:
+            return self.expected_rows
+        if any(f.endswith(".gz") for f in self.files) or sum(os.path.getsize(f) for f in self.files) > \
+                PROGRESS_SCAN_BYTES:
+            return None
+        return self.count_rows()
 
     def count_rows(self) -> int:
         """A full scan (for `batchgen status`): non-blank lines, capped by the limit."""
