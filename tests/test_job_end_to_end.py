@@ -170,3 +170,39 @@ def test_the_progress_bar_knows_a_jsonl_sources_total_and_a_resumed_run_starts_f
     result = runner.invoke(app, ["run", str(job)])
     assert result.exit_code == 0, result.output
     assert "12/16" in result.output and "16/16" in result.output  # resumed: starts at the 12 committed
+
+
+def test_sampling_column_overrides_the_jobs_sampling_per_row_and_bad_values_reject_only_their_row(
+        tmp_path, tiny_model_dir):
+    rows = seed_rows(6)
+    overrides = [None, {"max_new_tokens": 3}, '{"n": 2, "temperature": 0.9, "seed": 11}', {"temperature": -1},
+                 {"max_tokens_typo": 5}, "not json"]
+    for r, o in zip(rows, overrides):
+        r["params"] = o if isinstance(o, str) or o is None else json.dumps(o)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id",
+                                               "sampling_column": "params"}, output={"keep_columns": ["topic"]})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = read_rows(tmp_path / "out")
+    by_key = {}
+    for r in out:
+        by_key.setdefault(r["id"], []).append(r)
+    assert sorted(by_key) == ["row-0000", "row-0001", "row-0002"]
+    assert by_key["row-0000"][0]["num_completion_tokens"] > 3  # the job's max_new_tokens: 12
+    assert by_key["row-0001"][0]["num_completion_tokens"] <= 3
+    assert len(by_key["row-0002"]) == 2  # n = 2 for that row only
+    rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert {k: r["error_class"] for k, r in rejects.items()} == {
+        "row-0003": "bad_sampling", "row-0004": "bad_sampling", "row-0005": "bad_sampling"}
+    assert "temperature" in rejects["row-0003"]["message"]
+    assert "max_tokens_typo" in rejects["row-0004"]["message"]
+    assert "not JSON" in rejects["row-0005"]["message"]
+
+
+def test_a_sampling_column_the_source_lacks_is_refused_naming_it(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "sampling_column": "params"})
+    for command in ("run", "validate"):
+        result = runner.invoke(app, [command, str(job)] + (["--no-progress"] if command == "run" else []))
+        assert result.exit_code == 2 and "source.sampling_column 'params' is not a column" in result.output

@@ -23,6 +23,7 @@ from batchgen.output.schema import OutputSchema, fits
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
+from batchgen.job.row_sampling import RowSampling
 from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
 from batchgen.job.spec import JobSpec
@@ -75,7 +76,7 @@ class JobLoop:
                            + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.tokenizer = tokenizer
-        self.params = spec.sampling
+        self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
         context = spec.engine.context_length(config)
@@ -238,8 +239,13 @@ class JobLoop:
             except RowError as e:
                 self._reject(key, row.position, e.error_class, str(e))
                 return
-        seeds = [derive_seed(self.spec.sampling.seed, key, i) for i in range(self.params.n)]
-        rid = self._engine().add_request(ids, self.params, sample_seeds=seeds)
+        try:
+            params = self.row_sampling.params_for(row.columns)
+        except RowError as e:
+            self._reject(key, row.position, e.error_class, str(e))
+            return
+        seeds = [derive_seed(params.seed, key, i) for i in range(params.n)]
+        rid = self._engine().add_request(ids, params, sample_seeds=seeds)
         pending[rid] = (key, row.position, kept, text, len(ids))
         self.meter.totals.prompt_tokens += len(ids)
 

@@ -41,6 +41,7 @@ class SourceSpec(_Strict):
     name: str | None = None  # hub dataset configuration
     streaming: bool = True
     key_column: str | None = None  # row identity; without it, the row's position in the source
+    sampling_column: str | None = None  # a column of per-row `sampling:` overrides (JSON object); job/row_sampling.py
     limit: PositiveInt | None = None
     # Rows are dealt to workers in units of this many consecutive rows. None: sized from the source's row
     # count so that every worker gets rows (job/workers.py sized_for), 1,024 for large sources.

@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.job.row_sampling import RowSampling
 from batchgen.job.spec import JobSpec
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
@@ -25,6 +26,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
     OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run checks
+    RowSampling(spec, source.columns)  # source.sampling_column too
     expected = source.expected_rows
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")

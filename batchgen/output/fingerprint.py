@@ -31,6 +31,7 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         "prompt": spec.prompt.model_dump(mode="json"),
         "sampling": spec.sampling.model_dump(mode="json"),
         "row_identity": {"key_column": spec.source.key_column},
+        "sampling_column": spec.source.sampling_column,  # per-row sampling overrides (None for most jobs)
         # the data shards' columns: shards of one output must share one schema
         "output_columns": spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
         # a chained job: what decided its source, the upstream output (None for any other source)
