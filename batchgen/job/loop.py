@@ -179,8 +179,8 @@ class JobLoop:
         key_column = self.spec.source.key_column
         if key_column is None:
             return row.position
-        if row.columns is None:  # unparseable: no key of its own; its position identifies it
-            return f"<unparsed row {row.position}>"
+        if row.columns is None:  # unparseable: its key if the source still knows it, else its position
+            return row.key if row.key is not None else f"<unparsed row {row.position}>"
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred
             raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "

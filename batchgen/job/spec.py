@@ -36,7 +36,7 @@ class ModelSpec(_Strict):
 class SourceSpec(_Strict):
     path: str | list[str]  # files, globs, a save_to_disk folder, or a hub dataset name
     # inferred from the path when omitted; batchgen_output: another job's output directory (chained jobs)
-    type: Literal["parquet", "jsonl", "hf", "batchgen_output"] | None = None
+    type: Literal["parquet", "jsonl", "hf", "batchgen_output", "openai_batch"] | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration
     streaming: bool = True
@@ -166,6 +166,26 @@ def _default_output_dir(spec: JobSpec, job_path: Path, base: Path) -> Path:
     return base / "out" / name
 
 
+def _openai_batch_defaults(raw: dict, base: Path) -> None:
+    """An OpenAI batch file as the source (source.type openai_batch, or a .jsonl whose first line has custom_id
+    and body): key rows by custom_id, take each line's sampling fields, and prompt with its messages (chat) or
+    prompt (completions), unless the job says otherwise."""
+    from batchgen.sources.openai_batch import sniff
+
+    source = raw.get("source")
+    if not isinstance(source, dict) or not isinstance(source.get("path"), str) or \
+            source.get("type") not in (None, "openai_batch"):
+        return
+    column = sniff(_resolve(base, source["path"]))
+    if column is None:
+        return
+    source.setdefault("type", "openai_batch")
+    source.setdefault("key_column", "custom_id")
+    source.setdefault("sampling_column", "sampling")
+    raw.setdefault("prompt", {"messages_column": "messages"} if column == "messages" else
+                   {"column": "prompt", "chat": False})
+
+
 def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | None = None) -> JobSpec:
     path = Path(path)
     if not path.is_file():
@@ -179,6 +199,7 @@ def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | Non
                        f"got {type(raw).__name__}")
     for o in overrides:
         apply_override(raw, o)
+    _openai_batch_defaults(raw, path.resolve().parent)
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as e:

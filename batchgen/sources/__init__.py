@@ -60,6 +60,10 @@ def open_source(spec: SourceSpec) -> Source:
         from batchgen.sources.jsonl import JsonlSource
 
         return JsonlSource(expand_files(spec.path, "jsonl"), spec)
+    if kind == "openai_batch":
+        from batchgen.sources.openai_batch import OpenAIBatchSource
+
+        return OpenAIBatchSource(expand_files(spec.path, "jsonl"), spec)
     if kind == "batchgen_output":
         from batchgen.sources.batchgen_output import OutputDirSource
 

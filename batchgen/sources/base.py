@@ -17,6 +17,7 @@ class SourceRow:
     position: int  # 0-based index in the source's order (the row key when no key column is set)
     columns: dict[str, Any] | None  # None when the row could not be parsed
     error: str | None = None  # why it could not be parsed (the row is rejected, the job goes on)
+    key: str | None = None  # for an unparsed row, its key where one is still known (an OpenAI line's custom_id)
 
 
 def is_output_dir(path: Path) -> bool:
