@@ -79,3 +79,32 @@ def test_a_completions_batch_file_prompts_with_the_text_and_exports_text_complet
     assert result.exit_code == 0, result.output
     bodies = [json.loads(x)["response"]["body"] for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [b["object"] for b in bodies] == ["text_completion"] * 3 and "text" in bodies[0]["choices"][0]
+
+
+def test_the_progress_total_is_right_for_every_source_type(tmp_path, tiny_model_dir):
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.job.spec import SourceSpec
+    from batchgen.sources import open_source
+
+    rows = [{"id": f"r{i}", "topic": "tea", "level": i} for i in range(7)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n\n" for r in rows))  # blank lines do not count
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(_request(r["id"], {"messages": []})) + "\n" for r in rows))
+    expected = {"a.parquet": 7, "a.jsonl": 7, "ds": 7, "b.jsonl": 7, "a.jsonl.gz": None}
+    for name, total in expected.items():
+        kind = {"b.jsonl": "openai_batch"}.get(name)
+        source = open_source(SourceSpec(path=str(tmp_path / name), type=kind))
+        assert source.progress_rows() == total, name
+        assert open_source(SourceSpec(path=str(tmp_path / name), type=kind, limit=3)).progress_rows() in (3, None)
+    job = _job(tmp_path, tiny_model_dir, [_request("x", {"messages": [{"role": "user", "content": "hi"}]})])
+    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
+    out = open_source(SourceSpec(path=str(tmp_path / "out")))  # an output directory: its committed rows
+    assert out.progress_rows() == 1

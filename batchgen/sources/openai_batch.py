@@ -6,7 +6,7 @@ Each line becomes a row with columns `custom_id` (the row key), `messages` (url 
 names, which `source.sampling_column` applies per row (job/row_sampling.py), so a bad or unsupported value
 rejects that line as `bad_sampling` naming the field. Mapped: max_tokens / max_completion_tokens ->
 max_new_tokens, temperature, top_p, n, stop, seed. Accepted and ignored: model (every line runs the job's
-model), user, metadata, store, stream: false, and presence_penalty / frequency_penalty 0, logprobs false,
+model; one notice), user, metadata, store, stream: false, and presence_penalty / frequency_penalty 0, logprobs false,
 response_format {type: text}. Anything else is passed on under its own name and rejects its line.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
@@ -15,6 +15,7 @@ file's first line) is a `malformed_row` reject.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,7 @@ class OpenAIBatchSource(Source):
         return self.lines.progress_rows()
 
     def _iter_all(self) -> Iterator[SourceRow]:
+        told_model = False
         for row in self.lines:
             if row.columns is None:
                 yield row
@@ -106,6 +108,10 @@ class OpenAIBatchSource(Source):
                 custom_id = line.get("custom_id")
                 yield SourceRow(row.position, None, error, key=None if custom_id is None else str(custom_id))
                 continue
+            if not told_model and "model" in body:
+                told_model = True
+                print(f"batchgen: the requests' body.model ({body['model']!r}) is ignored: every line runs the "
+                      f"job's model", file=sys.stderr)
             yield SourceRow(row.position, {"custom_id": str(line["custom_id"]),
                                            self.prompt_column: body[self.prompt_column],
                                            "sampling": json.dumps(body_sampling(body))})
