@@ -148,11 +148,8 @@ def status(target: Annotated[Path, typer.Argument(help="A job's output directory
 @_user_errors
 def report(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
     """Write the output's dataset card (README.md), plots and reports/index.html from what is committed."""
-    from batchgen.errors import JobError
     from batchgen.output.report import write_report
 
-    if not (out_dir / "manifest").is_dir():
-        raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
     result = write_report(out_dir)
     for note in result.notes:
         typer.echo(f"batchgen: {note}", err=True)

@@ -92,3 +92,15 @@ def test_export_refuses_what_it_cannot_do_with_a_clear_message(tmp_path, tiny_mo
     result = runner.invoke(app, ["export", str(out), "--format", "jsonl", "--to", str(tmp_path / "x"),
                                  "--errors", str(tmp_path / "e")])
     assert result.exit_code == 2 and "--errors is for --format openai" in result.output
+
+
+def test_rows_whose_keys_left_the_source_come_last_once_each_with_a_notice(tmp_path, tiny_model_dir):
+    out, keys = _run(tmp_path, tiny_model_dir)
+    kept = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()][3:]  # 3 rows deleted
+    write_jsonl(tmp_path / "rows.jsonl", kept)
+    result = runner.invoke(app, ["export", str(out), "--format", "openai", "--to", str(tmp_path / "r.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert "3 keys are no longer in the source" in result.output
+    ids = [json.loads(x)["custom_id"] for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 11  # 10 completed rows and the reject, each once
+    assert ids[:7] == [k for k in keys[3:] if k != keys[4]]  # the rows still in the source, in its order

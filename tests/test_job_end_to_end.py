@@ -158,7 +158,7 @@ def test_local_data_files_through_datasets(tmp_path, tiny_model_dir):
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == [r["id"] for r in rows]
 
 
-def test_the_progress_bar_knows_a_jsonl_sources_total_and_a_resumed_run_starts_from_the_committed_rows(
+def test_the_progress_bar_knows_a_jsonl_sources_total_and_a_resumed_run_counts_the_committed_rows(
         tmp_path, tiny_model_dir):
     rows = seed_rows(12)
     write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -169,7 +169,7 @@ def test_the_progress_bar_knows_a_jsonl_sources_total_and_a_resumed_run_starts_f
     write_jsonl(tmp_path / "rows.jsonl", rows + seed_rows(16)[12:])  # 4 more rows appended
     result = runner.invoke(app, ["run", str(job)])
     assert result.exit_code == 0, result.output
-    assert "12/16" in result.output and "16/16" in result.output  # resumed: starts at the 12 committed
+    assert "16/16" in result.output and "4 rows committed" in result.output  # the 12 done rows count as done
 
 
 def test_sampling_column_overrides_the_jobs_sampling_per_row_and_bad_values_reject_only_their_row(
@@ -206,3 +206,38 @@ def test_a_sampling_column_the_source_lacks_is_refused_naming_it(tmp_path, tiny_
     for command in ("run", "validate"):
         result = runner.invoke(app, [command, str(job)] + (["--no-progress"] if command == "run" else []))
         assert result.exit_code == 2 and "source.sampling_column 'params' is not a column" in result.output
+
+
+def test_a_struct_sampling_column_from_parquet_overrides_only_the_fields_a_row_sets(tmp_path, tiny_model_dir):
+    rows = seed_rows(3)
+    rows[0]["params"] = {"max_new_tokens": 2, "n": None}  # pyarrow gives a struct's absent fields as null
+    rows[1]["params"] = {"max_new_tokens": None, "n": 2}
+    rows[2]["params"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.parquet", "key_column": "id",
+                                               "sampling_column": "params"}, output={"keep_columns": ["topic"]})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = read_rows(tmp_path / "out")
+    assert not read_rows(tmp_path / "out", "rejects")
+    counts = {k: [r["num_completion_tokens"] for r in out if r["id"] == k] for k in ("row-0000", "row-0001")}
+    assert len(counts["row-0000"]) == 1 and counts["row-0000"][0] <= 2 and len(counts["row-0001"]) == 2
+
+
+def test_turning_on_a_setting_an_older_output_predates_is_refused_on_resume(tmp_path, tiny_model_dir):
+    rows = seed_rows(3)
+    for r in rows:
+        r["params"] = None
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
+    fp = tmp_path / "out" / "fingerprint.json"
+    stored = json.loads(fp.read_text())
+    for k in ("sampling_column", "upstream"):  # as an output begun before these components existed
+        stored["components"].pop(k)
+    fp.write_text(json.dumps(stored))
+    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0  # unchanged: resumes
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id",
+                                               "sampling_column": "params"})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 2 and "sampling_column: None -> 'params'" in result.output

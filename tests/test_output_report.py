@@ -73,3 +73,15 @@ def test_report_on_something_that_is_not_an_output_directory_is_a_clear_error(tm
         target.mkdir()
     result = runner.invoke(app, ["report", str(target)])
     assert result.exit_code == 2 and "is not a batchgen output directory" in result.output
+
+
+def test_fresh_removes_batchgens_card_but_never_a_users_readme(tmp_path, tiny_model_dir):
+    out = _run(tmp_path, tiny_model_dir, output={"report": False})
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    job = tmp_path / "job.yaml"
+    assert runner.invoke(app, ["run", str(job), "--no-progress", "--fresh", "--set", "output.report=false"]
+                         ).exit_code == 0
+    assert not (out / "README.md").exists()  # it described deleted data
+    (out / "README.md").write_text("mine\n")
+    assert runner.invoke(app, ["run", str(job), "--no-progress", "--fresh"]).exit_code == 0
+    assert (out / "README.md").read_text() == "mine\n"

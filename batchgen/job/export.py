@@ -84,11 +84,17 @@ def _sorted_data(out_dir: Path, spec, result: ExportResult) -> tuple[pa.Table | 
     key_name = table.schema.names[0]
     keys = table[key_name].to_pylist()
     positions = _positions(spec, key_name, set(keys), result)
+    commit_index = np.arange(len(keys))
     if positions is not None:
-        pos = np.array([positions.get(k, -1) for k in keys], dtype=np.int64)
+        # a key the source no longer holds (edited since the run) goes last, in commit order
+        pos = np.array([positions.get(k, len(keys) + 1 << 40) for k in keys], dtype=np.int64)
+        missing = len({k for k in keys if k not in positions})
+        if missing:
+            result.notes.append(f"{missing} keys are no longer in the source: their rows come last, in commit "
+                                f"order")
     else:  # keyed by position, or commit order when the source could not be read
-        pos = np.array(keys, dtype=np.int64) if result.order == "source" else np.arange(len(keys))
-    order = np.lexsort((table["sample_idx"].to_numpy(), pos))  # by position, then sample
+        pos = np.array(keys, dtype=np.int64) if result.order == "source" else commit_index
+    order = np.lexsort((table["sample_idx"].to_numpy(), commit_index, pos))  # position, commit, sample
     return table.take(order), key_name, times[order]
 
 

@@ -98,10 +98,8 @@ class JobLoop:
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = self.source.progress_rows() if show_progress else self.source.expected_rows
         mine = None if expected is None else worker.num_owned(expected)
-        tag = self.writer.manifest.tag
-        committed_before = sum(r.get("num_rows", 0) for t, r in mf.read_all(out_dir) if t == tag)
-        self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{tag}.jsonl", mine,
-                                     show_progress=show_progress, initial_rows=committed_before)
+        self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl", mine,
+                                     show_progress=show_progress)
         self.setup_s = time.monotonic() - setup_started  # checks, tokenizer; _engine() adds the model and engine
 
     def _engine(self):
@@ -180,7 +178,9 @@ class JobLoop:
         if key_column is None:
             return row.position
         if row.columns is None:  # unparseable: its key if the source still knows it, else its position
-            return row.key if row.key is not None else f"<unparsed row {row.position}>"
+            if row.key is None:
+                return f"<unparsed row {row.position}>"
+            return unique_key(row.key, row.position, key_column, first_seen)
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred
             raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
@@ -207,6 +207,7 @@ class JobLoop:
                     key = self._key(row, first_seen)
                     if key in self.done_keys:
                         skipped += 1
+                        self.meter.row_skipped()
                     else:
                         self._admit(row, key, pending)
             totals.admit_s += time.perf_counter() - t_admit

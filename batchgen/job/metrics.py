@@ -68,9 +68,8 @@ class GcTimer:
 
 class ThroughputMeter:
     def __init__(self, log_path: Path, expected_rows: int | None, interval_s: float = 5.0,
-                 show_progress: bool = True, initial_rows: int = 0) -> None:
-        """`expected_rows`: this worker's rows (the bar's total, None if unknown); `initial_rows`: those
-        committed by earlier runs (a resumed bar starts there; the rate counts this run's rows only)."""
+                 show_progress: bool = True) -> None:
+        """`expected_rows`: this worker's rows (the bar's total, None if unknown)."""
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s = interval_s
@@ -80,8 +79,12 @@ class ThroughputMeter:
         self._last_t = self.start
         self._last_gen = 0
         self._last_rows = 0
-        self._bar = tqdm(total=expected_rows, initial=initial_rows, unit="row", dynamic_ncols=True,
-                         disable=not show_progress, smoothing=0.05)
+        self._bar = tqdm(total=expected_rows, unit="row", dynamic_ncols=True, disable=not show_progress,
+                         smoothing=0.05)
+
+    def row_skipped(self) -> None:
+        """A row an earlier run committed: the bar counts it (a resumed bar ends at its total); rates do not."""
+        self._bar.update(1)
 
     def row_finished(self, num_generated: int) -> None:
         self._bar.update(1)

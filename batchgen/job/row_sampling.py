@@ -1,7 +1,8 @@
 """Per-row sampling settings: `source.sampling_column` names a column holding, for its row, a JSON object (or
 its text) of `sampling:` fields that override the job's. Each distinct value is validated once, exactly as the
 job's `sampling:` section is (unknown field, wrong type, out of range); a bad one rejects its row as
-`bad_sampling` with the field named, and the job goes on. An empty or null value means the job's settings.
+`bad_sampling` with the field named, and the job goes on. An empty or null value, or a null field, means the
+job's settings (Parquet struct columns give absent fields as null).
 A row's own `seed` replaces the job's as the root of its samples' seeds.
 """
 
@@ -53,6 +54,7 @@ class RowSampling:
         if not isinstance(value, dict):
             raise RowError("bad_sampling", f"{where} must hold a JSON object of sampling fields, got "
                                            f"{type(value).__name__}")
+        value = {k: v for k, v in value.items() if v is not None}  # a null field (a struct column's absent one)
         try:
             return SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True), **value})
         except ValidationError as e:

@@ -21,6 +21,7 @@ from batchgen.errors import JobError
 from batchgen.job.loop import JobLoop
 from batchgen.job.result import RunResult
 from batchgen.output import manifest as mf
+from batchgen.output.card import CARD_FILE, MARKER as CARD_MARKER
 from batchgen.output.fingerprint import FILE as FINGERPRINT_FILE
 from batchgen.output.lock import WorkerLock
 from batchgen.job.spec import JobSpec
@@ -73,6 +74,9 @@ def _fresh(out_dir: Path) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
+    card = out_dir / CARD_FILE
+    if card.is_file() and CARD_MARKER in card.read_text(errors="replace"):  # batchgen's, not a user's README
+        card.unlink()
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -172,13 +172,19 @@ def _openai_batch_defaults(raw: dict, base: Path) -> None:
     prompt (completions), unless the job says otherwise."""
     from batchgen.sources.openai_batch import sniff
 
+    import glob
+
     source = raw.get("source")
-    if not isinstance(source, dict) or not isinstance(source.get("path"), str) or \
-            source.get("type") not in (None, "openai_batch"):
+    if not isinstance(source, dict) or source.get("type") not in (None, "openai_batch") or \
+            not isinstance(source.get("path"), (str, list)) or not source["path"]:
         return
-    column = sniff(_resolve(base, source["path"]))
+    first = source["path"] if isinstance(source["path"], str) else source["path"][0]
+    files = sorted(glob.glob(_resolve(base, str(first)))) or [_resolve(base, str(first))]
+    column = sniff(files[0])
     if column is None:
-        return
+        if source.get("type") != "openai_batch":
+            return
+        column = "messages"  # said so, but not readable here: the source says what is wrong when it opens
     source.setdefault("type", "openai_batch")
     source.setdefault("key_column", "custom_id")
     source.setdefault("sampling_column", "sampling")

@@ -31,9 +31,13 @@ if triton is not None:
         gate = tl.load(x_ptr + row * 2 * num_cols + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * 2 * num_cols + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
         g = gate.to(tl.float32)
-        if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1)
-            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        if GELU_TANH:  # 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), as torch computes it
+            y = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+            # tanh from exp, odd by construction: 1 - 2 / (exp(2|y|) + 1) is accurate for large |y|, where
+            # the form in exp(2y) loses the small 1 + tanh(y) of a negative gate (a CPU emulation over bf16
+            # gates: as many bf16 results differ from torch's GELU as with torch.tanh itself)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * tl.abs(y)) + 1.0)
+            act = 0.5 * g * (1.0 + tl.where(y < 0.0, -t, t))
         else:
             act = g / (1.0 + tl.exp(-g))
         act = act.to(gate.dtype).to(tl.float32)

@@ -40,7 +40,8 @@ MAX_ROUNDS = 8  # top-p rejection rounds before the exact search (each accepts w
 if triton is not None:
     @triton.jit
     def _ordered_key(x):
-        """float32 -> int64 with the same order (-inf lowest); bit-exact, so equal floats get equal keys."""
+        """float32 -> int64 with the same order (-inf lowest); equal floats get equal keys (-0.0 is +0.0)."""
+        x = tl.where(x == 0.0, 0.0, x)
         b = x.to(tl.int32, bitcast=True)
         return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
 

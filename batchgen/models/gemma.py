@@ -24,6 +24,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
     act = getattr(cfg, "hidden_act", None)  # what transformers' GemmaMLP applies
     if act not in ACTIVATIONS:
         return f"activation {act!r}"
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not hasattr(embed, "embed_scale"):  # the decoder calls the module and relies on it applying sqrt(E)
+        return "the embedding module does not apply Gemma's scale itself"
     return layout_reason(model, max_model_len)
 
 

@@ -46,6 +46,9 @@ def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
         return f"{type(model).__name__} is not a causal LM with model.layers and lm_head"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
+    norm = getattr(inner.layers[0], "input_layernorm", None) if len(inner.layers) else None
+    if norm is None or not (hasattr(norm, "variance_epsilon") or hasattr(norm, "eps")):
+        return "layers without an RMSNorm input_layernorm (variance_epsilon or eps)"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"rope type {rope_type!r} (depends on the sequence length)"

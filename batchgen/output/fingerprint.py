@@ -49,6 +49,9 @@ def upstream_fingerprint(source_path: str | list[str]) -> str | None:
     return _digest(json.loads(path.read_text())["components"])
 
 
+OFF_WHEN_ABSENT = ("sampling_column", "upstream")  # components added after 0.1.0's first outputs; None = off
+
+
 def _diff(old: Any, new: Any, path: str) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
@@ -61,12 +64,16 @@ def _diff(old: Any, new: Any, path: str) -> list[str]:
 def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
     """Why resuming into `out_dir` with these components must be refused (None: it may resume, or nothing is
     recorded yet). Reads only. A component that the stored fingerprint predates (an output begun by an
-    earlier batchgen) is not compared, so an upgrade alone never blocks a resume."""
+    earlier batchgen) is not compared, except those of OFF_WHEN_ABSENT, which compare as off."""
     path = out_dir / FILE
     if not path.exists():
         return None
     stored = json.loads(path.read_text())["components"]
-    comparable = {k: v for k, v in json.loads(json.dumps(current, default=str)).items() if k in stored}
+    current = json.loads(json.dumps(current, default=str))
+    # A component the stored fingerprint predates was off then: it compares as off (None), so an upgrade alone
+    # never blocks a resume, and turning the new setting on does.
+    stored = {**{k: None for k in OFF_WHEN_ABSENT if k in current}, **stored}
+    comparable = {k: v for k, v in current.items() if k in stored}
     changes = _diff(stored, comparable, "")
     if not changes:
         return None

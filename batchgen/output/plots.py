@@ -43,11 +43,17 @@ def throughput_png(out_dir: Path, path: Path) -> Path | None:
     rate, seqs, kv = fig.subplots(3, 1, sharex=True)
     style = dict(marker="o", markersize=3)  # a short run has a record or two: points, not only lines
     for worker, records in logs.items():
-        t = [(r["time"] - t0) / per for r in records]
-        rate.plot(t, [r.get("gen_tok_s_window", 0) for r in records], label=worker, **style)
-        seqs.plot(t, [r.get("num_running", 0) for r in records], label=f"{worker} running", **style)
-        seqs.plot(t, [r.get("num_waiting", 0) for r in records], linestyle="--", label=f"{worker} waiting", **style)
-        kv.plot(t, [100 * r.get("kv_cache_usage", 0) for r in records], label=worker, **style)
+        # a new run of the worker (its elapsed time restarts) begins a new segment: a None gap breaks the line
+        records = [g for prev, r in zip([None] + records[:-1], records)
+                   for g in ([None] if prev is not None and r["elapsed_s"] < prev["elapsed_s"] else []) + [r]]
+        t = [float("nan") if r is None else (r["time"] - t0) / per for r in records]
+        records = [r or {} for r in records]
+        nan = float("nan")
+        rate.plot(t, [r.get("gen_tok_s_window", nan) for r in records], label=worker, **style)
+        seqs.plot(t, [r.get("num_running", nan) for r in records], label=f"{worker} running", **style)
+        seqs.plot(t, [r.get("num_waiting", nan) for r in records], linestyle="--", label=f"{worker} waiting",
+                  **style)
+        kv.plot(t, [100 * r.get("kv_cache_usage", nan) for r in records], label=worker, **style)
     rate.set_ylabel("generated tok/s")
     rate.set_title("Throughput (window of each log record)")
     seqs.set_ylabel("sequences")

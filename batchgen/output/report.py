@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.errors import JobError
 from batchgen.output.card import CARD_FILE, collect, write_card
 from batchgen.output.plots import lengths_png, throughput_png
 
@@ -62,7 +63,7 @@ def write_report(out_dir: Path) -> Report:
     """Write the card, the plots and the page."""
     out_dir = Path(out_dir)
     if not (out_dir / "manifest").is_dir():
-        raise FileNotFoundError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+        raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
     reports = out_dir / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     stats = collect(out_dir)
@@ -80,6 +81,10 @@ def write_report(out_dir: Path) -> Report:
             report.files.append(path)
             images.append(name)
     name = stats["job"].get("name") or out_dir.name
-    report.files.append(_replace(reports / "index.html",
-                                 lambda tmp: tmp.write_text(_page(stats, images, name)) or tmp))
+    report.files.append(_replace(reports / "index.html", lambda tmp: _write_text(tmp, _page(stats, images, name))))
     return report
+
+
+def _write_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

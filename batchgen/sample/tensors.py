@@ -51,6 +51,8 @@ class SamplingTensors:
         if penalised:
             if penalty_table is None:
                 raise ValueError("a repetition penalty needs a PenaltyTable")
+            bad = [rows[i].penalty_slot for i in penalised if not 0 <= rows[i].penalty_slot < penalty_table.num_slots]
+            assert not bad, f"penalty slots {bad} outside the table's {penalty_table.num_slots} rows"
             arrays["penalty"] = np.array([r.repetition_penalty for r in rows], dtype=np.float32)
             arrays["penalty_slot"] = np.array([r.penalty_slot if r.repetition_penalty != 1.0 else
                                                penalty_table.scratch_slot for r in rows], dtype=np.int64)
