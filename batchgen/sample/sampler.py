@@ -50,18 +50,19 @@ def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         return greedy
     x = logits / torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
     if st.any_top_k or st.any_top_p:
-        sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
+        sorted_x = x.sort(dim=-1, descending=True).values
         if st.any_top_k:
             kth = sorted_x.gather(1, (st.top_k - 1).clamp(0, vocab_size - 1)[:, None])
             x = x.masked_fill(x < kth, float("-inf"))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         if st.any_top_p:
+            # keep the shortest sorted prefix whose mass reaches top_p, and every token tied with its last one
+            # (a tie is kept or dropped whole, whatever order the sort gave it: the kernel's rule too)
             probs = sorted_x.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            drop_sorted = mass_before >= st.top_p[:, None]
-            drop_sorted[:, 0] = False
-            drop = torch.zeros_like(drop_sorted).scatter(1, sorted_idx, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
+            num_kept = (mass_before < st.top_p[:, None]).sum(dim=-1).clamp(min=1)  # a prefix: the mass grows
+            boundary = sorted_x.gather(1, (num_kept - 1)[:, None])
+            x = x.masked_fill(x < boundary, float("-inf"))
     if st.any_min_p:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
