@@ -83,6 +83,9 @@ def test_local_launcher_runs_n_workers_and_equals_one_worker(setup):
     assert result.returncode == 0, result.stderr
     assert "all 3 workers done" in result.stderr
     assert _content(out) == reference
+    # the dataset card is written once, after every worker, and counts every worker's rows
+    card = (out / "README.md").read_text()
+    assert f"{len(reference):,} rows in" in card
 
 
 def test_fresh_with_several_workers_is_refused(setup):

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.job.run import write_report_or_say_why
+from batchgen.job.spec import load_spec
 
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
@@ -46,6 +48,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
                "--num-workers", str(num_workers), "--no-progress"]
         for o in overrides:
             cmd += ["--set", o]
+        cmd += ["--set", "output.report=false"]  # the card and plots are written once, below, after all workers
         if output is not None:
             cmd += ["--output", output]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -68,4 +71,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
               f"resume.", file=sys.stderr)
         return next(c for _, c in failed if c > 0) if any(c > 0 for _, c in failed) else 1
     print(f"batchgen: all {num_workers} workers done", file=sys.stderr)
+    spec = load_spec(job, overrides, output)
+    if spec.output.report:
+        write_report_or_say_why(Path(spec.output.dir))
     return 0

@@ -30,7 +30,7 @@ from batchgen.job.workers import WorkerInfo
 OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, "job.yaml")
 
 
-def _write_report(out_dir: Path) -> None:
+def write_report_or_say_why(out_dir: Path) -> None:
     """The dataset card, plots and page. The rows are committed already: a failure here is reported, not
     raised (`batchgen report OUT` writes them again)."""
     from batchgen.output.report import write_report
@@ -147,7 +147,7 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         reports.mkdir(exist_ok=True)
         _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
         if spec.output.report and result.interrupted_by is None:
-            _write_report(out_dir)
+            write_report_or_say_why(out_dir)
         return result
     except BaseException:
         _clean_failed_start(out_dir, lock, entries_before, created)
