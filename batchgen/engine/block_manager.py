@@ -12,18 +12,31 @@ Invariants:
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-# (hash of the parent block's key, token ids of the block). Exact on the block's own tokens; the prefix before it
-# is represented by Python's 64-bit hash of the parent key, so two different prefixes share a key only if those
-# hashes collide (about 2^-64 per pair of prefixes ending in the same block of tokens).
-BlockKey = tuple
+# A block's prefix-cache key: bytes holding the 64-bit hash of the parent block's key (0 for a sequence's first
+# block), then the block's own token ids, little-endian int64. Exact on the block's own tokens; the prefix before
+# it is represented by the parent key's hash (SipHash, keyed per process), so two different prefixes share a key
+# only if those hashes collide (about 2^-64 per pair of prefixes ending in the same block of tokens).
+# A key lives until its block is reused: a long run holds one per KV block (10^4-10^6 on a GPU). So it is one flat
+# object (169 bytes at 16 tokens) that the cyclic garbage collector does not track and that keeps nothing else
+# alive. The (hash, tuple of ints) key it replaces held ~800 bytes a block, kept the block's token id ints alive
+# and passed twice per block through the collector's young generation: the host's time per step grew as the
+# cache filled (issue 18; tests/test_host_growth.py).
+BlockKey = bytes
 
 
-def chain_key(parent: BlockKey | None, block_token_ids: Sequence[int]) -> BlockKey:
+def key_format(block_size: int) -> struct.Struct:
+    """The packing of a block's key: the parent key's hash, then the block's `block_size` token ids."""
+    return struct.Struct(f"<{block_size + 1}q")
+
+
+def chain_key(parent: BlockKey | None, block_token_ids: Sequence[int], fmt: struct.Struct | None = None) -> BlockKey:
     """The prefix-cache key of a block whose predecessor has key `parent` (None for a sequence's first block)."""
-    return (hash(parent), tuple(block_token_ids))
+    fmt = fmt or key_format(len(block_token_ids))
+    return fmt.pack(0 if parent is None else hash(parent), *block_token_ids)
 
 
 class BlockManager:
@@ -36,6 +49,7 @@ class BlockManager:
         self._ref_count = [0] * num_blocks
         self._block_key: list[BlockKey | None] = [None] * num_blocks
         self._key_to_block: dict[BlockKey, int] = {}
+        self._key_format = key_format(block_size)
         # Free blocks in reuse order (front first). Uncached blocks go to the front, cached ones to the back.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_prefix_hit_tokens = 0  # over the engine's life, for stats and tests
@@ -52,21 +66,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _chain_keys(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
-        keys, parent = [], None
-        bs = self.block_size
-        for i in range(num_blocks):
-            parent = chain_key(parent, token_ids[i * bs : (i + 1) * bs])
-            keys.append(parent)
-        return keys
-
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached blocks holding a prefix of `token_ids`; at least one token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        hits = []
-        for key in self._chain_keys(token_ids, max_blocks):
+        bs, fmt = self.block_size, self._key_format
+        hits: list[int] = []
+        key = None
+        for i in range((len(token_ids) - 1) // bs):  # keys are chained: the first miss ends the prefix
+            key = chain_key(key, token_ids[i * bs : (i + 1) * bs], fmt)
             block = self._key_to_block.get(key)
             if block is None:
                 break
@@ -129,8 +137,9 @@ class BlockManager:
         if not self.enable_prefix_caching or num_computed_tokens // bs <= len(block_keys):
             return  # the common case, every decode step: no block became full
         num_full = min(num_computed_tokens // bs, len(block_table))
+        fmt = self._key_format
         for i in range(len(block_keys), num_full):
-            key = chain_key(block_keys[-1] if block_keys else None, token_ids[i * bs : (i + 1) * bs])
+            key = chain_key(block_keys[-1] if block_keys else None, token_ids[i * bs : (i + 1) * bs], fmt)
             block_keys.append(key)
             b = block_table[i]
             if self._block_key[b] is None and key not in self._key_to_block:
