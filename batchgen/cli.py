@@ -166,7 +166,7 @@ def export(out_dir: Annotated[Path, typer.Argument(help="A job's output director
            errors: Annotated[Optional[Path], typer.Option(
                help="openai: write rejected rows' error lines here (default: into --to).")] = None) -> None:
     """Write a job's committed output as one file, rows in source order."""
-    from batchgen.job.export import export as export_output
+    from batchgen.output.export import export as export_output
 
     result = export_output(out_dir, format_, to, errors)
     for note in result.notes:

@@ -20,7 +20,7 @@ class ListMirror:
         self._src: list[int] | None = None  # the list mirrored
         self._buf = np.empty(0, dtype)
         self._len = 0  # entries of _src copied into _buf
-        self._view: np.ndarray | None = None  # the latest view without a placeholder
+        self._view: np.ndarray | None = None  # the latest view handed out
 
     def view(self, src: list[int]) -> np.ndarray:
         n = len(src)

@@ -15,7 +15,7 @@ from batchgen.sample.penalty import PenaltyTable
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling inputs on the logits' device. S = rows, P = longest penalty context."""
+    """Per-row sampling inputs on the logits' device. S = rows, V = vocabulary."""
 
     temperature: torch.Tensor  # [S] float32, 0 for greedy rows
     top_k: torch.Tensor  # [S] int64, vocab size when off
