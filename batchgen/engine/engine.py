@@ -184,7 +184,7 @@ class Engine:
                 "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "schedule_cpu_s": round(self.schedule_s, 3),
-                "prepare_cpu_s": round(self.runner.prepare_s, 3)}
+                "prepare_cpu_s": round(self.runner.prepare_s, 3), "gpu_busy_s": round(self.runner.gpu_busy_s, 3)}
 
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""

@@ -40,6 +40,9 @@ class InFlight:
     tokens_gpu: torch.Tensor  # [S] int64, also the carry-over source of the next step
     tokens_host: torch.Tensor  # [S] int64, pinned on CUDA
     done: torch.cuda.Event | None  # recorded after the copy back; None on CPU (already there)
+    # timing events on the compute stream around the step's device work (after the host prepared it), so
+    # gaps between steps, where the device waits for the host, are not counted as busy; None on CPU
+    busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class ModelRunner:
@@ -53,6 +56,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
+        self.gpu_busy_s = 0.0  # device time of collected steps, from their first kernel to their last (CUDA)
         self.use_triton = device.type == "cuda" and _triton_available()
         self.penalties = PenaltyTable(max_num_seqs, self.vocab_size, device)  # rows: the scheduler's slots
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
@@ -134,6 +138,10 @@ class ModelRunner:
         carry_d = rest
         sampling = self._sampling(batch)
         self.prepare_s += time.perf_counter() - t0
+        busy = None
+        if self.compute_stream is not None:
+            busy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            busy[0].record()
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
             ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
         if graphed:
@@ -159,9 +167,11 @@ class ModelRunner:
         if sampling is not None and sampling.penalty is not None:  # the next step's penalty sees these tokens
             self.penalties.record(sampling.penalty_slot, tokens)
         self.staging.end_step()
-        return self._start_copy_back(tokens)
+        if busy is not None:
+            busy[1].record()
+        return self._start_copy_back(tokens, busy)
 
-    def _start_copy_back(self, tokens: torch.Tensor) -> InFlight:
+    def _start_copy_back(self, tokens: torch.Tensor, busy=None) -> InFlight:
         """Copy the sampled ids into a pinned host slot on the D2H stream; only that copy is ever waited on.
         Hazard: slots alternate, so at most two dispatched steps may be uncollected at any time (the engine
         keeps one in flight)."""
@@ -179,12 +189,14 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         tokens.record_stream(self._d2h_stream)  # keep its memory alive until the copy is done
-        return InFlight(tokens, host, done)
+        return InFlight(tokens, host, done, busy)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Block until the step's tokens are on the host (the only wait on the device)."""
         if step.done is not None:
             step.done.synchronize()
+        if step.busy is not None:  # both events are complete: the copy back came after them
+            self.gpu_busy_s += step.busy[0].elapsed_time(step.busy[1]) / 1e3
         return StepOutput(token_ids=step.tokens_host.tolist())
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
