@@ -82,6 +82,14 @@ def test_paged_decode_kernel_bf16_on_gpu(seq_lens):
 
 
 @pytest.mark.gpu
+def test_paged_decode_kernel_default_launch_for_many_sequences_bf16_on_gpu():
+    """160 sequences x 8 KV heads: one split with the short-tile launch (block_n 32, 2 warps)."""
+    seq_lens = [7, 200, 1, 0, 33, 161, 16, 1030] * 20
+    _check("cuda", torch.bfloat16, 2e-2, num_splits=None, block_n=None, num_seqs=len(seq_lens), num_heads=32,
+           num_kv_heads=8, head_dim=128, block_size=16, seq_lens=seq_lens)
+
+
+@pytest.mark.gpu
 def test_paged_decode_kernel_writes_every_output_element():
     from batchgen.kernels.paged_decode import paged_decode_attention
 
@@ -138,7 +146,8 @@ def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq_lens", [[1, 5, 300, 4096, 8448, 17, 0, 2048], [769] * 32])
+@pytest.mark.parametrize("seq_lens", [[1, 5, 300, 4096, 8448, 17, 0, 2048], [769] * 32,
+                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 20])  # the last: the many-sequence launch
 def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
 

@@ -202,9 +202,15 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads)
-    # H200, 32 seqs x 768 context, Llama-8B heads: 1 split at block_n 128 / 4 warps, 2 splits at 64 / 2 warps
-    block_n = block_n or (128 if num_splits == 1 else 64)
-    num_warps = num_warps or (4 if num_splits == 1 else 2)
+    # H200, Llama-8B heads (bench/profile_decode.py sweeps): 32 seqs x 768 context (256 programs): 1 split at
+    # block_n 128 / 4 warps, 2 splits at 64 / 2 warps; 256 seqs (2,048 programs) at 160 / 1,024 context: one
+    # split at block_n 32 / 2 warps / 2 stages, 46 / 252 µs against 58 / 258 at 128 / 4 (many small programs
+    # per SM hide the latency that long tiles hid when programs were few).
+    many = num_splits == 1 and num_seqs * num_kv_heads >= 1024
+    block_n = block_n or (32 if many else 128 if num_splits == 1 else 64)
+    num_warps = num_warps or (2 if num_splits == 1 and many else 4 if num_splits == 1 else 2)
+    if num_stages is None and many:
+        num_stages = 2
     group = num_heads // num_kv_heads
     group_p = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))

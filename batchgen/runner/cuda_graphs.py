@@ -6,11 +6,14 @@ Static inputs live here; `replay` copies a step's values into them. Captured reg
 forward (`models/registry.py` chose it: a fused decoder, or transformers' modules with Triton decode attention)
 and the greedy argmax (Triton, `kernels/argmax.py`); other sampling runs after, eagerly, on the graph's logits.
 
-The graphs are captured with cuBLASLt as torch's BLAS back end (`blas_library`): a graph records the GEMM
-kernels chosen at capture, and at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj
-weights at 4.4 TB/s where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), down_proj at 3.8 vs 3.5, and
-is equal elsewhere (bench/profile_decode.py, bench/RESULTS.md). The choice is process-global in torch, so it is
-set only around the capture and restored after; eager steps keep torch's default.
+A graph records the GEMM kernels torch's BLAS back end chose at capture, and the better back end depends on
+the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
+where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), while at M = 256 cuBLAS runs gate_up in 91 µs
+against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_decode.py, bench/RESULTS.md). So
+`blas_library="auto"` times the decoder's own GEMMs (layer 0 and the LM head, `DecodeForward.gemm_weights`)
+under both back ends at each bucket's M before capturing it, and captures with the faster. The choice is
+process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
+default.
 """
 
 from __future__ import annotations
@@ -31,6 +34,35 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+BLAS_LIBRARIES = ("cublaslt", "cublas")
+
+
+def fastest_blas(weights: list[torch.Tensor], num_rows: int, margin: float = 0.03) -> str:
+    """The BLAS back end under which one pass of `x @ w.T` over every weight [N, K] at `num_rows` rows runs
+    fastest, timed as CUDA-graph replays (no launch gaps); cuBLASLt unless cuBLAS wins by more than `margin`."""
+    dev = weights[0].device
+    inputs = {w.shape[1]: torch.randn(num_rows, w.shape[1], device=dev, dtype=w.dtype) for w in weights}
+    times = {}
+    for library in BLAS_LIBRARIES:
+        with preferred_blas(library):
+            for w in weights:  # warm-up outside capture: handles, workspaces, heuristics
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for w in weights:
+                    torch.nn.functional.linear(inputs[w.shape[1]], w)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times[library] = start.elapsed_time(end)
+        del graph
+    return "cublas" if times["cublas"] < (1 - margin) * times["cublaslt"] else "cublaslt"
+
+
 @contextlib.contextmanager
 def preferred_blas(library: str | None):
     """torch's BLAS back end set to `library` ('cublas' or 'cublaslt') inside the block; None: unchanged."""
@@ -47,7 +79,7 @@ def preferred_blas(library: str | None):
 
 class DecodeGraphs:
     def __init__(self, decode_forward: DecodeForward, model: torch.nn.Module, kv_cache: KVCache, max_batch: int,
-                 max_model_len: int, compile: bool = False, blas_library: str | None = "cublaslt") -> None:
+                 max_model_len: int, compile: bool = False, blas_library: str | None = "auto") -> None:
         self.decode_forward = decode_forward
         self.model = model  # routed to our attention during capture (transformers' modules read its config)
         self.blas_library = blas_library
@@ -65,6 +97,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # [B, V] graph-owned output per bucket
         self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
+        self.bucket_blas: dict[int, str | None] = {}  # the BLAS back end each bucket was captured with
         self.pool = None
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -89,13 +122,18 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), paged_attention_enabled(self.model), preferred_blas(self.blas_library):
+        weights = self.decode_forward.gemm_weights() if self.blas_library == "auto" else []
+        with torch.cuda.stream(stream), paged_attention_enabled(self.model):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
-                greedy(forward(b))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self._logits[b] = forward(b)
-                    self._greedy[b] = greedy(self._logits[b])
+                library = fastest_blas(weights, b) if weights else \
+                    (None if self.blas_library == "auto" else self.blas_library)
+                self.bucket_blas[b] = library
+                with preferred_blas(library):
+                    greedy(forward(b))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self._logits[b] = forward(b)
+                        self._greedy[b] = greedy(self._logits[b])
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

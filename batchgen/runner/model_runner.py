@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
                  compile: bool = False, fused_decoder: bool = True,
-                 blas_library: str | None = "cublaslt", *, max_num_seqs: int) -> None:
+                 blas_library: str | None = "auto", *, max_num_seqs: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
