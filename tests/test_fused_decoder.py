@@ -26,7 +26,7 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
     assert attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
     assert attn.v_proj.bias.data_ptr() + attn.v_proj.bias.numel() * 4 == \
         fused.qkv_bias.data_ptr() + fused.qkv_bias.numel() * 4
-    assert mlp.up_proj.weight.data_ptr() == fused.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
+    assert mlp.up_proj.weight.data_ptr() == fused.mlp.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
     torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
     again = LlamaDecoder(model, _cache(model), use_triton=False)  # a second engine on the same model
     assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
