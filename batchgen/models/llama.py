@@ -65,9 +65,15 @@ def rope_reason(model: torch.nn.Module) -> str | None:
     rope_type = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"rope type {rope_type!r} (depends on the sequence length)"
+    return partial_rotary_reason(model)
+
+
+def partial_rotary_reason(model: torch.nn.Module) -> str | None:
+    """Why the rotary does not cover the whole head (the rotary kernels rotate all D dims), or None."""
+    inv_freq = getattr(model.model.rotary_emb, "inv_freq", None)  # [D / 2] when it covers the head
     head_dim = KVGeometry.from_config(model.config).head_dim
-    if getattr(rotary, "inv_freq", None) is not None and 2 * rotary.inv_freq.numel() != head_dim:
-        return f"partial rotary ({2 * rotary.inv_freq.numel()} of {head_dim} head dims)"
+    if inv_freq is not None and 2 * inv_freq.numel() != head_dim:
+        return f"partial rotary ({2 * inv_freq.numel()} of {head_dim} head dims)"
     return None
 
 
