@@ -42,23 +42,31 @@ def make_tokenizer():
     return fast
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # the families with batchgen's fused forwards
+# the families with batchgen's fused forwards
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "starcoder2")
+# config values that make each family's quirks visible in greedy outputs (multipliers far from 1)
+ARCH_OVERRIDES = {
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=2.5),
+}
 
 
 def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_layers: int = 2, **overrides):
     """A tiny random fp32 decoder of the given architecture."""
-    from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    import transformers as T
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-               "gemma": (GemmaConfig, GemmaForCausalLM)}
+    classes = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM),
+               "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+               "gemma": (T.GemmaConfig, T.GemmaForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
+               "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM), "granite": (T.GraniteConfig, T.GraniteForCausalLM),
+               "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     if arch in ("qwen3", "gemma"):
         kwargs["head_dim"] = 16
+    kwargs.update(ARCH_OVERRIDES.get(arch, {}))
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
@@ -69,6 +77,12 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.3)
+        if arch in ("phi3", "olmo2", "granite", "starcoder2"):  # norms not at 1, biases not at 0: quirks matter
+            for name, p in model.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("bias"):  # Starcoder2's q/k/v/o, MLP and LayerNorm biases
+                    p.normal_(0.0, 0.1)
     return model
 
 

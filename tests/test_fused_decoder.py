@@ -1,4 +1,5 @@
-"""The fused decode forward (Llama family) on CPU: same weights as transformers, no copy, exact greedy."""
+"""The fused decode and packed forwards (every family in ARCHS) on CPU: same weights as transformers, no copy,
+the same logits, exact greedy; and the reason stated wherever a model falls back to transformers' modules."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
+from batchgen.attention.backend import AttentionMetadata
 from batchgen.models.llama import LlamaDecoder
-from batchgen.models.registry import unsupported_reason
+from batchgen.models.registry import DECODERS, unsupported_reason
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from conftest import ARCHS, hf_greedy, make_model, random_prompts
 
@@ -26,19 +28,22 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
     assert attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
     assert attn.v_proj.bias.data_ptr() + attn.v_proj.bias.numel() * 4 == \
         fused.qkv_bias.data_ptr() + fused.qkv_bias.numel() * 4
-    assert mlp.up_proj.weight.data_ptr() == fused.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
+    assert mlp.up_proj.weight.data_ptr() == fused.mlp.gate_up_weight.data_ptr() + mlp.gate_proj.weight.numel() * 4
     torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
     again = LlamaDecoder(model, _cache(model), use_triton=False)  # a second engine on the same model
     assert again.layers[0].qkv_weight.data_ptr() == fused.qkv_weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ARCHS)  # qwen3: per-head q/k norms; gemma: (1 + w) norms, GELU-tanh gate
+# qwen3: per-head q/k norms; gemma: (1 + w) norms, GELU-tanh gate; phi3: fused checkpoint weights; olmo2: post-norms,
+# whole-q/k norms; granite: multipliers; starcoder2: LayerNorm with bias, biases, plain GELU MLP
+@pytest.mark.parametrize("arch", ARCHS)
 def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
     model = make_model(arch)
     prompts = random_prompts((5, 17, 33, 8))
     expected = [hf_greedy(model, p, 12) for p in prompts]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
     assert engine.runner.decode_forward.is_fused and engine.runner.decode_forward.name == "fused"
+    assert engine.decode_path == "fused"
     fused, calls = engine.runner.decode_forward, []
     decode, packed = fused.forward, fused.forward_packed
     fused.forward = lambda *a: calls.append("decode") or decode(*a)
@@ -48,21 +53,86 @@ def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_trans
     assert calls.count("decode") >= 11 and calls.count("packed") >= 1  # every step went through it
 
 
-def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
-    from test_engine_exact import _more_archs
+def _phi3_longrope(**overrides):
+    """A Phi-3 with LongRoPE: short/long factors far from 1, a 4x context extension (attention scaling != 1)."""
+    g = torch.Generator().manual_seed(5)
+    half = 8  # head_dim 16 / 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+                short_factor=(1.0 + 3.0 * torch.rand(half, generator=g)).tolist(),
+                long_factor=(4.0 + 8.0 * torch.rand(half, generator=g)).tolist())
+    # Phi3Config writes its own original_max_position_embeddings field into rope_parameters: set both
+    return make_model("phi3", max_position_embeddings=1024, original_max_position_embeddings=256,
+                      rope_parameters=rope, **overrides)
 
-    config_cls, model_cls, extra = _more_archs()["phi3"]
-    phi3 = model_cls(config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2,
-                                pad_token_id=0, **extra))
-    assert unsupported_reason(phi3, 1024).startswith("model type 'phi3'")
+
+def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_not():
+    assert unsupported_reason(make_model("phi3"), 1024) is None
     assert unsupported_reason(make_model("gemma", hidden_act="gelu_pytorch_tanh"), 1024) is None
     assert unsupported_reason(make_model("gemma", hidden_act="relu"), 1024) == "activation 'relu'"
-    windowed = make_model("mistral", sliding_window=16)
-    assert "sliding window 16" in unsupported_reason(windowed, 1024)
-    assert unsupported_reason(windowed, 16) is None
+    for arch in ("mistral", "starcoder2"):  # a window shorter than the context: the fused layers attend to all
+        windowed = make_model(arch, sliding_window=16)
+        assert "sliding window 16 < max_model_len 1024" in unsupported_reason(windowed, 1024)
+        assert unsupported_reason(windowed, 16) is None
+    longrope = _phi3_longrope()
+    assert unsupported_reason(longrope, 256) is None  # inside the original context: the short factors, static
+    assert unsupported_reason(longrope, 257) == ("rope type 'longrope' with max_model_len 257 > "
+                                                 "original_max_position_embeddings 256 (its frequencies switch "
+                                                 "with the sequence length)")
+    partial = make_model("phi3", rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                      partial_rotary_factor=0.5))
+    assert unsupported_reason(partial, 1024) == "partial rotary (8 of 16 head dims)"
+    assert unsupported_reason(make_model("starcoder2", hidden_act="relu"), 1024) == "activation 'relu'"
+    assert unsupported_reason(make_model("granite", mlp_bias=True), 1024) == "MLP biases"
     engine = Engine(make_model("llama"), None, EngineConfig(num_kv_blocks=8, fused_decoder=False))
-    assert engine.runner.decode_forward.name == "transformers (off)"
+    assert engine.runner.decode_forward.name == "transformers (off)" and engine.decode_path == "transformers"
+
+
+def test_an_unsupported_config_decodes_through_transformers_and_the_engine_says_why():
+    model = _phi3_longrope()  # max_model_len defaults to max_position_embeddings 1024 > 256
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=16, block_size=16))
+    assert engine.decode_path == "transformers"
+    assert engine.runner.decode_forward.name.startswith("transformers (rope type 'longrope' with max_model_len 1024")
+    fused = Engine(make_model("olmo2"), None, EngineConfig(num_kv_blocks=8))
+    assert fused.decode_path == "fused"
+    fused.close()
+    assert fused.decode_path == "fused"  # still readable after close
+
+
+def test_phi3_longrope_within_its_original_context_runs_fused_and_matches_transformers_generate():
+    model = _phi3_longrope()
+    assert model.model.rotary_emb.attention_scaling > 1.0
+    prompts = random_prompts((5, 40, 17))
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=32, block_size=16, max_model_len=256))
+    assert engine.decode_path == "fused" and engine.runner.decode_forward.cos_table.shape == (256, 16)
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected
+
+
+def test_phi3_reads_its_checkpoint_fused_qkv_and_gate_up_weights_without_copies():
+    model = make_model("phi3")
+    decoder = DECODERS["phi3"][1](model, _cache(model), use_triton=False)
+    layer, fused = model.model.layers[0], decoder.layers[0]
+    assert fused.qkv_weight.data_ptr() == layer.self_attn.qkv_proj.weight.data_ptr()
+    assert fused.mlp.gate_up_weight.data_ptr() == layer.mlp.gate_up_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forward_logits_equal_transformers_forward_logits(arch):
+    """Sharper than greedy tokens: quirks that rarely flip an argmax (Granite's logits_scaling never does, a
+    LayerNorm bias seldom) still show in the logits. fp32 on CPU: the same ops in the same order."""
+    model = make_model(arch)
+    ids = random_prompts((20,))[0]
+    expected = model(torch.tensor([ids])).logits[0]  # [T, V]
+    cache = _cache(model)
+    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    n = len(ids)
+    meta = AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.arange(2, dtype=torch.int32)[None])
+    got = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_fused_decoder_that_fails_on_the_device_falls_back_to_transformers_and_says_why(monkeypatch):
@@ -85,10 +155,12 @@ FUSED_STEP_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from conftest import make_model
-from batchgen.models.llama import LlamaDecoder
-from batchgen.models.gemma import GemmaDecoder
+from batchgen.models.registry import DECODERS
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-for arch in ("llama", "qwen3", "gemma"):  # llama: rotary in the attention kernel; qwen3: rope_kv (q/k norm) first
+# llama: rotary in the attention kernel; qwen3: rope_kv (q/k norm) first; gemma: (1 + w) norms, GELU-tanh gate;
+# phi3: checkpoint-fused weights; olmo2: whole-q/k norms in place, fp32 rotary; granite: multipliers;
+# starcoder2: LayerNorm, biases, plain GELU MLP
+for arch in sys.argv[1:]:
     model = make_model(arch)
     caches = [KVCache(KVGeometry.from_config(model.config), 8, 16, torch.float32, torch.device("cpu")) for _ in "ab"]
     g = torch.Generator().manual_seed(0)
@@ -101,7 +173,7 @@ for arch in ("llama", "qwen3", "gemma"):  # llama: rotary in the attention kerne
     pos = (seq_lens.long() - 1).clamp(min=0)
     slots = torch.where(seq_lens > 0, tables.long()[torch.arange(4), pos // 16] * 16 + pos % 16, caches[0].trash_slot)
     ids = torch.randint(3, model.config.vocab_size, (4,), generator=g)
-    decoder_cls = GemmaDecoder if arch == "gemma" else LlamaDecoder
+    decoder_cls = DECODERS[arch][1]
     logits = [decoder_cls(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
     torch.testing.assert_close(logits[0][:3], logits[1][:3], atol=1e-4, rtol=1e-4)
     real = slice(0, 8)  # the reference also writes the padding row's K/V into the trash block
@@ -141,6 +213,7 @@ def test_fused_decode_and_packed_steps_with_triton_kernels_match_the_reference_p
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", FUSED_STEP_INTERPRET_SCRIPT], env=env, capture_output=True,
+    archs = ["llama", "qwen3", "gemma", "phi3", "olmo2", "granite", "starcoder2"]
+    result = subprocess.run([sys.executable, "-c", FUSED_STEP_INTERPRET_SCRIPT, *archs], env=env, capture_output=True,
                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -130,7 +130,8 @@ def test_validate_reports_source_prompts_and_token_lengths(tmp_path, tiny_model_
 def test_same_seed_gives_same_completions_across_runs_and_engine_knobs(tmp_path, tiny_model_dir):
     source = _make_source(tmp_path, "jsonl", seed_rows(10))
     job = write_job(tmp_path, tiny_model_dir, source, sampling={"temperature": 1.0, "n": 2})
-    assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0 and "decode forward fused;" in result.output  # the start-up line names the path
     assert runner.invoke(app, ["run", str(job), "--no-progress", "-o", str(tmp_path / "other"),
                                "--set", "engine.max_num_seqs=3"]).exit_code == 0
     # the fused decode forward off: transformers' modules decode, the start-up line says so, same output
@@ -143,6 +144,20 @@ def test_same_seed_gives_same_completions_across_runs_and_engine_knobs(tmp_path,
         b = sorted(read_rows(tmp_path / other), key=key)
         assert [r["completion"] for r in a] == [r["completion"] for r in b]
     assert len({r["seed"] for r in a}) == 20
+
+
+def test_run_start_up_line_names_the_transformers_path_and_why_for_a_model_the_fused_forward_cannot_run(tmp_path):
+    from conftest import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model("starcoder2", vocab_size=len(tok), max_position_embeddings=256, sliding_window=16)
+    model.save_pretrained(tmp_path / "windowed")
+    tok.save_pretrained(tmp_path / "windowed")
+    job = write_job(tmp_path, str(tmp_path / "windowed"), _make_source(tmp_path, "jsonl", seed_rows(2)),
+                    sampling={"max_new_tokens": 4})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "decode forward transformers (sliding window 16 < max_model_len 256);" in result.output
 
 
 def test_local_data_files_through_datasets(tmp_path, tiny_model_dir):

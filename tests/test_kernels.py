@@ -152,7 +152,7 @@ def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
 
 
-# ---- fused decode-step kernels: rmsnorm (+ residual), rotary + K/V write, gated activation (SiLU, GELU-tanh) ----------
+# ---- fused decode-step kernels: rmsnorm (+ residual; Gemma, OLMo2 roundings), rotary + K/V write, gated activation ---
 
 def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, head_dim=32, inter=80, atol=1e-5):
     from batchgen.kernels.rmsnorm import rmsnorm
@@ -173,6 +173,12 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
         torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
         if residual is not None:
             torch.testing.assert_close(r_kernel, r_ref, atol=0, rtol=0)
+    # OLMo2: weight in fp32, rounded once; in place over a strided column slice (the q part of a QKV output)
+    wide = rand(num_tokens, hidden + 7)
+    ref = rmsnorm(wide[:, 3:3 + hidden], w, 1e-6, use_triton=False, weight_fp32=True)
+    view = wide[:, 3:3 + hidden]
+    rmsnorm(view, w, 1e-6, use_triton=True, weight_fp32=True, out=view)
+    torch.testing.assert_close(view, ref, atol=atol, rtol=atol)
 
     qkv = rand(num_tokens, (heads + 2 * kv_heads) * head_dim)
     angle = torch.rand(num_tokens, head_dim // 2, generator=g) * 6.0
@@ -190,6 +196,15 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
         torch.testing.assert_close(q, q_ref, atol=atol, rtol=atol)
         torch.testing.assert_close(caches[0][0], caches[1][0], atol=atol, rtol=atol)
         torch.testing.assert_close(caches[0][1], caches[1][1], atol=0, rtol=0)
+    # OLMo2: fp32 rotary tables, the rotation in fp32 rounded once
+    caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"]
+              for _ in range(2)]
+    cos32, sin32 = cos.float(), sin.float()
+    q = rope_kv(qkv, cos32, sin32, slots, *caches[0], heads, kv_heads, use_triton=True, rotate_fp32=True)
+    q_ref = rope_kv(qkv, cos32, sin32, slots, *caches[1], heads, kv_heads, use_triton=False, rotate_fp32=True)
+    assert q.dtype == q_ref.dtype == dtype
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=atol)
+    torch.testing.assert_close(caches[0][0], caches[1][0], atol=atol, rtol=atol)
 
     gate_up = rand(num_tokens, 2 * inter) * 3
     for activation in ("silu", "gelu_tanh"):

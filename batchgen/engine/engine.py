@@ -91,6 +91,7 @@ class Engine:
         except BaseException:
             self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
             raise
+        self._decode_path = "fused" if self.runner.decode_forward.is_fused else "transformers"
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
         self.num_steps = 0
@@ -167,6 +168,13 @@ class Engine:
         self._pending[request_id] = (PromptResult(request_id, prompt_ids), params, params.n)
         self.scheduler.add(reqs[0])
         return request_id
+
+    @property
+    def decode_path(self) -> str:
+        """"fused" when batchgen's fused forward runs the model's steps, "transformers" when transformers' modules
+        do (with our attention); `runner.decode_forward.name` adds the reason of a fallback. Fixed at start-up
+        (and still readable after close(), which drops the runner's forward)."""
+        return self._decode_path
 
     @property
     def has_unfinished(self) -> bool:

@@ -7,7 +7,8 @@ each token's slot. One program per (token, head); no intermediate K/V tensors.
 Optionally each q and k head is RMS-normalised first (Qwen3's q_norm / k_norm, over the head dim).
 Rotation as transformers' `apply_rotary_pos_emb` (rotate-half layout, cos/sin [T, D] in the activation dtype):
 x * cos + rotate_half(x) * sin, with each product and the sum rounded to the activation dtype, as the
-eager model rounds them.
+eager model rounds them; with `rotate_fp32` (OLMo2, whose rotary tables stay fp32) the rotation is taken in
+fp32 and rounded once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if triton is not None:
                         qk_norm_ptr, norm_eps,
                         stride_qkv, stride_cs,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr, ROTATE_FP32: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half = HEAD_DIM // 2
@@ -63,8 +64,12 @@ if triton is not None:
             c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
             s2 = tl.load(sin_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
-            o1 = rotate_rounded(x1, x2, c1, s1, -1.0)
-            o2 = rotate_rounded(x2, x1, c2, s2, 1.0)
+            if ROTATE_FP32:  # the compiler may contract a product and the sum into an FMA: at most 1 fp32 ulp
+                o1 = (x1.to(tl.float32) * c1 - x2.to(tl.float32) * s1).to(dtype)
+                o2 = (x2.to(tl.float32) * c2 + x1.to(tl.float32) * s2).to(dtype)
+            else:
+                o1 = rotate_rounded(x1, x2, c1, s1, -1.0)
+                o2 = rotate_rounded(x2, x1, c2, s2, 1.0)
             if h < NUM_HEADS:
                 dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
                 tl.store(dst + i, o1, mask=m)
@@ -79,14 +84,16 @@ if triton is not None:
             tl.store(dst + half + i, x2.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_fp32: bool = False) -> torch.Tensor:
+    if rotate_fp32:
+        return _rotate(x.float(), cos.float(), sin.float()).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
 def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                qk_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False) -> torch.Tensor:
     """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]; qk_norm: optional
     per-head RMSNorm (weights [2, D]: the q row, then the k row; eps) before the rotation. Returns q [T, H, D]."""
     from batchgen.kernels.rmsnorm import rmsnorm_ref
@@ -98,16 +105,18 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
     if qk_norm is not None:
         weights, eps = qk_norm
         q, k = rmsnorm_ref(q, weights[0], eps), rmsnorm_ref(k, weights[1], eps)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = _rotate(q, cos, sin, rotate_fp32), _rotate(k, cos, sin, rotate_fp32)
     write_kv(k_cache, v_cache, k, v.reshape(num_tokens, num_kv_heads, head_dim), slot_mapping)
     return q
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-            qk_norm: tuple[torch.Tensor, float] | None = None, use_triton: bool = True) -> torch.Tensor:
+            qk_norm: tuple[torch.Tensor, float] | None = None, use_triton: bool = True,
+            rotate_fp32: bool = False) -> torch.Tensor:
     if not use_triton:
-        return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, qk_norm)
+        return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, qk_norm,
+                           rotate_fp32)
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous()
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
@@ -117,5 +126,6 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mappin
         qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
         *(qk_norm if qk_norm is not None else (qkv, 0.0)), qkv.stride(0), cos.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_P=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None, num_warps=1)
+        HALF_P=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None,
+        ROTATE_FP32=rotate_fp32, num_warps=1)
     return q

@@ -14,7 +14,7 @@ from batchgen.attention.backend import AttentionMetadata
 
 
 class DecodeForward:
-    name: str = "?"  # what the start-up line prints: "fused (llama)", "transformers (<why not fused>)"
+    name: str = "?"  # what the start-up line prints: "fused", or "transformers (<why not fused>)"
     is_fused: bool = False
     has_packed: bool = False  # implements forward_packed; otherwise prefill steps run transformers' modules
 

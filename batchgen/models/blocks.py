@@ -18,7 +18,10 @@ from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
 from batchgen.kernels.gated_act import gated_act
 
-__all__ = ["StepInputs", "add_rmsnorm", "gated_mlp", "self_attention"]
+__all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
+
+NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
+PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 @dataclass
@@ -30,18 +33,40 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [B] int64: each row's cache slot (decode padding rows: the trash slot)
     block_tables: torch.Tensor  # [S, W] int32
     seq_lens: torch.Tensor  # [S] int32, the step's tokens included (0 marks a decode padding row)
-    cos: torch.Tensor  # [B, D] rotary cos at each position, in the activation dtype
+    cos: torch.Tensor  # [B, D] rotary cos at each position, in the activation dtype (OLMo2: fp32)
     sin: torch.Tensor  # [B, D]
     use_triton: bool
     max_seq_len: int | None  # host-known bound on seq_lens (the CPU reference uses it); None: read it
     packed: AttentionMetadata | None = None  # a packed step's attention metadata; None: a decode step
 
 
-def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                use_triton: bool, unit_offset: bool = False) -> torch.Tensor:
-    """RMSNorm(x + residual) with `residual` updated in place to x + residual (or RMSNorm(x) without one).
-    `unit_offset`: Gemma's norm, whose weight is an offset from 1."""
-    return rmsnorm(x, weight, eps, residual=residual, use_triton=use_triton, unit_offset=unit_offset)
+@dataclass
+class Norm:
+    """One norm module's parameters and its rounding. kind: "rms" (Llama: the normalised row rounded, then the
+    weight), "rms_unit_offset" (Gemma: (1 + w) in fp32, rounded once), "rms_fp32_weight" (OLMo2: w in fp32,
+    rounded once), "layer" (LayerNorm with weight and bias: torch's own kernel, so GPU and CPU round as the
+    eager module does)."""
+
+    weight: torch.Tensor  # [N]
+    eps: float
+    kind: str = "rms"
+    bias: torch.Tensor | None = None  # [N], "layer" only
+
+    def __post_init__(self) -> None:
+        assert self.kind in NORM_KINDS and (self.bias is None or self.kind == "layer")
+
+
+def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
+    x: [B, N] -> [B, N]; `out` (RMS kinds, no residual): where the result goes, may be x itself."""
+    if norm.kind == "layer":
+        assert out is None
+        if residual is not None:
+            x = residual.add_(x)  # rounded like the eager `residual + hidden_states`
+        return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, norm.eps)
+    return rmsnorm(x, norm.weight, norm.eps, residual=residual, use_triton=use_triton,
+                   unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out)
 
 
 def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
@@ -49,28 +74,63 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
                    qk_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
-    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]), which keeps the
-    rotary in its own kernel; otherwise on CUDA a decode step's rotary and cache write run inside the attention
-    kernel. A packed step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its
-    decode rows)."""
+    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D])."""
     qkv = F.linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
+    attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm)
+    return F.linear(attn, o_weight, o_bias)
+
+
+def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
+               num_heads: int, num_kv_heads: int, scale: float,
+               qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False) -> torch.Tensor:
+    """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
+    [B, H D]. `qk_norm` and `rotate_fp32` (the rotation in fp32, rounded once: OLMo2) keep the rotary in its own
+    kernel; otherwise on CUDA a decode step's rotary and cache write run inside the attention kernel. A packed
+    step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its decode rows)."""
     if step.packed is not None:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
-                    qk_norm=qk_norm, use_triton=step.use_triton)  # [B, H, D]
+                    qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale)
-    elif step.use_triton and qk_norm is None:
+    elif step.use_triton and qk_norm is None and not rotate_fp32:
         attn = backend.decode_rope(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, step.block_tables,
                                    step.seq_lens, scale, num_heads)  # [B, H, D]
     else:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
-                    qk_norm=qk_norm, use_triton=step.use_triton)  # [B, H, D]
+                    qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale, step.use_triton,
                               step.max_seq_len)  # [B, H, D]
-    return F.linear(attn.reshape(h.shape[0], -1), o_weight, o_bias)
+    return attn.reshape(qkv.shape[0], -1)
 
 
-def gated_mlp(h: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-              use_triton: bool, activation: str = "silu") -> torch.Tensor:
-    """down(act(gate(h)) * up(h)) with gate and up as one GEMM ([2 I, E]); act: "silu" or "gelu_tanh".
-    h: [B, E] -> [B, E]."""
-    return F.linear(gated_act(F.linear(h, gate_up_weight), activation, use_triton=use_triton), down_weight)
+@dataclass
+class GatedMLP:
+    """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh"."""
+
+    gate_up_weight: torch.Tensor  # [2 I, E], the gate rows then the up rows
+    down_weight: torch.Tensor  # [E, I]
+    activation: str = "silu"
+
+    def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
+        """h: [B, E] -> [B, E]."""
+        gated = gated_act(F.linear(h, self.gate_up_weight), self.activation, use_triton=use_triton)  # [B, I]
+        return F.linear(gated, self.down_weight)
+
+
+@dataclass
+class PlainMLP:
+    """proj(act(fc(h))), the non-gated MLP with biases (Starcoder2's c_fc/c_proj), in torch's own ops: those of
+    the eager module, so every device rounds as it does (the two GEMMs dominate). act: "gelu_tanh" or "gelu"."""
+
+    fc_weight: torch.Tensor  # [I, E]
+    fc_bias: torch.Tensor | None  # [I]
+    proj_weight: torch.Tensor  # [E, I]
+    proj_bias: torch.Tensor | None  # [E]
+    activation: str = "gelu_tanh"
+
+    def __post_init__(self) -> None:
+        assert self.activation in PLAIN_ACTIVATIONS
+
+    def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
+        """h: [B, E] -> [B, E]."""
+        act = PLAIN_ACTIVATIONS[self.activation](F.linear(h, self.fc_weight, self.fc_bias))  # [B, I]
+        return F.linear(act, self.proj_weight, self.proj_bias)

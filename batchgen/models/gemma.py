@@ -31,5 +31,5 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class GemmaDecoder(LlamaDecoder):
-    norm_unit_offset = True
+    norm_kind = "rms_unit_offset"
     activation = "gelu_tanh"

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.models.base import DecodeForward
-from batchgen.attention.backend import AttentionMetadata
-from batchgen.models.blocks import StepInputs, add_rmsnorm, gated_mlp, self_attention
+from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
 from batchgen.models.weights import fuse_linears
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -40,6 +40,12 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
     """Why a model with the Llama layer layout (pre-norm layers of q/k/v/o attention and a gated MLP) cannot
     run the fused layers, whatever its norm and activation: module layout, MLP biases, rope type, windows."""
+    return module_reason(model) or rope_reason(model) or window_reason(model, max_model_len)
+
+
+def module_reason(model: torch.nn.Module) -> str | None:
+    """Why the model's modules are not the pre-norm layout the fused layers read (model.layers, lm_head, an
+    input_layernorm with an eps, no MLP biases), or None."""
     cfg = model.config.get_text_config()
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
@@ -49,9 +55,31 @@ def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
     norm = getattr(inner.layers[0], "input_layernorm", None) if len(inner.layers) else None
     if norm is None or not (hasattr(norm, "variance_epsilon") or hasattr(norm, "eps")):
         return "layers without an RMSNorm input_layernorm (variance_epsilon or eps)"
-    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    return None
+
+
+def rope_reason(model: torch.nn.Module) -> str | None:
+    """Why the rotary embedding is not a static table of positions (the fused layers index it per token): a
+    rope that depends on the sequence length, or one over part of the head only."""
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"rope type {rope_type!r} (depends on the sequence length)"
+    return partial_rotary_reason(model)
+
+
+def partial_rotary_reason(model: torch.nn.Module) -> str | None:
+    """Why the rotary does not cover the whole head (the rotary kernels rotate all D dims), or None."""
+    inv_freq = getattr(model.model.rotary_emb, "inv_freq", None)  # [D / 2] when it covers the head
+    head_dim = KVGeometry.from_config(model.config).head_dim
+    if inv_freq is not None and 2 * inv_freq.numel() != head_dim:
+        return f"partial rotary ({2 * inv_freq.numel()} of {head_dim} head dims)"
+    return None
+
+
+def window_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
+    """Why the attention is windowed within max_model_len (the fused layers attend to the whole context)."""
+    cfg = model.config.get_text_config()
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     slides = window is not None and (layer_types is None or "sliding_attention" in layer_types)
@@ -63,66 +91,100 @@ def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
 
 
 def norm_eps(norm: torch.nn.Module) -> float:
-    """An RMSNorm module's epsilon (Llama-style modules call it variance_epsilon, Gemma's eps)."""
+    """A norm module's epsilon (Llama-style modules call it variance_epsilon, Gemma's and LayerNorm eps)."""
     return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 @dataclass
-class _Layer:
-    input_norm: torch.Tensor  # [E]
-    input_eps: float
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E], a view of the model's q/k/v weights
-    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D] (Qwen2)
+class Layer:
+    """One pre-norm decoder layer's weights, views of the model's own (no copies)."""
+
+    input_norm: Norm  # [E]
+    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E]: the q rows, then k, then v
+    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D] (Qwen2, Starcoder2)
     o_weight: torch.Tensor  # [E, H D]
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [E]
-    post_eps: float
-    gate_up_weight: torch.Tensor  # [2 I, E], a view of the model's gate/up weights
-    down_weight: torch.Tensor  # [E, I]
-    scale: float
+    o_bias: torch.Tensor | None  # [E]
+    post_norm: Norm  # [E], before the MLP
+    mlp: GatedMLP | PlainMLP
+    scale: float  # the attention's softmax scale
     qk_norm: tuple[torch.Tensor, float] | None  # Qwen3: per-head q/k RMSNorm weights [2, D] (q, k), eps
 
 
 class LlamaDecoder(DecodeForward):
+    """The pre-norm layer loop, with hooks for what families change: how a module's weights are read
+    (`_qkv`, `_mlp`, `_norm`), the embedding (`_embed`), the rotary tables (`_cos_sin`), a sublayer's output
+    before the residual add (`_branch`) and the logits (`_logits`). Llama itself runs every hook as identity."""
+
     is_fused = True
     has_packed = True
-    norm_unit_offset = False  # Gemma: RMSNorm weights are offsets from 1
+    norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
     activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool) -> None:
         cfg = model.config.get_text_config()
         inner = model.model
         self.name = "fused"
+        self.config = cfg
         self.kv_cache = kv_cache
         self.use_triton = use_triton
         self.geometry = KVGeometry.from_config(cfg)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.final_norm, self.final_eps = inner.norm.weight, norm_eps(inner.norm)
         self.lm_head = model.lm_head
-        self.layers = []
         with torch.no_grad():
-            for layer in inner.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv_w, qkv_b = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-                gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-                self.layers.append(_Layer(
-                    input_norm=layer.input_layernorm.weight, input_eps=norm_eps(layer.input_layernorm),
-                    qkv_weight=qkv_w, qkv_bias=qkv_b, o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    post_eps=norm_eps(layer.post_attention_layernorm),
-                    gate_up_weight=gate_up_w, down_weight=mlp.down_proj.weight,
-                    scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
-                    # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
-                    qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
-                             norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None))
+            self.final_norm = self._norm(inner.norm)
+            self.layers = [self._layer(layer) for layer in inner.layers]
+
+    # ---- weights: hooks ----------------------------------------------------------------------------------------
+
+    def _layer(self, layer: torch.nn.Module) -> Layer:
+        attn = layer.self_attn
+        qkv_w, qkv_b = self._qkv(attn)
+        return Layer(
+            input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, qkv_bias=qkv_b,
+            o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias, post_norm=self._norm(layer.post_attention_layernorm),
+            mlp=self._mlp(layer.mlp), scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
+            # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
+            qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
+                     norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None)
+
+    def _norm(self, module: torch.nn.Module) -> Norm:
+        return Norm(module.weight, norm_eps(module), self.norm_kind)
+
+    def _qkv(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused q/k/v weight [(H + 2 Hkv) D, E] and bias: the projections rebound as views into one tensor."""
+        return fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+
+    def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | PlainMLP:
+        gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        return GatedMLP(gate_up_w, mlp.down_proj.weight, self.activation)
+
+    # ---- the step: hooks ---------------------------------------------------------------------------------------
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start [B, E]: a fresh tensor (the layers update it in place)."""
+        return self.embed(input_ids)
+
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin [B, D] at each row's position, as transformers' rotary module makes them."""
+        cos, sin = self.rotary(x, positions[None])  # [1, B, D] each
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def _branch(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output [B, E] as it joins the residual stream."""
+        return out
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)  # [S, V]
+
+    # ---- the step ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
             positions, slot_mapping, block_tables, seq_lens, cos, sin, self.use_triton, max_seq_len))
-        return self.lm_head(h)  # [B, V]
+        return self._logits(h)  # [B, V]
 
     @torch.inference_mode()
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -130,23 +192,20 @@ class LlamaDecoder(DecodeForward):
         h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
             positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, cos, sin, self.use_triton,
             meta.max_seq_len, packed=meta))
-        return self.lm_head(h[logits_index])  # [S, V]
+        return self._logits(h[logits_index])  # [S, V]
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, make_step) -> torch.Tensor:
         """The final-normed hidden states [B, E] of every row; `make_step(cos, sin)` builds the StepInputs."""
         tri, geo = self.use_triton, self.geometry
-        residual = self.embed(input_ids)  # [B, E]; a fresh tensor, updated in place below
-        cos, sin = self.rotary(residual, positions[None])  # [1, B, D] each, in the activation dtype
-        step = make_step(cos[0].contiguous(), sin[0].contiguous())
-        first, unit = self.layers[0], self.norm_unit_offset
-        h = add_rmsnorm(residual, first.input_norm, first.input_eps, None, tri, unit)
+        residual = self._embed(input_ids)  # [B, E]; updated in place below
+        step = make_step(*self._cos_sin(residual, positions))
+        h = add_norm(residual, self.layers[0].input_norm, None, tri)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm)
-            h = add_rmsnorm(o, layer.post_norm, layer.post_eps, residual, tri, unit)
-            mlp = gated_mlp(h, layer.gate_up_weight, layer.down_weight, tri, self.activation)
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            norm, eps = (nxt.input_norm, nxt.input_eps) if nxt is not None else (self.final_norm, self.final_eps)
-            h = add_rmsnorm(mlp, norm, eps, residual, tri, unit)
+            h = add_norm(self._branch(o), layer.post_norm, residual, tri)
+            mlp = layer.mlp(h, tri)
+            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h = add_norm(self._branch(mlp), norm, residual, tri)
         return h

@@ -1,0 +1,45 @@
+"""Fused decode and packed forwards of Starcoder2 over the transformers model's weights.
+
+Starcoder2 keeps the pre-norm layer order of Llama but with GPT-style pieces: LayerNorm with weight and bias
+(`norm_epsilon`) instead of RMSNorm, biases on q/k/v/o, and a non-gated MLP c_fc -> GELU (tanh approximation,
+`gelu_pytorch_tanh`) -> c_proj with biases. The norms run torch's own layer_norm after the residual add and the
+MLP torch's linear/GELU (blocks.Norm "layer", blocks.PlainMLP), i.e. the eager module's ops, so they round as
+it does on every device; the attention is the shared fused path (QKV GEMM with the fused bias, rotary + K/V
+write + paged attention). A config `sliding_window` shorter than max_model_len falls back, like Mistral's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.models.blocks import Norm, PlainMLP
+from batchgen.models.llama import LlamaDecoder, module_reason, norm_eps, rope_reason, window_reason
+
+MODEL_TYPES = ("starcoder2",)
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' name -> blocks.PlainMLP's
+
+
+def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
+    """Why this Starcoder2 model cannot use the fused forward, or None when it can."""
+    cfg = model.config.get_text_config()
+    act = getattr(cfg, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        return f"activation {act!r}"
+    reason = module_reason(model)
+    if reason is not None:
+        return reason
+    layer = model.model.layers[0]
+    if not isinstance(layer.input_layernorm, torch.nn.LayerNorm) or not hasattr(layer.mlp, "c_fc"):
+        return "layers without Starcoder2's LayerNorm and c_fc/c_proj MLP"
+    return rope_reason(model) or window_reason(model, max_model_len)
+
+
+class Starcoder2Decoder(LlamaDecoder):
+    norm_kind = "layer"
+
+    def _norm(self, module: torch.nn.Module) -> Norm:
+        return Norm(module.weight, norm_eps(module), "layer", module.bias)  # [E] each
+
+    def _mlp(self, mlp: torch.nn.Module) -> PlainMLP:
+        return PlainMLP(mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                        ACTIVATIONS[self.config.hidden_act])
