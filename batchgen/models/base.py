@@ -8,6 +8,8 @@ seq_lens (None inside graphs: the implementation uses a static bound or reads no
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from batchgen.attention.backend import AttentionMetadata
@@ -40,7 +42,7 @@ class DecodeForward:
         graphs time them to pick a BLAS back end). Default: the 2-D tensors of the first of `self.layers`
         (fused decoders keep one record of weights per layer) and `self.lm_head`'s weight."""
         layers = getattr(self, "layers", None)
-        found = [t for t in vars(layers[0]).values() if isinstance(t, torch.Tensor) and t.dim() == 2] if layers else []
+        found = _matrices(layers[0]) if layers else []
         head = getattr(getattr(self, "lm_head", None), "weight", None)
         return found + ([head] if isinstance(head, torch.Tensor) else [])
 
@@ -59,3 +61,14 @@ class DecodeForward:
         except Exception as e:  # a kernel that does not build or run on this device: fall back, say why
             return f"the {self.name} decoder failed on {dev}: {type(e).__name__}: {str(e)[:200]}"
         return None
+
+
+def _matrices(record, depth: int = 2) -> list[torch.Tensor]:
+    """The 2-D tensors among a layer record's fields, and those of the dataclasses it holds (its MLP, norms)."""
+    out = []
+    for value in vars(record).values():
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            out.append(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth > 0:
+            out += _matrices(value, depth - 1)
+    return out
