@@ -37,14 +37,15 @@ class DecodeForward:
         """An eager step (the graphs call `forward` inside their own set-up)."""
         return self.forward(input_ids, positions, slot_mapping, block_tables, seq_lens, max_seq_len)
 
-    def gemm_weights(self) -> list[torch.Tensor]:
-        """The weights [N, K] of one layer's GEMMs and the LM head's, as a decode step multiplies them (the
-        graphs time them to pick a BLAS back end). Default: the 2-D tensors of the first of `self.layers`
-        (fused decoders keep one record of weights per layer) and `self.lm_head`'s weight."""
+    def gemm_weights(self) -> list[tuple[torch.Tensor, int]]:
+        """The weights [N, K] of a decode step's GEMMs, each with how many times a step multiplies it: one
+        layer's (once per layer) and the LM head's (once); the graphs time them to pick a BLAS back end.
+        Default: the 2-D tensors of the first of `self.layers` (fused decoders keep one record of weights per
+        layer, its MLP's inside) and `self.lm_head`'s weight."""
         layers = getattr(self, "layers", None)
-        found = _matrices(layers[0]) if layers else []
+        found = [(w, len(layers)) for w in _matrices(layers[0])] if layers else []
         head = getattr(getattr(self, "lm_head", None), "weight", None)
-        return found + ([head] if isinstance(head, torch.Tensor) else [])
+        return found + ([(head, 1)] if isinstance(head, torch.Tensor) else [])
 
     def check(self, kv_cache) -> str | None:
         """Run one token through the forward (compiling its kernels): None when it works, else why not. The

@@ -10,7 +10,8 @@ A graph records the GEMM kernels torch's BLAS back end chose at capture, and the
 the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
 where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), while at M = 256 cuBLAS runs gate_up in 91 µs
 against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_decode.py, bench/RESULTS.md). So
-`blas_library="auto"` times the decoder's own GEMMs (layer 0 and the LM head, `DecodeForward.gemm_weights`)
+`blas_library="auto"` times the decoder's own GEMMs (layer 0, counted once per layer, and the LM head once:
+`DecodeForward.gemm_weights`)
 under both back ends at each bucket's M before capturing it, and captures with the faster. The choice is
 process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
 default.
@@ -37,30 +38,33 @@ def bucket_sizes(max_batch: int) -> list[int]:
 BLAS_LIBRARIES = ("cublaslt", "cublas")
 
 
-def fastest_blas(weights: list[torch.Tensor], num_rows: int, margin: float = 0.03) -> str:
-    """The BLAS back end under which one pass of `x @ w.T` over every weight [N, K] at `num_rows` rows runs
-    fastest, timed as CUDA-graph replays (no launch gaps); cuBLASLt unless cuBLAS wins by more than `margin`."""
-    dev = weights[0].device
-    inputs = {w.shape[1]: torch.randn(num_rows, w.shape[1], device=dev, dtype=w.dtype) for w in weights}
-    times = {}
+def fastest_blas(weights: list[tuple[torch.Tensor, int]], num_rows: int, margin: float = 0.03) -> str:
+    """The BLAS back end under which a decode step's GEMMs at `num_rows` rows run fastest: each weight [N, K]
+    is timed alone as CUDA-graph replays (no launch gaps) and counted as often as a step multiplies it (a
+    layer's weights once per layer, the LM head once), so the head's large GEMM does not decide for the
+    layers'. cuBLASLt unless cuBLAS wins by more than `margin`."""
+    dev = weights[0][0].device
+    inputs = {w.shape[1]: torch.randn(num_rows, w.shape[1], device=dev, dtype=w.dtype) for w, _ in weights}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    total_ms = {}
     for library in BLAS_LIBRARIES:
-        with preferred_blas(library):
-            for w in weights:  # warm-up outside capture: handles, workspaces, heuristics
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for w in weights:
-                    torch.nn.functional.linear(inputs[w.shape[1]], w)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(5):
+        total_ms[library] = 0.0
+        for w, count in weights:
+            x = inputs[w.shape[1]]
+            with preferred_blas(library):
+                torch.nn.functional.linear(x, w)  # warm-up outside capture: handles, workspaces, heuristics
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    torch.nn.functional.linear(x, w)
             graph.replay()
-        end.record()
-        end.synchronize()
-        times[library] = start.elapsed_time(end)
-        del graph
-    return "cublas" if times["cublas"] < (1 - margin) * times["cublaslt"] else "cublaslt"
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            total_ms[library] += count * start.elapsed_time(end) / 5
+            del graph
+    return "cublas" if total_ms["cublas"] < (1 - margin) * total_ms["cublaslt"] else "cublaslt"
 
 
 @contextlib.contextmanager
