@@ -10,11 +10,10 @@ A graph records the GEMM kernels torch's BLAS back end chose at capture, and the
 the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
 where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), while at M = 256 cuBLAS runs gate_up in 91 µs
 against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_decode.py, bench/RESULTS.md). So
-`blas_library="auto"` times the decoder's own GEMMs (layer 0, counted once per layer, and the LM head once:
-`DecodeForward.gemm_weights`)
-under both back ends at each bucket's M before capturing it, and captures with the faster. The choice is
-process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
-default.
+`blas_library="auto"` times the decoder's own GEMMs (layer 0's, counted once per layer, and the LM head's once:
+`DecodeForward.gemm_weights`) under both back ends at each bucket's M before capturing it, and captures with
+the faster. The choice is process-global in torch, so it is set only around each capture and restored after;
+eager steps keep torch's default.
 """
 
 from __future__ import annotations
