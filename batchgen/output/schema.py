@@ -10,9 +10,10 @@ import pyarrow as pa
 
 from batchgen.errors import JobError, RowError
 from batchgen.job.spec import JobSpec
+from batchgen.output import generation_columns as gen
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
-                  "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")
+                  "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed", *gen.COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class OutputSchema:
     data: pa.Schema
 
     @classmethod
-    def build(cls, spec: JobSpec, source_schema: pa.Schema) -> OutputSchema:
+    def build(cls, spec: JobSpec, source_schema: pa.Schema, reasoning: bool = False) -> OutputSchema:
+        """`reasoning`: output.reasoning resolved to markers (the split columns exist)."""
         kept = _kept_columns(spec, list(source_schema.names))
         key = spec.source.key_column
         key_field = source_schema.field(key) if key else pa.field("row_idx", pa.int64())
@@ -30,11 +32,13 @@ class OutputSchema:
         if spec.output.keep_prompt:
             fields.append(pa.field("prompt", pa.string()))
         fields.append(pa.field("completion", pa.string()))
+        fields += gen.reasoning_fields(reasoning)
         if spec.output.keep_token_ids:
             fields.append(pa.field("completion_token_ids", pa.list_(pa.int32())))
         fields += [pa.field("finish_reason", pa.string()),
                    pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
-                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64())]
+                   *gen.count_fields(reasoning),
+                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64()), *gen.logprob_fields(spec)]
         return cls(key_field, tuple(kept), pa.schema(fields))
 
     def coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
