@@ -147,3 +147,14 @@ def test_rows_without_logprobs_get_none_beside_rows_with_them():
 def test_bad_logprob_settings_raise_naming_the_key(values, key):
     with pytest.raises(ValueError, match=key):
         SamplingParams(**values)
+
+
+def test_logprobs_exact_through_transformers_modules_when_the_fused_decoder_is_off():
+    model = make_model("llama")
+    prompts = random_prompts((19, 7), seed=6)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    engine, results = _generate(model, prompts, params, block_size=4, max_num_batched_tokens=8, fused_decoder=False)
+    assert not engine.runner.decode_forward.has_packed  # prefill steps ran transformers' forward (logits_to_keep)
+    for prompt, result in zip(prompts, results):
+        _check_prompt(model, prompt, result)
+        _check_sample(model, prompt, result.samples[0], 2)
