@@ -57,6 +57,14 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value):
+        if isinstance(value, bool):  # `logprobs: true` would silently mean K = 1
+            raise ValueError(f"logprobs takes K, the number of top log-probs per token (0..{MAX_LOGPROBS}): 0 "
+                             f"gives the sampled token's log-prob alone; null turns them off (got {value})")
+        return value
+
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:

@@ -142,7 +142,7 @@ def test_rows_without_logprobs_get_none_beside_rows_with_them():
 
 @pytest.mark.parametrize("values,key", [
     (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(logprobs=True), "logprobs takes K"),
 ])
 def test_bad_logprob_settings_raise_naming_the_key(values, key):
     with pytest.raises(ValueError, match=key):
