@@ -111,3 +111,17 @@ def test_resume_with_a_changed_logprobs_setting_is_refused_naming_it(parquet_job
     result = _run(job, "--set", "sampling.prompt_logprobs=true")
     assert result.exit_code == 2 and "sampling.prompt_logprobs: None -> True" in result.output
     assert _run(job).exit_code == 0  # unchanged: resumes (nothing left to do)
+
+
+def test_an_upstream_outputs_logprob_columns_are_kept_unless_this_job_writes_its_own():
+    from batchgen.job.spec import JobSpec
+    from batchgen.output.schema import OutputSchema
+
+    upstream = pa.schema([("id", pa.string()), ("completion", pa.string()), ("prompt_logprobs", pa.list_(pa.float32())),
+                          ("reasoning", pa.string())])
+    base = {"model": {"path": "m"}, "source": {"path": "up", "key_column": "id"}, "prompt": {"column": "completion"}}
+    plain = OutputSchema.build(JobSpec.model_validate(base), upstream)
+    assert plain.kept == ("prompt_logprobs", "reasoning")  # an upstream's columns, kept as they are
+    scoring = OutputSchema.build(JobSpec.model_validate({**base, "sampling": {"prompt_logprobs": True}}), upstream,
+                                 reasoning=True)
+    assert scoring.kept == () and scoring.data.names.count("prompt_logprobs") == 1  # this job's own win

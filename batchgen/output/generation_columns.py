@@ -17,7 +17,6 @@ from batchgen.engine.reasoning import ReasoningMarkers
 from batchgen.errors import JobError
 from batchgen.job.spec import JobSpec
 
-COLUMNS = ("reasoning", "num_reasoning_tokens", "completion_logprobs", "completion_top_logprobs", "prompt_logprobs")
 TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 
 

@@ -13,7 +13,7 @@ from batchgen.job.spec import JobSpec
 from batchgen.output import generation_columns as gen
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
-                  "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed", *gen.COLUMNS)
+                  "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,10 @@ class OutputSchema:
     @classmethod
     def build(cls, spec: JobSpec, source_schema: pa.Schema, reasoning: bool = False) -> OutputSchema:
         """`reasoning`: output.reasoning resolved to markers (the split columns exist)."""
-        kept = _kept_columns(spec, list(source_schema.names))
+        # the issue-14 columns clash only where this job writes them (a chained job may keep an upstream's)
+        own = OUTPUT_COLUMNS + tuple(f.name for f in gen.reasoning_fields(reasoning) + gen.count_fields(reasoning)
+                                     + gen.logprob_fields(spec))
+        kept = _kept_columns(spec, list(source_schema.names), own)
         key = spec.source.key_column
         key_field = source_schema.field(key) if key else pa.field("row_idx", pa.int64())
         fields = [key_field, pa.field("sample_idx", pa.int32()), *(source_schema.field(c) for c in kept)]
@@ -93,7 +96,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _kept_columns(spec: JobSpec, columns: list[str]) -> list[str]:
+def _kept_columns(spec: JobSpec, columns: list[str], own: tuple[str, ...]) -> list[str]:
     keep = spec.output.keep_columns
     if keep == "all":
         kept = list(columns)
@@ -106,7 +109,7 @@ def _kept_columns(spec: JobSpec, columns: list[str]) -> list[str]:
                            f"columns: {', '.join(columns)}")
         kept = list(keep)
     kept = [c for c in kept if c != spec.source.key_column]
-    clash = [c for c in kept if c in OUTPUT_COLUMNS]
+    clash = [c for c in kept if c in own]
     if clash and keep != "all":
         raise JobError(f"output.keep_columns {clash} clash with batchgen's output columns; drop them")
     return [c for c in kept if c not in clash]  # with keep_columns: all, batchgen's own columns win

@@ -2,9 +2,10 @@
 
 Only the last position of each sampling sequence goes through the LM head (`logits_to_keep`), plus, for a
 sequence that asks for prompt log-probs, the chunk positions that score its prompt; only token ids (and the
-log-probs asked for, sample/logprobs.py) come back to the host. On CUDA three non-default streams carry a step: its inputs go through
-pinned A/B staging on an H2D stream (staging.py), the forward and the sampler run on the compute stream, the
-sampled ids come back on a D2H stream into pinned A/B slots; the host waits only for that last copy.
+log-probs asked for, sample/logprobs.py) come back to the host. On CUDA three non-default streams carry a
+step: its inputs go through pinned A/B staging on an H2D stream (staging.py), the forward and the sampler run on
+the compute stream, the sampled ids come back on a D2H stream into pinned A/B slots; the host waits only for that
+last copy.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class ModelRunner:
         decode_only = batch.num_prefill_tokens == 0  # one token per sequence, and every sequence samples
         graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
         sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
-        keep = a.last_index[sampled]  # [S] the rows through the LM head: sampling rows, then prompt scoring
+        keep = a.last_index[sampled]  # [S (+ P)] rows through the LM head: sampling rows, then prompt scoring
         plan = lpmod.LogprobPlan.build(batch, a.last_index) if batch.num_logprob_seqs else None
         extra = plan.host_arrays() if plan is not None else []
         if plan is not None and plan.prompt_positions is not None:
