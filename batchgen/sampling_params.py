@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
+MAX_LOGPROBS = 20  # top log-probs per position (vLLM's and OpenAI's limit)
 
 
 class SamplingParams(BaseModel):
@@ -25,7 +26,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: PositiveInt = 256
+    max_new_tokens: Annotated[int, Field(ge=0)] = 256  # 0: scoring only (needs prompt_logprobs)
     min_new_tokens: Annotated[int, Field(ge=0)] = 0  # EOS and stop ids are suppressed before this many tokens
     temperature: Annotated[float, Field(ge=0)] = 0.7
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -37,6 +38,12 @@ class SamplingParams(BaseModel):
     n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
     seed: int = 0
     ignore_eos: bool = False
+    # issue 14: logprobs / reasoning
+    # log-probs are the model's own: log_softmax of the raw fp32 logits, before penalties, temperature, filters
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # K: the sampled token's + top K
+    prompt_logprobs: bool = False  # one per prompt token (the first is None): the prompt scored by the model
+    # reasoning models: after this many tokens inside the think block, its end marker is forced next
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -50,10 +57,21 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value):
+        if isinstance(value, bool):  # `logprobs: true` would silently mean K = 1
+            raise ValueError(f"logprobs takes K, the number of top log-probs per token (0..{MAX_LOGPROBS}): 0 "
+                             f"gives the sampled token's log-prob alone; null turns them off (got {value})")
+        return value
+
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        if self.max_new_tokens == 0 and not self.prompt_logprobs:
+            raise ValueError("max_new_tokens: 0 generates nothing; it is allowed only to score prompts, with "
+                             "prompt_logprobs: true")
         return self
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from batchgen.engine.batch import StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request, RequestStatus
@@ -135,3 +137,40 @@ def test_penalised_sequences_hold_a_table_slot_while_running_and_send_their_hist
     while s.has_work:
         _step(s)
     assert all(r.penalty_slot == -1 for r in reqs) and sorted(s._free_penalty_slots) == [0, 1, 2]
+
+
+def _scoring_req(rid: str, prompt_len: int, max_new: int = 4) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + prompt_len)),
+                   params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True, prompt_logprobs=True),
+                   seed=0, eos_token_ids=frozenset({2}), max_model_len=1000)
+
+
+def _step_scored(s: Scheduler, token: int = 7):
+    batch = s.schedule()
+    num_scored = sum(len(x.prompt_logprob_targets) for x in batch.seqs)
+    s.update(batch, StepOutput([token] * batch.num_samples, prompt_logprobs=np.full(num_scored, -1.5, np.float32)))
+    return batch
+
+
+def test_prompt_positions_are_scored_once_across_chunks_and_a_preemption():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    req = _scoring_req("a", 19)
+    s.add(req)
+    chunks = [_step_scored(s).seqs[0] for _ in range(3)]  # 8 + 8 + 3 tokens; the last one samples
+    assert [(c.start_pos, c.prompt_logprob_offset, c.prompt_logprob_targets) for c in chunks] == [
+        (0, 0, tuple(range(11, 19))), (8, 0, tuple(range(19, 27))), (16, 0, (27, 28))]
+    assert req.prompt_logprobs == [None] + [-1.5] * 18
+    s._preempt(req)
+    again = _step_scored(s).seqs[0]  # re-admitted from its own cached blocks: every position is scored already
+    assert again.start_pos == 16 and again.prompt_logprob_targets == ()
+    assert req.prompt_logprobs == [None] + [-1.5] * 18
+
+
+def test_a_prompt_to_score_takes_no_prefix_from_the_cache_until_it_scored_it():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    s.add(_req("plain", 13, start=10))
+    _step(s)
+    scored = _scoring_req("scored", 13)  # the same prompt: 3 full blocks are in the cache
+    s.add(scored)
+    seq = next(x for x in _step_scored(s).seqs if x.request_id == "scored")
+    assert seq.start_pos == 0 and len(seq.prompt_logprob_targets) == 12 and scored.num_cached_tokens == 0

@@ -31,6 +31,9 @@ class SeqSampling:
     # sampled tokens the runner marks on the device.
     penalty_slot: int = -1
     penalty_history: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
+    # issue 14: logprobs / reasoning
+    logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
+    forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class SeqSchedule:
     # Async pipeline: the last input token was sampled by the step still in flight and is not known here.
     # It is a placeholder (0); the runner replaces it on the device by that step's sampled token at this row.
     carry_from: int | None = None
+    # issue 14: logprobs / reasoning
+    # Prompt log-probs: input_token_ids[prompt_logprob_offset + j] is scored against prompt_logprob_targets[j],
+    # the prompt token after it (for a chunk's last position: the first token of the next chunk). Empty: none.
+    prompt_logprob_offset: int = 0
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -63,6 +71,9 @@ class ScheduledBatch:
     num_decode_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     num_samples: int = 0  # sequences with `sampling` (one sampled token each), kept by the scheduler
+    # issue 14: logprobs / reasoning
+    num_logprob_seqs: int = 0  # sequences asking for log-probs (prompt or sampled): 0 -> the runner skips them
+    num_forced: int = 0  # sequences with a forced token (thinking budget)
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +85,15 @@ class ScheduledBatch:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step gives back to the host (the runner -> scheduler contract). Room for per-token log-probs
-    and grammar state; today the sampled ids."""
+    """What one step gives back to the host (the runner -> scheduler contract): the sampled ids, and the
+    log-probs that rows asked for. Room for grammar state."""
 
     token_ids: list[int]  # one per sequence with `sampling`, in `ScheduledBatch.seqs` order
+    # issue 14: logprobs / reasoning
+    # R = sampling rows with `logprobs >= 0`, in batch order; K = the largest `logprobs` among them (a row
+    # keeps its own first K). None when no row of the step asked.
+    logprobs: np.ndarray | None = None  # [R] float32: the sampled (or forced) token's log-prob
+    top_token_ids: np.ndarray | None = None  # [R, K] int64, most likely first
+    top_logprobs: np.ndarray | None = None  # [R, K] float32
+    # every sequence's `prompt_logprob_targets` scored, concatenated in batch order; None when none
+    prompt_logprobs: np.ndarray | None = None  # [P] float32

@@ -23,6 +23,7 @@ from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import StopStringWatcher, final_text
+from batchgen.engine.reasoning import ReasoningMarkers, ThinkingBudget
 from batchgen.engine.request import FinishReason, Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.runner.model_runner import ModelRunner
@@ -39,6 +40,9 @@ class Sample:
     seed: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     error: str | None = None
+    # issue 14: logprobs / reasoning (SamplingParams.logprobs set; raw-logit log_softmax, fp32)
+    logprobs: list[float] | None = None  # one per token_ids entry: that token's log-prob
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: K (token id, log-prob), best first
 
 
 @dataclass
@@ -46,6 +50,8 @@ class PromptResult:
     request_id: str
     prompt_token_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token, entry 0 None (nothing scores the first token)
+    prompt_logprobs: list[float | None] | None = None
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -72,6 +78,9 @@ class Engine:
         text_config = model.config.get_text_config()
         self.max_model_len = config.context_length(model.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # think markers for SamplingParams.thinking_budget: the tokenizer's <think> / </think> when it has them;
+        # the job runner sets its output.reasoning markers here
+        self.reasoning_markers: ReasoningMarkers | None = ReasoningMarkers.auto(tokenizer)
         geometry = KVGeometry.from_config(model.config)
         dtype = next(model.parameters()).dtype
         num_blocks = config.num_kv_blocks or plan_num_blocks(
@@ -158,16 +167,31 @@ class Engine:
             params.seed if i == 0 else derive_seed(params.seed, i) for i in range(params.n)]
         if len(seeds) != params.n:
             raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
+        thinking = self._thinking_budget(params)
         reqs = [Request(
             request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params,
             seed=seeds[i],
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, sample_idx=i,
             stop_watcher=StopStringWatcher(self.tokenizer, params.stop) if params.stop and self.tokenizer else None,
+            thinking=ThinkingBudget(thinking, params.thinking_budget, prompt_ids) if thinking else None,
         ) for i in range(params.n)]
         reqs[0].followers = reqs[1:]
         self._pending[request_id] = (PromptResult(request_id, prompt_ids), params, params.n)
         self.scheduler.add(reqs[0])
         return request_id
+
+    def _thinking_budget(self, params: SamplingParams) -> ReasoningMarkers | None:
+        """The markers a thinking budget runs on; ValueError naming the key when there are none usable."""
+        if params.thinking_budget is None:
+            return None
+        markers = self.reasoning_markers
+        if markers is None:
+            raise ValueError("sampling.thinking_budget needs think markers: the tokenizer has no <think> / "
+                             "</think> tokens (a job can name them in output.reasoning)")
+        if len(markers.end_ids) != 1:
+            raise ValueError(f"sampling.thinking_budget needs an end marker of one token; it encodes to "
+                             f"{len(markers.end_ids)} tokens {list(markers.end_ids)}")
+        return markers
 
     @property
     def decode_path(self) -> str:
@@ -231,7 +255,10 @@ class Engine:
             result.samples.append(Sample(
                 sample_idx=req.sample_idx, token_ids=list(req.output_token_ids), text=text,
                 finish_reason=req.finish_reason.value, seed=req.seed, num_cached_tokens=req.num_cached_tokens,
-                error=req.error))
+                error=req.error, logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
+                top_logprobs=list(req.output_top_logprobs) if params.logprobs else None))
+            if req.scores_prompt:
+                result.prompt_logprobs = req.prompt_logprobs
             if remaining == 1:
                 del self._pending[prompt_id]
                 result.samples.sort(key=lambda s: s.sample_idx)

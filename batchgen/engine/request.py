@@ -12,6 +12,7 @@ import numpy as np
 
 from batchgen.engine.detokenizer import StopStringWatcher
 from batchgen.engine.list_mirror import ListMirror
+from batchgen.engine.reasoning import ThinkingBudget
 from batchgen.sampling_params import SamplingParams
 
 
@@ -63,12 +64,28 @@ class Request:
     # whether its history has been sent to that row since the slot was assigned
     penalty_slot: int = -1
     penalty_history_sent: bool = False
+    # issue 14: logprobs / reasoning
+    output_logprobs: list[float] = field(default_factory=list)  # one per output token (params.logprobs set)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # K per output token
+    # prompt log-probs (params.prompt_logprobs, sample 0 only): entry i scores prompt token i (entry 0 None);
+    # positions < num_scored_prompt_positions are scheduled (their values land with their step's update,
+    # also after a preemption), so the prefix cache may serve only that far (no logits for cached tokens)
+    prompt_logprobs: list[float | None] | None = None
+    num_scored_prompt_positions: int = 0
+    thinking: ThinkingBudget | None = None  # params.thinking_budget set: the think block's state
     # a numpy mirror of `block_table` (see `block_table_view`)
     _table_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int32), repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.scores_prompt and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """This sequence computes the prompt's log-probs: sample 0 of a prompt that asks (siblings share them)."""
+        return self.params.prompt_logprobs and self.sample_idx == 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,6 +109,8 @@ class Request:
         end the sequence by length. (A repetition penalty's table gets the in-flight id on the device.)"""
         if self.num_pending == 0:
             return True
+        if self.thinking is not None and not self.thinking.may_schedule_with(self.num_pending):
+            return False
         return (len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
                 and self.num_tokens + self.num_pending < self.max_model_len)
 
@@ -111,6 +130,8 @@ class Request:
         """Record a sampled token; return why the request is now finished, or None."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+        if self.thinking is not None:
+            self.thinking.append(token_id)
         num_out = len(self.output_token_ids)
         if num_out >= self.params.min_new_tokens:
             if token_id in self.params.stop_token_ids:

@@ -48,7 +48,7 @@ class Scheduler:
     def _never_fits(self, req: Request) -> str | None:
         if req.num_prompt_tokens == 0:
             return "empty prompt (0 tokens)"
-        if req.num_prompt_tokens >= req.max_model_len:
+        if req.num_prompt_tokens >= req.max_model_len + (req.params.max_new_tokens == 0):  # scoring fills it
             return (f"prompt has {req.num_prompt_tokens} tokens; the model's context is {req.max_model_len} "
                     f"tokens and at least one must be left to generate")
         bm = self.block_manager
@@ -75,6 +75,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            if num_new <= 0:  # scoring only (max_new_tokens 0): the prompt is all scheduled, its update is due
+                i += 1
+                continue
             while not bm.ensure_capacity(req.block_table, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -91,6 +94,8 @@ class Scheduler:
                 if req.num_pending:  # preempted with a token in flight: admit once it is known
                     break
                 hits = bm.match_prefix(req.token_ids)
+                if req.scores_prompt:  # cached tokens have no logits: serve only positions already scored
+                    hits = hits[:req.num_scored_prompt_positions // bm.block_size]
                 num_cached = len(hits) * bm.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
                 num_new_blocks = bm.blocks_needed(num_cached + num_new) - len(hits)
@@ -117,20 +122,29 @@ class Scheduler:
         computed from now on; a sampled token counts as pending until `update` brings its id."""
         start = req.num_computed_tokens
         end = start + num_new
-        samples = end == req.num_tokens + req.num_pending
+        samples = end == req.num_tokens + req.num_pending and req.params.max_new_tokens > 0
         inputs = tuple(req.token_ids[start:end])
         carry_from = None
         if end > req.num_tokens:  # the last input is the token the in-flight step samples
             assert req.num_pending == 1 and end == req.num_tokens + 1, "pipeline deeper than one step"
             inputs, carry_from = inputs + (0,), req.pending_row
         sampling = None
+        lp_offset, lp_targets = 0, ()
+        if req.scores_prompt:  # positions [lo, hi) score prompt tokens lo+1 .. hi; P - 1 samples, scores none
+            lo, hi = max(start, req.num_scored_prompt_positions), min(end, req.num_prompt_tokens - 1)
+            if hi > lo:
+                lp_offset, lp_targets = lo - start, tuple(req.prompt_token_ids[lo + 1:hi + 1])
+                req.num_scored_prompt_positions = hi
         if samples:
             p = req.params
             suppressed = req.suppressed_token_ids()
+            forced = req.thinking.forced_token() if req.thinking is not None else -1
+            assert forced < 0 or req.num_pending == 0, "a forced token must follow a known one"
             cached = req.last_sampling
             first_penalised = req.penalty_slot >= 0 and not req.penalty_history_sent
             if (cached is not None and not first_penalised and cached.penalty_history is None
-                    and cached.penalty_slot == req.penalty_slot and cached.suppressed_token_ids == suppressed):
+                    and cached.penalty_slot == req.penalty_slot and cached.suppressed_token_ids == suppressed
+                    and cached.forced_token_id == forced):
                 sampling = cached  # unchanged since the last step (immutable, so sharing it is safe)
             else:
                 sampling = req.last_sampling = SeqSampling(
@@ -139,6 +153,7 @@ class Scheduler:
                     penalty_slot=req.penalty_slot,
                     # the slot's first sampling step: every token is known (no carry-over right after admission)
                     penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
+                    logprobs=-1 if p.logprobs is None else p.logprobs, forced_token_id=forced,
                 )
                 if first_penalised:
                     assert carry_from is None, "a penalty history with a token in flight"
@@ -149,7 +164,12 @@ class Scheduler:
         batch.seqs.append(SeqSchedule(
             request_id=req.request_id, input_token_ids=inputs, start_pos=start, block_table=req.block_table_view(),
             sampling=sampling, carry_from=carry_from,
+            prompt_logprob_offset=lp_offset, prompt_logprob_targets=lp_targets,
         ))
+        if lp_targets or (sampling is not None and sampling.logprobs >= 0):
+            batch.num_logprob_seqs += 1
+        if sampling is not None and sampling.forced_token_id >= 0:
+            batch.num_forced += 1
         if samples and num_new == 1:
             batch.num_decode_tokens += 1
         else:
@@ -188,12 +208,25 @@ class Scheduler:
         writes land before any later owner of the blocks writes)."""
         bm = self.block_manager
         tokens = iter(output.token_ids)
+        lp_row = prompt_at = 0  # next row of output.logprobs / next value of output.prompt_logprobs
         for seq, req in zip(batch.seqs, self._in_flight.pop(id(batch))):
+            if seq.prompt_logprob_targets:  # lands even if preempted since: those positions count as scored
+                n = len(seq.prompt_logprob_targets)
+                first = seq.start_pos + seq.prompt_logprob_offset + 1  # the prompt index the first value scores
+                req.prompt_logprobs[first:first + n] = output.prompt_logprobs[prompt_at:prompt_at + n].tolist()
+                prompt_at += n
+            if req.params.max_new_tokens == 0 and seq.seq_len == req.num_prompt_tokens and not req.is_finished:
+                self._finish(req, FinishReason.LENGTH)  # scoring only: the prompt is computed, nothing to sample
             if seq.sampling is not None:
                 token = next(tokens)
+                lp = seq.sampling.logprobs
+                if lp >= 0:
+                    lp_row += 1
                 if req.is_finished:
                     continue  # finished at the previous step; this token was computed in vain
                 req.num_pending -= 1
+                if lp >= 0:
+                    self._append_logprobs(req, output, lp_row - 1, lp)
                 reason = req.append_token(token)
                 if reason is not None:
                     self._finish(req, reason)
@@ -205,6 +238,13 @@ class Scheduler:
                 # The prompt's full blocks are now cached: siblings reuse them from the prefix cache.
                 followers, req.followers = req.followers, []
                 self.waiting.extendleft(reversed(followers))
+
+    @staticmethod
+    def _append_logprobs(req: Request, output: StepOutput, row: int, k: int) -> None:
+        req.output_logprobs.append(float(output.logprobs[row]))
+        if k > 0:
+            req.output_top_logprobs.append(list(zip(output.top_token_ids[row, :k].tolist(),
+                                                    output.top_logprobs[row, :k].tolist())))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self._release_penalty_slot(req)

@@ -17,6 +17,7 @@ from batchgen.job.result import RunResult
 from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
 from batchgen.output import manifest as mf
+from batchgen.output import generation_columns as gen
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema, fits
@@ -63,7 +64,6 @@ class JobLoop:
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.source = open_source(spec.source)
         self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
-        self.schema = OutputSchema.build(spec, self.source.schema)
         # Everything that can refuse the job or find it done needs only the tokenizer and the config: the
         # weights load when the first row needs the engine (a refused resume or a finished job loads none).
         self.device = resolve_device(spec.model.device)
@@ -76,6 +76,9 @@ class JobLoop:
                            + (f" (gguf_file {spec.model.gguf_file!r})" if spec.model.gguf_file else "")
                            + f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.tokenizer = tokenizer
+        self.reasoning = gen.resolve_markers(spec, tokenizer)  # output.reasoning: None keeps `completion` whole
+        self.think_markers = gen.budget_markers(spec, tokenizer, self.reasoning)  # sampling.thinking_budget's
+        self.schema = OutputSchema.build(spec, self.source.schema, reasoning=self.reasoning is not None)
         self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
@@ -135,6 +138,7 @@ class JobLoop:
               f"decode forward {self.engine.runner.decode_forward.name}; "
               f"async pipeline {'on' if self.engine.async_pipeline else 'off'}",
               file=sys.stderr)
+        self.engine.reasoning_markers = self.think_markers
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
@@ -191,7 +195,8 @@ class JobLoop:
         """Keep the engine fed, step it, commit. Returns how many rows earlier runs had committed."""
         writer, totals = self.writer, self.meter.totals
         lookahead = 2 * self.spec.engine.max_num_seqs
-        pending: dict[str, tuple] = {}  # request id -> (key, position, kept values, prompt, num prompt tokens)
+        # request id -> (key, position, kept values, prompt, num prompt tokens, stop strings)
+        pending: dict[str, tuple] = {}
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
         skipped = 0
         rows = iter(self.source)
@@ -246,8 +251,12 @@ class JobLoop:
             self._reject(key, row.position, e.error_class, str(e))
             return
         seeds = [derive_seed(params.seed, key, i) for i in range(params.n)]
-        rid = self._engine().add_request(ids, params, sample_seeds=seeds)
-        pending[rid] = (key, row.position, kept, text, len(ids))
+        try:
+            rid = self._engine().add_request(ids, params, sample_seeds=seeds)
+        except ValueError as e:  # a row's own thinking_budget without usable think markers
+            self._reject(key, row.position, "bad_sampling", str(e))
+            return
+        pending[rid] = (key, row.position, kept, text, len(ids), params.stop)
         self.meter.totals.prompt_tokens += len(ids)
 
     def _reject(self, key, position: int, error_class: str, message: str) -> None:
@@ -259,7 +268,7 @@ class JobLoop:
         self.meter.row_finished(0)
 
     def _finish(self, result, entry) -> None:
-        key, position, kept, prompt, num_prompt = entry
+        key, position, kept, prompt, num_prompt, stop = entry
         errors = [s for s in result.samples if s.error is not None]
         if errors:
             self._reject(key, position, "too_long_for_cache", errors[0].error)
@@ -272,10 +281,13 @@ class JobLoop:
             if self.spec.output.keep_prompt:
                 r["prompt"] = prompt
             r["completion"] = s.text
+            if self.reasoning is not None:
+                r.update(gen.split_text(self.tokenizer, self.reasoning, result.prompt_token_ids, s, stop))
             if self.spec.output.keep_token_ids:
                 r["completion_token_ids"] = list(s.token_ids)
             r.update(finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,
                      num_completion_tokens=len(s.token_ids), num_cached_tokens=s.num_cached_tokens, seed=s.seed)
+            r.update(gen.logprob_values(self.spec, result, s))
             out_rows.append(r)
             t.generated_tokens += len(s.token_ids)
             t.cached_tokens += s.num_cached_tokens

@@ -18,6 +18,8 @@ from batchgen.job.spec import JobSpec
 from batchgen.sampling_params import SamplingParams
 
 MAX_CACHED = 4096  # distinct values kept parsed (most jobs have a handful)
+# settings that decide which output columns exist: job-wide only, a row may not change them
+JOB_WIDE = ("logprobs", "prompt_logprobs")
 
 
 class RowSampling:
@@ -56,8 +58,13 @@ class RowSampling:
                                            f"{type(value).__name__}")
         value = {k: v for k, v in value.items() if v is not None}  # a null field (a struct column's absent one)
         try:
-            return SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True), **value})
+            params = SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True), **value})
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
                                  for err in e.errors())
             raise RowError("bad_sampling", f"{where}: {problems}") from None
+        changed = [k for k in JOB_WIDE if getattr(params, k) != getattr(self.job, k)]
+        if changed:
+            raise RowError("bad_sampling", f"{where}: {', '.join(changed)} decide the output columns: set them "
+                                           f"in the job's sampling: section, not per row")
+        return params

@@ -69,6 +69,13 @@ class PromptSpec(_Strict):
         return self
 
 
+class ReasoningSpec(_Strict):
+    """Think markers of a reasoning model, as text (each usually one token of the vocabulary)."""
+
+    start: Annotated[str, Field(min_length=1)] = "<think>"
+    end: Annotated[str, Field(min_length=1)] = "</think>"
+
+
 class OutputSpec(_Strict):
     dir: str | None = None  # None: out/<name> next to the job file (load_spec always sets it)
     rows_per_shard: PositiveInt = 1000
@@ -77,6 +84,10 @@ class OutputSpec(_Strict):
     keep_prompt: bool = False
     keep_token_ids: bool = False  # also store each completion's token ids (list<int32>; a stop token id is kept, as counted)
     report: bool = True  # when a run ends: README.md (dataset card), reports/*.png and reports/index.html
+    # issue 14: logprobs / reasoning
+    # auto: the tokenizer's <think> / </think> tokens if it has them, else none; with markers, `completion` holds
+    # the answer only, `reasoning` the think block's text, `num_reasoning_tokens` its length
+    reasoning: Literal["auto", "none"] | ReasoningSpec = "none"
 
 
 class JobSpec(_Strict):

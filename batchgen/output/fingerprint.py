@@ -29,14 +29,26 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         "tokenizer": {"vocab": _digest(vocab), "special_tokens": _digest(tokenizer.all_special_tokens)},
         "chat_template": _digest(getattr(tokenizer, "chat_template", None)),
         "prompt": spec.prompt.model_dump(mode="json"),
-        "sampling": spec.sampling.model_dump(mode="json"),
+        "sampling": _sampling(spec),
         "row_identity": {"key_column": spec.source.key_column},
         "sampling_column": spec.source.sampling_column,  # per-row sampling overrides (None for most jobs)
         # the data shards' columns: shards of one output must share one schema
-        "output_columns": spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
+        "output_columns": {**spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
+                           **({} if spec.output.reasoning == "none" else
+                              {"reasoning": spec.output.model_dump(mode="json")["reasoning"]})},
         # a chained job: what decided its source, the upstream output (None for any other source)
         "upstream": upstream_fingerprint(spec.source.path),
     }
+
+
+# sampling settings added after outputs existed: recorded only when set, so an output begun before them (or
+# without them) resumes, and turning one on (or changing it) is refused
+SAMPLING_OFF = {"logprobs": None, "prompt_logprobs": False, "thinking_budget": None}
+
+
+def _sampling(spec: JobSpec) -> dict[str, Any]:
+    dump = spec.sampling.model_dump(mode="json")
+    return {k: v for k, v in dump.items() if not (k in SAMPLING_OFF and v == SAMPLING_OFF[k])}
 
 
 def upstream_fingerprint(source_path: str | list[str]) -> str | None:

@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from batchgen.errors import JobError, RowError
 from batchgen.job.spec import JobSpec
+from batchgen.output import generation_columns as gen
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
                   "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")
@@ -22,19 +23,25 @@ class OutputSchema:
     data: pa.Schema
 
     @classmethod
-    def build(cls, spec: JobSpec, source_schema: pa.Schema) -> OutputSchema:
-        kept = _kept_columns(spec, list(source_schema.names))
+    def build(cls, spec: JobSpec, source_schema: pa.Schema, reasoning: bool = False) -> OutputSchema:
+        """`reasoning`: output.reasoning resolved to markers (the split columns exist)."""
+        # the issue-14 columns clash only where this job writes them (a chained job may keep an upstream's)
+        own = OUTPUT_COLUMNS + tuple(f.name for f in gen.reasoning_fields(reasoning) + gen.count_fields(reasoning)
+                                     + gen.logprob_fields(spec))
+        kept = _kept_columns(spec, list(source_schema.names), own)
         key = spec.source.key_column
         key_field = source_schema.field(key) if key else pa.field("row_idx", pa.int64())
         fields = [key_field, pa.field("sample_idx", pa.int32()), *(source_schema.field(c) for c in kept)]
         if spec.output.keep_prompt:
             fields.append(pa.field("prompt", pa.string()))
         fields.append(pa.field("completion", pa.string()))
+        fields += gen.reasoning_fields(reasoning)
         if spec.output.keep_token_ids:
             fields.append(pa.field("completion_token_ids", pa.list_(pa.int32())))
         fields += [pa.field("finish_reason", pa.string()),
                    pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
-                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64())]
+                   *gen.count_fields(reasoning),
+                   pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64()), *gen.logprob_fields(spec)]
         return cls(key_field, tuple(kept), pa.schema(fields))
 
     def coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +96,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _kept_columns(spec: JobSpec, columns: list[str]) -> list[str]:
+def _kept_columns(spec: JobSpec, columns: list[str], own: tuple[str, ...]) -> list[str]:
     keep = spec.output.keep_columns
     if keep == "all":
         kept = list(columns)
@@ -102,7 +109,7 @@ def _kept_columns(spec: JobSpec, columns: list[str]) -> list[str]:
                            f"columns: {', '.join(columns)}")
         kept = list(keep)
     kept = [c for c in kept if c != spec.source.key_column]
-    clash = [c for c in kept if c in OUTPUT_COLUMNS]
+    clash = [c for c in kept if c in own]
     if clash and keep != "all":
         raise JobError(f"output.keep_columns {clash} clash with batchgen's output columns; drop them")
     return [c for c in kept if c not in clash]  # with keep_columns: all, batchgen's own columns win

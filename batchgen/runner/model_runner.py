@@ -1,9 +1,11 @@
 """ModelRunner: turns a ScheduledBatch into tensors, runs the packed forward pass, samples on the device.
 
-Only the last position of each sampling sequence goes through the LM head (`logits_to_keep`), and
-only token ids come back to the host. On CUDA three non-default streams carry a step: its inputs go through
-pinned A/B staging on an H2D stream (staging.py), the forward and the sampler run on the compute stream, the
-sampled ids come back on a D2H stream into pinned A/B slots; the host waits only for that last copy.
+Only the last position of each sampling sequence goes through the LM head (`logits_to_keep`), plus, for a
+sequence that asks for prompt log-probs, the chunk positions that score its prompt; only token ids (and the
+log-probs asked for, sample/logprobs.py) come back to the host. On CUDA three non-default streams carry a
+step: its inputs go through pinned A/B staging on an H2D stream (staging.py), the forward and the sampler run on
+the compute stream, the sampled ids come back on a D2H stream into pinned A/B slots; the host waits only for that
+last copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from batchgen.kernels.paged_prefill import prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
+from batchgen.sample import logprobs as lpmod
 from batchgen.sample.penalty import PenaltyTable
 from batchgen.sample.sampler import SamplingTensors, sample
 
@@ -40,6 +43,7 @@ class InFlight:
     tokens_gpu: torch.Tensor  # [S] int64, also the carry-over source of the next step
     tokens_host: torch.Tensor  # [S] int64, pinned on CUDA
     done: torch.cuda.Event | None  # recorded after the copy back; None on CPU (already there)
+    logprobs_host: dict[str, torch.Tensor] | None = None  # LogprobResult's tensors, pinned on CUDA; None: none
     # timing events on the compute stream around the step's device work (after the host prepared it), so
     # gaps between steps, where the device waits for the host, are not counted as busy; None on CPU
     busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -128,13 +132,24 @@ class ModelRunner:
         decode_only = batch.num_prefill_tokens == 0  # one token per sequence, and every sequence samples
         graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
         sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        keep = a.last_index[sampled]  # [S (+ P)] rows through the LM head: sampling rows, then prompt scoring
+        plan = lpmod.LogprobPlan.build(batch, a.last_index) if batch.num_logprob_seqs else None
+        extra = plan.host_arrays() if plan is not None else []
+        if plan is not None and plan.prompt_positions is not None:
+            keep = np.concatenate([keep, plan.prompt_positions])
+        if batch.num_forced:
+            extra.append(np.array([s.sampling.forced_token_id for s in batch.seqs if s.sampling is not None],
+                                  dtype=np.int64))
         # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA
         work = [prefill_work(a.q_lens, a.query_start_loc)] if self.use_triton and not graphed else []
         self.staging.begin_step()
         ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
             [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
-             a.query_start_loc.astype(np.int32), a.last_index[sampled], *work, *carry])
+             a.query_start_loc.astype(np.int32), keep, *work, *extra, *carry])
         work_d = rest.pop(0) if work else None
+        lp_inputs = lpmod.LogprobInputs.from_device(plan, rest) if plan is not None else None
+        rest = rest[len(plan.host_arrays()):] if plan is not None else rest
+        forced_d = rest.pop(0) if batch.num_forced else None
         carry_d = rest
         sampling = self._sampling(batch)
         self.prepare_s += time.perf_counter() - t0
@@ -144,7 +159,9 @@ class ModelRunner:
             busy[0].record()
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
             ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
+        num_sampled = len(sampled)
         if graphed:
+            assert plan is None or plan.prompt_positions is None, "a decode step scores no prompt"
             logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay
             tokens = greedy.clone() if sampling is None else sample(logits, sampling, self.use_triton)
@@ -162,22 +179,31 @@ class ModelRunner:
                     with paged_attention_enabled(self.model):
                         out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
                                          use_cache=False, **{METADATA_KWARG: attention})
-                    logits = out.logits[0]  # [S, V]: only the sampling rows went through the LM head, batch order
-            tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling, self.use_triton)
+                    logits = out.logits[0]  # [S + P, V]: the `keep` rows only, sampling rows in batch order
+            sample_logits = logits[:num_sampled]
+            tokens = sample_logits.argmax(dim=-1) if sampling is None else sample(sample_logits, sampling,
+                                                                                   self.use_triton)
+        if forced_d is not None:  # thinking budget: the end marker replaces whatever was drawn
+            tokens = torch.where(forced_d >= 0, forced_d, tokens)
+        lp_result = None
+        if lp_inputs is not None:  # from the raw logits, after the draw: the final tokens' log-probs
+            lp_result = lpmod.compute(logits[:num_sampled], tokens, logits[num_sampled:], lp_inputs)
         if sampling is not None and sampling.penalty is not None:  # the next step's penalty sees these tokens
             self.penalties.record(sampling.penalty_slot, tokens)
         self.staging.end_step()
         if busy is not None:
             busy[1].record()
-        return self._start_copy_back(tokens, busy)
+        return self._start_copy_back(tokens, lp_result, busy)
 
-    def _start_copy_back(self, tokens: torch.Tensor, busy=None) -> InFlight:
+    def _start_copy_back(self, tokens: torch.Tensor, lp_result: lpmod.LogprobResult | None,
+                         busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> InFlight:
         """Copy the sampled ids into a pinned host slot on the D2H stream; only that copy is ever waited on.
         Hazard: slots alternate, so at most two dispatched steps may be uncollected at any time (the engine
         keeps one in flight)."""
         self._last_tokens = tokens
+        lp_device = lp_result.tensors() if lp_result is not None else None
         if self.compute_stream is None:
-            return InFlight(tokens, tokens, None)
+            return InFlight(tokens, tokens, None, lp_device)
         n = tokens.shape[0]
         if n > self._out_host[0].numel():
             self._out_host = [torch.empty(2 * n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
@@ -186,10 +212,16 @@ class ModelRunner:
         self._d2h_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self._d2h_stream):
             host.copy_(tokens, non_blocking=True)
+            lp_host = None
+            if lp_device is not None:  # rare (rows asked): fresh pinned buffers from torch's host cache
+                lp_host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in lp_device.items()}
+                for k, v in lp_device.items():
+                    lp_host[k].copy_(v, non_blocking=True)
+                    v.record_stream(self._d2h_stream)
             done = torch.cuda.Event()
             done.record()
         tokens.record_stream(self._d2h_stream)  # keep its memory alive until the copy is done
-        return InFlight(tokens, host, done, busy)
+        return InFlight(tokens, host, done, lp_host, busy)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Block until the step's tokens are on the host (the only wait on the device)."""
@@ -197,7 +229,10 @@ class ModelRunner:
             step.done.synchronize()
         if step.busy is not None:  # both events are complete: the copy back came after them
             self.gpu_busy_s += step.busy[0].elapsed_time(step.busy[1]) / 1e3
-        return StepOutput(token_ids=step.tokens_host.tolist())
+        if step.logprobs_host is None:
+            return StepOutput(token_ids=step.tokens_host.tolist())
+        arrays = {k: v.numpy() for k, v in step.logprobs_host.items()}
+        return StepOutput(token_ids=step.tokens_host.tolist(), **arrays)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step synchronously: one sampled token per sequence with `sampling`, in batch order."""
