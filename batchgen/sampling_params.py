@@ -33,6 +33,11 @@ class SamplingParams(BaseModel):
     top_k: Annotated[int, Field(ge=0)] = 0
     min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    # issue 14: OpenAI penalties, as vLLM applies them: the logits of tokens the completion holds (prompt
+    # tokens do not count) lose frequency_penalty x their count and presence_penalty once
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(default_factory=dict)  # token id -> bias
     stop: tuple[str, ...] = ()  # stop strings; a single string is one stop string
     stop_token_ids: tuple[int, ...] = ()
     n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
@@ -74,6 +79,26 @@ class SamplingParams(BaseModel):
                              "prompt_logprobs: true")
         return self
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids_are_token_ids(cls, value: dict[int, float]) -> dict[int, float]:
+        bad = [t for t in value if t < 0]
+        if bad:
+            raise ValueError(f"logit_bias keys are token ids (>= 0), got {bad[:5]}")
+        return value
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model does not have (ValueError naming the field)."""
+        bad = sorted(t for t in (*self.logit_bias, *self.stop_token_ids) if t >= vocab_size)
+        if bad:
+            field = "logit_bias" if any(t in self.logit_bias for t in bad) else "stop_token_ids"
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the model's vocabulary of {vocab_size} tokens")
+
+    @property
+    def uses_penalty_table(self) -> bool:
+        """Whether a running sequence needs a row of the runner's table of the tokens it has seen."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

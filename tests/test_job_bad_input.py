@@ -43,6 +43,8 @@ def _edit(job, **sections):
     ("engine.max_num_seqs=0", "'engine.max_num_seqs' = 0"),
     ("sampling.max_new_tokens=lots", "'sampling.max_new_tokens' = 'lots'"),
     ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
+    ("sampling.frequency_penalty=2.5", "'sampling.frequency_penalty' = 2.5"),
+    ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
 ])
 def test_spec_errors_name_the_key_and_value(job, override, message):
     result = _run(job, "--set", override)

@@ -35,8 +35,9 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
         _request("req-a", {"model": "gpt-4o-mini", "messages": chat}),
         _request("req-b", {"model": "gpt-4o-mini", "messages": chat, "max_tokens": 3}),
         _request("req-c", {"messages": chat, "n": 2, "temperature": 0.9, "seed": 5, "max_completion_tokens": 6}),
-        _request("req-d", {"messages": chat, "presence_penalty": 0.5}),  # not supported: that line is rejected
-        _request("req-e", {"messages": chat, "stop": ["\n"], "stream": False, "user": "u1"}),
+        _request("req-d", {"messages": chat, "presence_penalty": 2.5}),  # outside OpenAI's -2..2: rejected
+        _request("req-e", {"messages": chat, "stop": ["\n"], "stream": False, "user": "u1",
+                           "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"5": -100}}),
         "{not json",
         _request("req-g", {"prompt": "Hello"}, url="/v1/completions"),  # another endpoint than the file's
     ]

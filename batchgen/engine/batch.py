@@ -25,12 +25,22 @@ class SeqSampling:
     repetition_penalty: float  # 1.0 -> off
     seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
     suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
-    # repetition_penalty != 1: the sequence's row of the runner's PenaltyTable (sample/penalty.py), and, on the
-    # first step that samples after the slot was assigned, its whole history (prompt + output, all known then:
-    # a sequence is admitted only with no token in flight) to initialise that row; None on later steps, whose
-    # sampled tokens the runner marks on the device.
+    # issue 14: OpenAI penalties and logit bias (see SamplingParams)
+    presence_penalty: float = 0.0  # 0.0 -> off
+    frequency_penalty: float = 0.0  # 0.0 -> off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits first
+    # any of the three penalties on: the sequence's row of the runner's PenaltyTable (sample/penalty.py), and, on
+    # the first step that samples after the slot was assigned, its whole history (prompt + output, all known then:
+    # a sequence is admitted only with no token in flight) to initialise that row, the first
+    # `penalty_num_prompt` of them its prompt's; None on later steps, whose sampled tokens the runner counts
+    # on the device.
     penalty_slot: int = -1
     penalty_history: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
+    penalty_num_prompt: int = 0
+
+    @property
+    def uses_penalty_table(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
     # issue 14: logprobs / reasoning
     logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
     forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)

@@ -163,6 +163,7 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
+        params.check_vocab(self.runner.vocab_size)
         seeds = list(sample_seeds) if sample_seeds is not None else [
             params.seed if i == 0 else derive_seed(params.seed, i) for i in range(params.n)]
         if len(seeds) != params.n:

@@ -82,6 +82,10 @@ class JobLoop:
         self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
+        try:
+            spec.sampling.check_vocab(config.get_text_config().vocab_size)
+        except ValueError as e:
+            raise JobError(f"sampling.{e}") from None
         context = spec.engine.context_length(config)
         max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
         if max_prompt < 1:
@@ -253,7 +257,7 @@ class JobLoop:
         seeds = [derive_seed(params.seed, key, i) for i in range(params.n)]
         try:
             rid = self._engine().add_request(ids, params, sample_seeds=seeds)
-        except ValueError as e:  # a row's own thinking_budget without usable think markers
+        except ValueError as e:  # a row's own thinking_budget without usable think markers, or logit_bias ids
             self._reject(key, row.position, "bad_sampling", str(e))
             return
         pending[rid] = (key, row.position, kept, text, len(ids), params.stop)

@@ -36,6 +36,10 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
         raise JobError(f"cannot load the tokenizer/config of model.path {spec.model.path!r}: "
                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     text = config.get_text_config()
+    try:
+        spec.sampling.check_vocab(text.vocab_size)
+    except ValueError as e:
+        raise JobError(f"sampling.{e}") from None
     context = spec.engine.max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
     geo = KVGeometry.from_config(config)
     lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "

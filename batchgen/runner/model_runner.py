@@ -99,7 +99,8 @@ class ModelRunner:
         """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
         and nothing needs copying)."""
         rows = [(s.sampling, s.seq_len) for s in batch.seqs if s.sampling is not None]
-        if all(r.temperature == 0 and r.repetition_penalty == 1.0 and not r.suppressed_token_ids for r, _ in rows):
+        if all(r.temperature == 0 and not r.uses_penalty_table and not r.suppressed_token_ids and not r.logit_bias
+               for r, _ in rows):
             return None
         return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device,
                                      to_device=self.staging.to_device, penalty_table=self.penalties)

@@ -1,8 +1,9 @@
 """Sampler: one token per sampled sequence, from fp32 logits, on the logits' device.
 
 Random draws use the Gumbel-max trick with noise from `noise.py` (a function of seed, position and vocab id).
-Order of operations (as transformers' generate): repetition penalty, suppression (min_new_tokens),
-temperature, top-k, top-p, min-p, then argmax (greedy) or Gumbel-max (sampling).
+Order of operations: logit bias, repetition penalty (as transformers' generate), frequency and presence
+penalties (as vLLM and OpenAI: output tokens only), suppression (min_new_tokens), temperature, top-k, top-p,
+min-p, then argmax (greedy) or Gumbel-max (sampling).
 
 Two implementations of the steps after suppression: `sample_ref` in torch (CPU, and the reference: a full sort
 for top-k/top-p), and on CUDA the sort-free Triton kernel `kernels/sample.py` (one program per row).
@@ -25,16 +26,25 @@ def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) 
     with torch.profiler.record_function("batchgen.sample"):
         if not use_triton:
             return sample_ref(logits, st)
-        if st.penalty is not None or st.suppress_rows is not None:
+        if st.penalty is not None or st.suppress_rows is not None or st.bias_rows is not None:
             logits = apply_penalties(logits.float(), st)
         return sample_rows(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.noise_key)
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The repetition penalty and the suppressed tokens (min_new_tokens) on fp32 logits [S, V]."""
-    if st.penalty is not None:  # tokens the row's sequence has seen: negative logits * p, positive / p
-        p = st.penalty[:, None]
-        logits = torch.where(st.penalty_seen[st.penalty_slot], torch.where(logits < 0, logits * p, logits / p), logits)
+    """Logit bias, the repetition / frequency / presence penalties and the suppressed tokens (min_new_tokens) on
+    fp32 logits [S, V]. Each step runs only when some row of the step uses it (a row that does not carries
+    neutral values), so a step with the repetition penalty alone rounds exactly as transformers' processor."""
+    if st.bias_rows is not None:
+        logits = logits.index_put((st.bias_rows, st.bias_token_ids), st.bias_values, accumulate=True)
+    if st.penalty_counts is not None:
+        counts = st.penalty_counts[st.penalty_slot]  # [S, V] int32: bit 0 prompt, >> 1 output count
+        if st.any_repetition:  # tokens the row's sequence has seen: negative logits * p, positive / p
+            p = st.penalty[:, None]
+            logits = torch.where(counts != 0, torch.where(logits < 0, logits * p, logits / p), logits)
+        if st.any_additive:  # output tokens: - frequency x count - presence once
+            in_output = counts >> 1
+            logits = logits - st.frequency[:, None] * in_output - st.presence[:, None] * (in_output > 0)
     if st.suppress_rows is not None:
         # the fill value is made on the device: a host scalar tensor would be a synchronising copy
         logits = logits.index_put((st.suppress_rows, st.suppress_token_ids), logits.new_full((1,), float("-inf")))

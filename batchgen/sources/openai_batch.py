@@ -5,9 +5,9 @@ Each line becomes a row with columns `custom_id` (the row key), `messages` (url 
 `prompt` (url /v1/completions), and `sampling`: the body's generation fields mapped onto the job's `sampling:`
 names, which `source.sampling_column` applies per row (job/row_sampling.py), so a bad or unsupported value
 rejects that line as `bad_sampling` naming the field. Mapped: max_tokens / max_completion_tokens ->
-max_new_tokens, temperature, top_p, n, stop, seed. Accepted and ignored: model (every line runs the job's
-model; one notice), user, metadata, store, stream: false, and presence_penalty / frequency_penalty 0, logprobs false,
-response_format {type: text}. Anything else is passed on under its own name and rejects its line.
+max_new_tokens, temperature, top_p, n, stop, seed, presence_penalty, frequency_penalty, logit_bias (token id
+strings as keys). Accepted and ignored: model (every line runs the job's model; one notice), user, metadata,
+store, stream: false, logprobs false, response_format {type: text}. Anything else is passed on under its own name and rejects its line.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
 """
@@ -28,9 +28,9 @@ from batchgen.sources.jsonl import JsonlSource
 
 ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # url -> the prompt's column
 RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-MAPPED = {"temperature", "top_p", "n", "stop", "seed"}
+MAPPED = {"temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias"}
 IGNORED = {"model", "user", "metadata", "store", "messages", "prompt"}
-NEUTRAL = {"stream": (False, None), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+NEUTRAL = {"stream": (False, None), "presence_penalty": (None,), "frequency_penalty": (None,), "logit_bias": (None,),
            "logprobs": (False, None), "top_logprobs": (0, None)}
 
 
