@@ -43,11 +43,17 @@ def make_tokenizer():
 
 
 # the families with batchgen's fused forwards
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "starcoder2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+         "starcoder2")
 # config values that make each family's quirks visible in greedy outputs (multipliers far from 1)
 ARCH_OVERRIDES = {
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
                     logits_scaling=2.5),
+    # a window shorter than most test prompts, caps low enough to bind, a scale other than head_dim ** -0.5
+    "gemma2": dict(head_dim=16, sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=6.0,
+                   query_pre_attn_scalar=9),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=9,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -59,7 +65,8 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
                "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
                "gemma": (T.GemmaConfig, T.GemmaForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
                "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM), "granite": (T.GraniteConfig, T.GraniteForCausalLM),
-               "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM)}
+               "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM),
+               "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM), "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -73,7 +80,7 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
     # Random init gives near-uniform logits; sharpen them so greedy ties (fp noise flips) are implausible.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-        if arch == "gemma":  # Gemma's norm weights start at 0 (a scale of 1): make the (1 + w) visible
+        if arch.startswith("gemma"):  # Gemma's norm weights start at 0 (a scale of 1): make the (1 + w) visible
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.3)

@@ -213,7 +213,7 @@ def test_fused_decode_and_packed_steps_with_triton_kernels_match_the_reference_p
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    archs = ["llama", "qwen3", "gemma", "phi3", "olmo2", "granite", "starcoder2"]
+    archs = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "starcoder2"]
     result = subprocess.run([sys.executable, "-c", FUSED_STEP_INTERPRET_SCRIPT, *archs], env=env, capture_output=True,
                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -26,23 +26,28 @@ def _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens, dty
     return query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
-def _reference(query, k_cache, v_cache, block_tables, seq_lens, scale):
+def _reference(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None):
     n = query.shape[0]
     qsl = torch.arange(n + 1, dtype=torch.int32, device=query.device)
     real = seq_lens.clamp(min=1)  # the reference has no notion of an empty sequence
     out = paged_attention_ref(query.double(), k_cache.double(), v_cache.double(), qsl, real, block_tables, 1,
-                              int(real.max()), scale)
+                              int(real.max()), scale, sliding_window=sliding_window, softcap=softcap)
     return torch.where((seq_lens > 0)[:, None, None], out, 0.0)
 
 
-def _check(device, dtype, tol, num_splits=4, block_n=16, **shape):
+def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, softcap=None, **shape):
     from batchgen.kernels.paged_decode import paged_decode_attention
 
     query, k_cache, v_cache, block_tables, seq_lens = _case(dtype=dtype, device=device, **shape)
     scale = shape["head_dim"] ** -0.5
+    if softcap is not None:
+        query = query * 8  # large scores, so the cap matters
     out = paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
-                                 block_n=block_n)
-    ref = _reference(query, k_cache, v_cache, block_tables, seq_lens, scale)
+                                 block_n=block_n, sliding_window=sliding_window, softcap=softcap)
+    ref = _reference(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    if sliding_window is not None or softcap is not None:  # the options change the result
+        plain = _reference(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        assert (plain - ref).norm() > 1e-3 * ref.norm()
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
@@ -58,6 +63,13 @@ _check("cpu", torch.float32, 1e-5, num_seqs=2, num_heads=6, num_kv_heads=6, head
        seq_lens=[0, 19])  # no GQA, head_dim not a power of 2, a padding row
 _check("cpu", torch.float32, 1e-5, num_splits=1, block_n=32, num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=16,
        block_size=16, seq_lens=[70, 0, 3])  # one split: the split kernel writes the output, no merge
+for splits in (1, 2, 4):  # Gemma2/3: a window shorter and longer than the contexts, soft-capping, both
+    _check("cpu", torch.float32, 1e-5, num_splits=splits, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16,
+           block_size=8, seq_lens=[70, 0, 3, 41], sliding_window=20)
+    _check("cpu", torch.float32, 1e-5, num_splits=splits, num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=16,
+           block_size=8, seq_lens=[70, 9, 33], softcap=5.0)
+_check("cpu", torch.float32, 1e-5, num_splits=2, num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=16,
+       block_size=8, seq_lens=[70, 9, 33], sliding_window=16, softcap=5.0)
 print("ok")
 """
 
@@ -100,7 +112,7 @@ def test_paged_decode_kernel_writes_every_output_element():
 
 
 def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-                          num_splits=None, seed=0):
+                          num_splits=None, seed=0, sliding_window=None, softcap=None):
     """paged_decode_rope_attention against rope_kv_ref + the attention reference: the output, and the caches
     (the new tokens' K/V written, nothing else touched)."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
@@ -119,9 +131,9 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
                         + pos % block_size, trash_block * block_size)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q = rope_kv_ref(qkv, cos, sin, slots, k_ref, v_ref, num_heads, num_kv_heads)
-    ref = _reference(q, k_ref, v_ref, block_tables, lens, head_dim ** -0.5)
+    ref = _reference(q, k_ref, v_ref, block_tables, lens, head_dim ** -0.5, sliding_window, softcap)
     out = paged_decode_rope_attention(qkv, cos, sin, slots, k_cache, v_cache, block_tables, lens, head_dim ** -0.5,
-                                      num_heads, num_splits=num_splits)
+                                      num_heads, num_splits=num_splits, sliding_window=sliding_window, softcap=softcap)
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
@@ -137,6 +149,9 @@ from test_kernels import _check_rope_attention
 for splits in (1, 2, 4):  # the new token in the first, a middle and the last split; empty splits; a padding row
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits)
 _check_rope_attention("cpu", torch.float32, 1e-5, [5, 19], num_heads=6, num_kv_heads=6, head_dim=24, block_size=8)
+for splits in (1, 2):  # Gemma2/3 layers: the new token is always inside the window
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits, sliding_window=12,
+                          softcap=0.5)
 print("ok")
 """
 
@@ -333,3 +348,12 @@ def test_greedy_argmax_kernel_equals_torch_argmax_bf16_on_gpu(rows):
 
     x = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)  # bf16: many exact ties
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+def test_paged_decode_kernel_with_window_and_softcap_bf16_on_gpu():
+    """Gemma2 / Gemma3 layers on the GPU: a 4,096-token window over longer and shorter contexts, soft-capping."""
+    seq_lens = [1, 5, 300, 4096, 8448, 17, 0, 2048] * 4
+    for window, cap in ((4096, None), (None, 50.0), (1000, 30.0)):
+        _check("cuda", torch.bfloat16, 2e-2, num_splits=None, block_n=None, num_seqs=len(seq_lens), num_heads=16,
+               num_kv_heads=8, head_dim=256, block_size=16, seq_lens=seq_lens, sliding_window=window, softcap=cap)

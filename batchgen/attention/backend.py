@@ -1,5 +1,5 @@
 """The one place that picks an attention kernel for a step: Triton decode, Triton ragged prefill, or the torch
-reference (CPU, and what the kernels cannot serve: soft-capping and windows shorter than the context in decode).
+reference (CPU). Both kernels serve sliding windows and soft-capping (Gemma2/Gemma3 layers).
 
 Callers: transformers' attention hook (`interface.py`: prefill, mixed and non-fused decode steps), which
 hands over the step's queries and new K/V (written into the paged cache here, before any sequence attends),
@@ -33,28 +33,32 @@ class AttentionMetadata:
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, scale: float, use_triton: bool, max_seq_len: int | None = None) -> torch.Tensor:
+           seq_lens: torch.Tensor, scale: float, use_triton: bool, max_seq_len: int | None = None,
+           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence over a cache that already holds it. q: [B, H, D]; caches: [N, bs, Hkv, D];
     block_tables: [B, W] int32; seq_lens: [B] int32. Returns [B, H, D]. `max_seq_len` (reference only):
     a bound on seq_lens known on the host; None reads it from seq_lens."""
     if use_triton:
         from batchgen.kernels.paged_decode import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      sliding_window=sliding_window, softcap=softcap)
     qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     bound = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, 1, bound, scale)
+    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, 1, bound, scale,
+                               sliding_window=sliding_window, softcap=softcap)
 
 
 def decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                scale: float, num_heads: int) -> torch.Tensor:
+                scale: float, num_heads: int, sliding_window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
     """Rotary embedding, K/V cache write and decode attention in one Triton kernel (CUDA only; callers on CPU
     run `kernels.rope_kv.rope_kv` and `decode`). qkv: [B, (H + 2 Hkv) D]; cos/sin: [B, D]. Returns [B, H, D]."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
 
     return paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       num_heads)
+                                       num_heads, sliding_window=sliding_window, softcap=softcap)
 
 
 def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -62,11 +66,12 @@ def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torc
     """A packed step of any shape through transformers' modules. q: [T, H, D]; k_new/v_new: [T, Hkv, D].
     Returns [T, H, D]."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
-    if meta.use_triton and _decode_ok(meta, sliding_window, softcap) and meta.max_query_len == 1:
+    if meta.use_triton and meta.max_query_len == 1:
         # Decode-only step; a graph's metadata may be a larger static buffer: slice it to the step's tokens.
         n = q.shape[0]
         return torch.ops.batchgen.decode_attention(q, k_new, v_new, meta.slot_mapping[:n], meta.block_tables[:n],
-                                                   meta.seq_lens[:n], meta.kv_cache.cache_id, layer_idx, scale)
+                                                   meta.seq_lens[:n], meta.kv_cache.cache_id, layer_idx, scale,
+                                                   sliding_window or 0, softcap or 0.0)
     write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
     return attend_cached(meta, q, k_cache, v_cache, scale, sliding_window, softcap)
 
@@ -78,12 +83,13 @@ def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
     if meta.use_triton and meta.prefill_work is not None:
         # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel
         # where it applies; every other row the prefill kernel, over its own sequence only.
-        d = meta.num_decode_seqs if _decode_ok(meta, sliding_window, softcap) else 0
+        d = meta.num_decode_seqs
         out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
                                       out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
         if d:
-            out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, True)
+            out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, True,
+                             sliding_window=sliding_window, softcap=softcap)
         return out
     # CPU (and graphs of models the decode kernel cannot serve): the torch reference.
     return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -91,23 +97,21 @@ def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
                                softcap=softcap)
 
 
-def _decode_ok(meta: AttentionMetadata, sliding_window: int | None, softcap: float | None) -> bool:
-    """Whether the decode kernel serves this layer (no soft-capping, no window shorter than the context)."""
-    return softcap is None and (sliding_window is None or sliding_window >= meta.max_seq_len)
-
-
 @torch.library.custom_op("batchgen::decode_attention", mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, cache_id: int, layer_idx: int,
-                     scale: float) -> torch.Tensor:
-    """Write the step's K/V of layer `layer_idx` into the cache, then Triton decode attention. One opaque op
-    for torch.compile; the cache is reached by id, so the compiler never sees (or copies) the mutation.
-    Order is safe: the op's output feeds the next layer, so layers cannot be reordered around it."""
+                     scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """Write the step's K/V of layer `layer_idx` into the cache, then Triton decode attention (sliding_window
+    0 and softcap 0.0: none). One opaque op for torch.compile; the cache is reached by id, so the compiler never
+    sees (or copies) the mutation. Order is safe: the op's output feeds the next layer, so layers cannot be
+    reordered around it."""
     k_cache, v_cache = KVCache.lookup(cache_id).layer(layer_idx)
     write_kv(k_cache, v_cache, key, value, slot_mapping)
-    return decode(query, k_cache, v_cache, block_tables, seq_lens, scale, use_triton=True)
+    return decode(query, k_cache, v_cache, block_tables, seq_lens, scale, use_triton=True,
+                  sliding_window=sliding_window or None, softcap=softcap or None)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(query, key, value, slot_mapping, block_tables, seq_lens, cache_id, layer_idx, scale):
+def _decode_attention_fake(query, key, value, slot_mapping, block_tables, seq_lens, cache_id, layer_idx, scale,
+                           sliding_window, softcap):
     return torch.empty_like(query)

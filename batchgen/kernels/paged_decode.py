@@ -7,6 +7,10 @@ output itself, and no merge kernel runs. The grid depends only on (num_seqs, num
 and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
 replayed with new contents. A sequence with seq_len == 0 (a padding row of a graph bucket) gets zeros.
 
+Gemma2/Gemma3 layers: `sliding_window` W (a query at position p sees keys p - W < k <= p, as the prefill kernel
+and transformers' sliding masks) narrows every split's range to the window, so K/V outside it are never read;
+`softcap` c maps each score s to c * tanh(s / c) before the softmax.
+
 `paged_decode_rope_attention` also does rope_kv's work (kernels/rope_kv.py) in the same kernel, saving a
 launch per layer: queries are rotated as they are loaded from the QKV projection, and the program whose
 split holds the new token rotates its key, writes key and value to the token's cache slot, and attends to
@@ -31,23 +35,35 @@ def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
 
 
 @triton.jit
+def _softcapped(s, softcap):
+    """softcap * tanh(s / softcap), with tanh from one exp of a non-positive argument (no overflow)."""
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.abs(x))
+    return softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
-    scale,
+    scale, softcap, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_cs,
     stride_kn, stride_kb, stride_kh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * chunk
+    lo = 0
+    if HAS_WINDOW:  # the query (position seq_len - 1) sees positions > seq_len - 1 - window
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, GROUP_P)
@@ -90,6 +106,8 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            scores = _softcapped(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -103,6 +121,8 @@ def _decode_split_kernel(
             tl.store(k_cache_ptr + slot * stride_kb + h * stride_kh + d, k_new, mask=d_mask)
             tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
+            if HAS_SOFTCAP:
+                score = _softcapped(score, softcap)
             m_new = tl.maximum(m_i, score)
             p = tl.exp(score - m_new)
             alpha = tl.exp(m_i - m_new)
@@ -169,10 +189,12 @@ def paged_decode_attention(
     block_n: int | None = None,  # None: the launch bench/profile_decode measured best (see _launch)
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,  # keys within the last `sliding_window` positions only (Gemma2/3 layers)
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma2)
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
     return _launch(query, query.shape[1], None, k_cache, v_cache, block_tables, seq_lens, scale,
-                   num_splits, block_n, num_warps, num_stages)
+                   num_splits, block_n, num_warps, num_stages, sliding_window, softcap)
 
 
 def paged_decode_rope_attention(
@@ -187,17 +209,19 @@ def paged_decode_rope_attention(
     scale: float,
     num_heads: int,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """rope_kv (without Qwen3's q/k norm) followed by paged_decode_attention, in one kernel."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
-                   num_splits, None, None, None)
+                   num_splits, None, None, None, sliding_window, softcap)
 
 
 def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale,
-            num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
+            num_splits, block_n, num_warps, num_stages, sliding_window=None, softcap=None) -> torch.Tensor:
     num_seqs = q_src.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_splits is None:
@@ -232,10 +256,11 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
-        stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
+        softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, **launch,
+        NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, **launch,
     )
     if num_splits == 1:
         return out

@@ -82,23 +82,26 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
 
 def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
                num_heads: int, num_kv_heads: int, scale: float,
-               qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False) -> torch.Tensor:
+               qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False,
+               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
     [B, H D]. `qk_norm` and `rotate_fp32` (the rotation in fp32, rounded once: OLMo2) keep the rotary in its own
     kernel; otherwise on CUDA a decode step's rotary and cache write run inside the attention kernel. A packed
-    step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its decode rows)."""
+    step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its decode rows).
+    `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3)."""
+    window = {"sliding_window": sliding_window, "softcap": softcap}
     if step.packed is not None:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
-        attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale)
+        attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale, **window)
     elif step.use_triton and qk_norm is None and not rotate_fp32:
         attn = backend.decode_rope(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, step.block_tables,
-                                   step.seq_lens, scale, num_heads)  # [B, H, D]
+                                   step.seq_lens, scale, num_heads, **window)  # [B, H, D]
     else:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale, step.use_triton,
-                              step.max_seq_len)  # [B, H, D]
+                              step.max_seq_len, **window)  # [B, H, D]
     return attn.reshape(qkv.shape[0], -1)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.models import gemma, granite, llama, olmo2, phi3, starcoder2
+from batchgen.models import gemma, gemma2, granite, llama, olmo2, phi3, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.transformers_forward import TransformersDecode
 
@@ -18,6 +18,7 @@ from batchgen.models.transformers_forward import TransformersDecode
 DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
     **{t: (llama.unsupported_reason, llama.LlamaDecoder) for t in llama.MODEL_TYPES},
     **{t: (gemma.unsupported_reason, gemma.GemmaDecoder) for t in gemma.MODEL_TYPES},
+    **{t: (gemma2.unsupported_reason, gemma2.Gemma2Decoder) for t in gemma2.MODEL_TYPES},
     **{t: (phi3.unsupported_reason, phi3.Phi3Decoder) for t in phi3.MODEL_TYPES},
     **{t: (olmo2.unsupported_reason, olmo2.Olmo2Decoder) for t in olmo2.MODEL_TYPES},
     **{t: (granite.unsupported_reason, granite.GraniteDecoder) for t in granite.MODEL_TYPES},
