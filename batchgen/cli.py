@@ -208,12 +208,24 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           compare_last: Annotated[bool, typer.Option(
               help="job: run the --compare checkout after this one, not before (alternate to see order effects).")]
           = False,
+          model_geometry: Annotated[str, typer.Option(
+              help="seed, job: the model's shape, random bf16 weights (llama-8b, mistral-7b, qwen3-8b, gemma2-9b, "
+                   "gemma3-12b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, mixtral-8x7b).")] = "llama-8b",
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
 
     if workload not in ("seed", "mixed", "job"):
         typer.echo(f"batchgen: error: --workload must be 'seed', 'mixed' or 'job', got {workload!r}", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    from batchgen.bench.geometries import GEOMETRIES
+
+    if model_geometry not in GEOMETRIES:
+        typer.echo(f"batchgen: error: --model-geometry must be one of {', '.join(GEOMETRIES)}, got {model_geometry!r}",
+                   err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if workload == "mixed" and model_geometry != "llama-8b":
+        typer.echo("batchgen: error: the mixed workload runs the llama-8b geometry only", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
     if not torch.cuda.is_available():
         typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
@@ -223,7 +235,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
-                 compare=compare, compare_last=compare_last)
+                 compare=compare, compare_last=compare_last, geometry=model_geometry)
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main
@@ -240,7 +252,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
     requests = requests or 32
     bench_main(new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
-               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests)
+               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests, geometry=model_geometry)
 
 
 def main() -> None:  # pragma: no cover

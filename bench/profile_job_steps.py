@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.bench.job import STYLES, TOPICS, WORDS, kernel_kinds  # noqa: E402
-from batchgen.bench.seed import LLAMA_8B  # noqa: E402
+from batchgen.bench.geometries import LLAMA_8B  # noqa: E402
 
 
 def build(tok_dir: str):

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
-from batchgen.bench.seed import LLAMA_8B, Ceilings, measure_ceilings
+from batchgen.bench.geometries import decode_bytes, model_config
+from batchgen.bench.seed import Ceilings, measure_ceilings
 
 TOPICS = ["the sea", "bread", "ancient Rome", "bees", "jazz", "black holes", "maps", "tea", "rain", "clocks",
           "owls", "salt", "volcanoes", "chess", "glass", "trains", "coral reefs", "paper", "bridges", "honey"]
@@ -51,26 +52,25 @@ def tokenizer_dir(given: str | None, work_dir: Path) -> Path:
     return out
 
 
-def build_model_dir(work_dir: Path, tok_dir: Path) -> tuple[Path, int]:
-    """Save the 8B-geometry random model with the tokenizer; returns (folder, parameter count)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def build_model_dir(work_dir: Path, tok_dir: Path, geometry: str = "llama-8b") -> Path:
+    """Save a random bf16 model of `geometry` (bench/geometries.py) with the tokenizer's vocabulary and the
+    tokenizer itself; reused when an earlier bench run in this work dir built it (the same seed-0 weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = work_dir / "model"
-    index = path / "model.safetensors.index.json"
-    if index.exists():  # built by an earlier bench run in this work dir: the same seed-0 weights
-        return path, json.loads(index.read_text())["metadata"]["total_size"] // 2  # bf16: 2 bytes a parameter
+    path = work_dir / ("model" if geometry == "llama-8b" else f"model-{geometry}")
+    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
+        return path
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    cfg = dict(LLAMA_8B, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
+    config = model_config(geometry, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
-    num_params = sum(p.numel() for p in model.parameters())
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     del model
     torch.cuda.empty_cache()
-    return path, num_params
+    return path
 
 
 def write_source(work_dir: Path, rows: int) -> Path:
@@ -102,21 +102,18 @@ def write_job(work_dir: Path, model_dir: Path, source: Path, new_tokens: int, na
     return path
 
 
-def run_limit_s(outputs: list[dict], num_params: int, num_steps: int, c: Ceilings) -> float:
+def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> float:
     """The run's limit: each step's GEMMs (FLOPs at the matmul rate, or weight bytes at bandwidth, whichever is
-    longer), every generated token's K/V reads at bandwidth, prefill FLOPs at the matmul rate."""
-    g = LLAMA_8B
-    head_dim = g["hidden_size"] // g["num_attention_heads"]
-    kv_per_token = g["num_hidden_layers"] * g["num_key_value_heads"] * head_dim * 2 * 2  # K and V, bf16
-    vocab = outputs[0]["vocab_size"]
-    weight_bytes = (num_params - vocab * g["hidden_size"]) * 2  # the embedding is gathered, not read whole
+    longer; MoE: every expert's bytes, an upper bound until the run's routing is counted), every generated
+    token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate."""
+    b = decode_bytes(config)
+    top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
+    per_token = b.active_params_per_token(top_k)
     generated = sum(o["num_completion_tokens"] for o in outputs)
     prompt = sum(o["num_prompt_tokens"] for o in outputs)
-    gemm_s = max(2 * (num_params - vocab * g["hidden_size"]) * generated / c.matmul_flop_s,
-                 num_steps * weight_bytes / c.copy_bytes_s)
-    kv_bytes = sum(kv_per_token * (n * p + n * (n - 1) // 2)
-                   for p, n in ((o["num_prompt_tokens"], o["num_completion_tokens"]) for o in outputs))
-    return gemm_s + kv_bytes / c.copy_bytes_s + 2 * num_params * prompt / c.matmul_flop_s
+    gemm_s = max(2 * per_token * generated / c.matmul_flop_s, num_steps * b.weight_bytes() / c.copy_bytes_s)
+    kv_bytes = sum(b.kv_bytes_decoding(o["num_prompt_tokens"], o["num_completion_tokens"]) for o in outputs)
+    return gemm_s + kv_bytes / c.copy_bytes_s + 2 * per_token * prompt / c.matmul_flop_s
 
 
 def steady_tok_s(log_path: Path, rows: int) -> float | None:
@@ -129,8 +126,8 @@ def steady_tok_s(log_path: Path, rows: int) -> float | None:
     return (mid[-1][field] - mid[0][field]) / (mid[-1]["elapsed_s"] - mid[0]["elapsed_s"])
 
 
-def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, vocab: int,
-            num_params: int, c: Ceilings, batchgen_dir: str | None = None) -> dict:
+def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, config, c: Ceilings,
+            batchgen_dir: str | None = None) -> dict:
     """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout)."""
     import os
 
@@ -148,10 +145,10 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     report = json.loads((out_dir / "reports" / "w00000.json").read_text())
     table = pq.read_table(glob.glob(str(out_dir / "data" / "*.parquet")),
                           columns=["num_prompt_tokens", "num_completion_tokens"]).to_pylist()
-    outputs = [dict(o, vocab_size=vocab) for o in table]
+    outputs = table
     e = report["engine"]
     steps = e["num_steps"]
-    limit = run_limit_s(outputs, num_params, steps, c)
+    limit = run_limit_s(outputs, config, steps, c)
     tokens = report["generated_tokens"]
     return {
         "code": batchgen_dir or "this", "max_num_seqs": max_num_seqs, "repetition_penalty": penalty,
@@ -238,19 +235,23 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
-         json_path: str | None = None, compare: str | None = None, compare_last: bool = False) -> dict:
+         json_path: str | None = None, compare: str | None = None, compare_last: bool = False,
+         geometry: str = "llama-8b") -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
     tok_dir = tokenizer_dir(tokenizer, work)
-    model_dir, num_params = build_model_dir(work, tok_dir)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    from transformers import AutoConfig
+
+    model_dir = build_model_dir(work, tok_dir, geometry)
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab = config.get_text_config().vocab_size
     job = write_job(work, model_dir, write_source(work, rows), new_tokens)
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
               "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
-              "vocab_size": vocab, "runs": [], "profiles": []}
+              "vocab_size": vocab, "geometry": geometry, "runs": [], "profiles": []}
     # Warm-up: a short run of every configuration and checkout first, so that Triton's compilation (a first
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two
     # otherwise equal runs 25 % slower.
@@ -260,12 +261,12 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         warm = write_job(work, model_dir, write_source(work, s + 64), 32, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
             for code in [compare, None] if compare else [None]:
-                run_job(warm, work / "out-warm", s, p, s + 64, vocab, num_params, ceilings, code)
+                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code)
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
             order = ([compare] if compare else []) + [None]  # the other checkout first, then this one
             for code in reversed(order) if compare_last else order:
-                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, vocab, num_params, ceilings, code)
+                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code)
                 report["runs"].append(r)
                 print("run", json.dumps(r), flush=True)
     if profile_steps_n:

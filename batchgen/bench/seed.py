@@ -14,12 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                rope_theta=500000.0, tie_word_embeddings=False,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192},
-                bos_token_id=128000, eos_token_id=128001)
+from batchgen.bench.geometries import LLAMA_8B, decode_bytes, model_config  # noqa: F401 (LLAMA_8B: bench scripts)
 
 
 @dataclass
@@ -54,25 +49,31 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(bw, flops)
 
 
-def floor_seconds(config, num_params: int, requests: int, prompt: int, new: int, c: Ceilings) -> float:
-    head_dim = config.hidden_size // config.num_attention_heads
-    weights = (num_params - config.vocab_size * config.hidden_size) * 2  # embedding rows are gathered
-    kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
-    kv = requests * kv_per_token * sum(prompt + k for k in range(new))
-    return (new * weights + kv) / c.copy_bytes_s + 2 * num_params * requests * prompt / c.matmul_flop_s
+def floor_seconds(config, requests: int, prompt: int, new: int, c: Ceilings,
+                  distinct_experts_per_step: float | None = None) -> float:
+    """Every decode step's weight bytes (MoE: the experts it routes to, summed over layers; None: all of
+    them) and every sequence's cached K/V bytes (sliding layers: their window) at the copy bandwidth, plus
+    the prefill's FLOPs at the matmul rate."""
+    b = decode_bytes(config)
+    top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
+    weights = new * b.weight_bytes(None if distinct_experts_per_step is None else round(distinct_experts_per_step))
+    kv = requests * b.kv_bytes_decoding(prompt, new)
+    prefill_flops = 2 * b.active_params_per_token(top_k) * requests * prompt
+    return (weights + kv) / c.copy_bytes_s + prefill_flops / c.matmul_flop_s
 
 
-def build_model(num_layers: int | None = None):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build_model(num_layers: int | None = None, geometry: str = "llama-8b"):
+    """Random bf16 weights (seed 0) at a real model's geometry (bench/geometries.py), on the GPU."""
+    from transformers import AutoModelForCausalLM
 
-    kw = dict(LLAMA_8B)
-    if num_layers:
-        kw["num_hidden_layers"] = num_layers
+    config = model_config(geometry, **({"num_hidden_layers": num_layers} if num_layers else {}))
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**kw), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa").eval()
-    return model
+        try:  # sdpa for transformers' own runs where the architecture has it (Gemma2 does not: soft-capping)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        except ValueError:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+    return model.eval()
 
 
 def seed_prompts(requests: int, prompt_len: int) -> list[list[int]]:
@@ -130,6 +131,7 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     release(engine)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
+            "decode_path": engine.runner.decode_forward.name,
             "_token_ids": tokens_out,
             "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,
@@ -206,13 +208,15 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str
 
 
 def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
-         json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs") -> dict:
+         json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs",
+         geometry: str = "llama-8b") -> dict:
     ceilings = measure_ceilings()
-    model = build_model()
-    num_params = sum(p.numel() for p in model.parameters())
+    model = build_model(geometry=geometry)
     prompts = seed_prompts(requests, prompt_len)
-    floor = floor_seconds(model.config, num_params, requests, prompt_len, new_tokens, ceilings)
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    # MoE: every expert in every step (an upper bound) until the run's routing is counted
+    floor = floor_seconds(model.config, requests, prompt_len, new_tokens, ceilings)
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry,
+              "floor_counts_all_experts": bool(decode_bytes(model.config).num_experts),
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "floor_s": floor,
               "floor_tok_s": requests * new_tokens / floor}

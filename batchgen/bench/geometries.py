@@ -1,0 +1,133 @@
+"""Real model geometries for `batchgen bench --model-geometry NAME`: random bf16 weights at the published shape of
+each model (seed 0), and the decode floor each one has (the bytes a decode step must read).
+
+The floor of a decode step is its weight bytes (less the embedding, whose rows are gathered) plus the K/V bytes
+of every sequence's cached context, at the copy bandwidth measured in the run. Sliding-window layers (Gemma2,
+Gemma3) read at most their window of K/V. Mixture-of-Experts models read only the experts the step's tokens
+route to: `routed_weight_bytes` takes the distinct experts per layer counted from the router in the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+                bos_token_id=128000, eos_token_id=128001)
+
+# name -> (transformers model_type, config kwargs); shapes from each model's published config.json
+GEOMETRIES: dict[str, tuple[str, dict]] = {
+    "llama-8b": ("llama", LLAMA_8B),
+    "mistral-7b": ("mistral", dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, rope_theta=1e6, sliding_window=None,
+                                   max_position_embeddings=32768, tie_word_embeddings=False)),
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                               max_position_embeddings=40960, tie_word_embeddings=False)),
+    "gemma2-9b": ("gemma2", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                                 sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                 hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+                                 tie_word_embeddings=True)),
+    "gemma3-12b": ("gemma3_text", dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                       query_pre_attn_scalar=256, sliding_window=1024,
+                                       hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+                                       tie_word_embeddings=True)),
+    "phi3-mini": ("phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                               tie_word_embeddings=False)),
+    "olmo2-7b": ("olmo2", dict(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                               tie_word_embeddings=False)),
+    "granite-8b": ("granite", dict(vocab_size=49155, hidden_size=4096, intermediate_size=12800, num_hidden_layers=40,
+                                   num_attention_heads=32, num_key_value_heads=8, embedding_multiplier=12.0,
+                                   residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
+                                   max_position_embeddings=4096, tie_word_embeddings=True)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960,
+                                        tie_word_embeddings=False)),
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, rope_theta=1e6, sliding_window=None,
+                                     max_position_embeddings=32768, tie_word_embeddings=False)),
+}
+
+
+def model_config(name: str, **overrides):
+    """The transformers config of geometry `name` (overrides: e.g. vocab_size of a real tokenizer)."""
+    from transformers import AutoConfig
+
+    if name not in GEOMETRIES:
+        raise ValueError(f"--model-geometry {name!r}: one of {', '.join(GEOMETRIES)}")
+    model_type, kwargs = GEOMETRIES[name]
+    return AutoConfig.for_model(model_type, **{**kwargs, **overrides})
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """What one decode step must read, by part, for a geometry."""
+
+    dense_weight_bytes: int  # every weight a step reads whatever the routing (experts excluded), embedding excluded
+    expert_bytes: int  # one expert of one layer (0 for dense models)
+    num_moe_layers: int
+    num_experts: int  # experts per MoE layer
+    kv_bytes_per_token: int  # one token's K and V in one layer
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window (None: the whole context)
+
+    def kv_bytes(self, context: int) -> int:
+        """K/V bytes one sequence at `context` cached tokens reads in one step."""
+        return self.kv_bytes_per_token * sum(min(context, w) if w else context for w in self.layer_windows)
+
+    def kv_bytes_decoding(self, prompt: int, new: int) -> int:
+        """K/V bytes one sequence reads over `new` decode steps after a `prompt`-token prefill (contexts prompt,
+        prompt + 1, ..., prompt + new - 1), in closed form per window."""
+        total = 0
+        for window, layers in Counter(self.layer_windows).items():
+            below = new if window is None else min(max(window - prompt, 0), new)  # steps before the window binds
+            tokens = below * prompt + below * (below - 1) // 2 + (new - below) * (window or 0)
+            total += layers * tokens
+        return self.kv_bytes_per_token * total
+
+    def active_params_per_token(self, experts_per_token: int) -> int:
+        """Weights one token multiplies (prefill FLOPs / 2): the dense ones and its routed experts."""
+        return (self.dense_weight_bytes + self.num_moe_layers * experts_per_token * self.expert_bytes) // 2
+
+    def weight_bytes(self, distinct_experts: int | None = None) -> int:
+        """Weight bytes of a step whose tokens route to `distinct_experts` experts summed over the MoE layers
+        (None: every expert, the bound when routing was not counted)."""
+        experts = self.num_moe_layers * self.num_experts if distinct_experts is None else distinct_experts
+        return self.dense_weight_bytes + experts * self.expert_bytes
+
+
+def decode_bytes(config, dtype_bytes: int = 2) -> DecodeBytes:
+    """The decode step's bytes for a transformers config (bf16 by default)."""
+    cfg = config.get_text_config()
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
+    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    if num_experts:
+        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        expert = 3 * hidden * inter * dtype_bytes  # gate, up, down
+        router = hidden * num_experts
+        shared = 3 * hidden * getattr(cfg, "shared_expert_intermediate_size", 0)
+        per_layer = attention + router + shared
+        moe_layers = layers
+    else:
+        expert, moe_layers = 0, 0
+        per_layer = attention + 3 * hidden * cfg.intermediate_size
+    head = cfg.vocab_size * hidden  # the LM head is read every step (tied or not)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+    window = getattr(cfg, "sliding_window", None)
+    windows = tuple(window if t == "sliding_attention" and window else None for t in types)
+    return DecodeBytes(dense_weight_bytes=(layers * per_layer + head) * dtype_bytes, expert_bytes=expert,
+                       num_moe_layers=moe_layers, num_experts=num_experts,
+                       kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes, layer_windows=windows)

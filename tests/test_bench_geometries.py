@@ -1,0 +1,59 @@
+"""`batchgen bench --model-geometry`: each geometry builds its transformers config, and the decode floor's byte
+count matches the parameters of the model that config makes (counted on the meta device: no memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.bench.geometries import GEOMETRIES, decode_bytes, model_config
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_decode_bytes_count_every_weight_a_step_reads(name):
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    b = decode_bytes(config)
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embed
+    params = {id(p): p for p in model.parameters()}  # tied weights once
+    norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 1)
+    read = sum(p.numel() for p in params.values()) - norms - (0 if tied else embed.numel())
+    assert abs(b.weight_bytes() - 2 * read) <= 0.001 * 2 * read, (b.weight_bytes(), 2 * read)
+    cfg = config.get_text_config()
+    assert b.kv_bytes(100) == 100 * len(b.layer_windows) * b.kv_bytes_per_token
+    if any(b.layer_windows):  # Gemma2/3: sliding layers read at most their window
+        w = cfg.sliding_window
+        assert b.kv_bytes(10 * w) < 10 * w * len(b.layer_windows) * b.kv_bytes_per_token
+    if b.num_experts:
+        assert b.weight_bytes(0) == b.dense_weight_bytes < b.weight_bytes()
+
+
+def test_an_unknown_geometry_names_the_choices():
+    with pytest.raises(ValueError, match="--model-geometry 'llama-9b': one of llama-8b"):
+        model_config("llama-9b")
+
+
+def test_bench_refuses_an_unknown_geometry_before_looking_for_a_gpu():
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--model-geometry", "gpt-5"])
+    assert result.exit_code == 2 and "--model-geometry must be one of llama-8b" in result.output
+
+
+def test_the_seed_floor_of_llama_8b_counts_weights_kv_and_prefill():
+    """W1's floor with session 7's ceilings (4.25 TB/s, 793 TFLOP/s): 4.55 s, as bench/RESULTS.md reports."""
+    from batchgen.bench.seed import Ceilings, floor_seconds
+
+    floor = floor_seconds(model_config("llama-8b"), 32, 256, 1024, Ceilings(4.25e12, 793e12))
+    assert 4.50 < floor < 4.60
+    gemma = model_config("gemma2-9b")  # half its layers read at most 4,096 tokens
+    long_ctx = floor_seconds(gemma, 32, 8000, 64, Ceilings(4.25e12, 793e12))
+    no_window = floor_seconds(model_config("gemma2-9b", sliding_window=None), 32, 8000, 64,
+                              Ceilings(4.25e12, 793e12))
+    assert long_ctx < no_window
