@@ -208,6 +208,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           compare_last: Annotated[bool, typer.Option(
               help="job: run the --compare checkout after this one, not before (alternate to see order effects).")]
           = False,
+          geometry: Annotated[str, typer.Option(
+              help="seed: the random model's geometry: llama_8b, or qwen3_30b_a3b (MoE: the floor from the "
+                   "routing measured in the first variant's run).")] = "llama_8b",
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
@@ -236,11 +239,15 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
                    json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9)
         return
-    from batchgen.bench.seed import main as bench_main
+    from batchgen.bench.seed import GEOMETRIES, main as bench_main
+
+    if geometry not in GEOMETRIES:
+        typer.echo(f"batchgen: error: --geometry must be one of {', '.join(GEOMETRIES)}, got {geometry!r}", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
 
     requests = requests or 32
     bench_main(new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
-               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests)
+               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests, geometry=geometry)
 
 
 def main() -> None:  # pragma: no cover

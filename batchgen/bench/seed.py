@@ -8,6 +8,7 @@ bandwidth measured in the same run, plus prefill FLOPs at the measured bf16 matm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192},
                 bos_token_id=128000, eos_token_id=128001)
+# Qwen3-30B-A3B's geometry (Qwen3MoeConfig): 128 experts of 768, top-8 renormalised; ~30.5B parameters of which
+# ~3.3B a token reads; a decode step reads the distinct experts its batch routes to (bench/moe_floor.py)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+GEOMETRIES = {"llama_8b": ("LlamaConfig", LLAMA_8B), "qwen3_30b_a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B)}
 
 
 @dataclass
@@ -62,15 +71,18 @@ def floor_seconds(config, num_params: int, requests: int, prompt: int, new: int,
     return (new * weights + kv) / c.copy_bytes_s + 2 * num_params * requests * prompt / c.matmul_flop_s
 
 
-def build_model(num_layers: int | None = None):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build_model(num_layers: int | None = None, geometry: str = "llama_8b"):
+    """Random bf16 weights (seed 0) of a GEOMETRIES entry on the GPU."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    kw = dict(LLAMA_8B)
+    config_name, kw = GEOMETRIES[geometry]
+    kw = dict(kw)
     if num_layers:
         kw["num_hidden_layers"] = num_layers
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**kw), dtype=torch.bfloat16,
+        model = AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**kw), dtype=torch.bfloat16,
                                                  attn_implementation="sdpa").eval()
     return model
 
@@ -121,7 +133,13 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
     steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
-    results, wall, busy = timed_generate(engine, prompts, params)
+    routes = None
+    if hasattr(engine.runner.decode_forward, "count_routes"):  # MoE: the floor needs each step's distinct experts
+        from batchgen.bench.moe_floor import RouteRecorder
+
+        routes = RouteRecorder(engine)
+    with routes.watch() if routes is not None else contextlib.nullcontext():
+        results, wall, busy = timed_generate(engine, prompts, params)
     steps = engine.num_steps - steps0
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     kernels = count_kernels_per_decode_step(engine, prompts[0])
@@ -133,7 +151,8 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
             "_token_ids": tokens_out,
             "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,
-            "first_tokens": [t[:8] for t in tokens_out[:2]]}
+            "first_tokens": [t[:8] for t in tokens_out[:2]],
+            **({"_distinct_experts": routes.distinct_per_step()} if routes is not None else {})}
 
 
 class GpuBusyMeter:
@@ -206,19 +225,32 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str
 
 
 def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
-         json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs") -> dict:
+         json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs",
+         geometry: str = "llama_8b") -> dict:
     ceilings = measure_ceilings()
-    model = build_model()
+    model = build_model(geometry=geometry)
     num_params = sum(p.numel() for p in model.parameters())
     prompts = seed_prompts(requests, prompt_len)
-    floor = floor_seconds(model.config, num_params, requests, prompt_len, new_tokens, ceilings)
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    moe = GEOMETRIES[geometry][0] != "LlamaConfig"  # its floor: the first variant's measured routing
+    floor = None if moe else floor_seconds(model.config, num_params, requests, prompt_len, new_tokens, ceilings)
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry,
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
-              "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "floor_s": floor,
-              "floor_tok_s": requests * new_tokens / floor}
+              "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens}
     reference_tokens = None
     for variant in variants.split(","):
         r = report[f"ours_sync_{variant}"] = run_ours(model, prompts, new_tokens, max_num_seqs, variant)
+        distinct = r.pop("_distinct_experts", None)
+        if distinct:
+            from batchgen.bench.moe_floor import routed_floor_seconds, routed_step_bytes, sparse_layers
+
+            r["distinct_experts_per_sparse_layer"] = sum(distinct) / len(distinct) / sum(sparse_layers(model.config))
+            if floor is None:
+                floor = routed_floor_seconds(model.config, routed_step_bytes(distinct, model.config), requests,
+                                             prompt_len, new_tokens, ceilings)
+        if floor is None:
+            raise ValueError(f"geometry {geometry}: the first variant must run the fused MoE forward (its routing "
+                             f"gives the floor), not {variant!r}")
+        report["floor_s"], report["floor_tok_s"] = floor, requests * new_tokens / floor
         r["x_floor"] = r["wall_s"] / floor
         token_ids = r.pop("_token_ids")
         if reference_tokens is None:

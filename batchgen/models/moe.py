@@ -124,8 +124,8 @@ class MoEDecoder(LlamaDecoder):
 
     def count_routes(self) -> torch.Tensor:
         """Start counting the router's choices: returns the [L, E] int64 counts (rows of dense layers stay 0),
-        which every later step adds to (graphs captured after this call included). The bench's routed-bytes
-        floor reads them (batchgen/bench/moe_floor.py)."""
+        which every later eager step adds to; CUDA graphs count only if captured after this call. The bench's
+        routed-bytes floor reads them (batchgen/bench/moe_floor.py)."""
         sparse = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         num_experts = sparse[0].gate_up.shape[0]
         counts = torch.zeros(len(self.layers), num_experts, dtype=torch.int64, device=sparse[0].gate_up.device)
