@@ -45,6 +45,9 @@ def make_tokenizer():
 # the families with batchgen's fused forwards
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
          "starcoder2")
+# the Mixture-of-Experts families with fused forwards (kept apart: their GEMM layout differs, and the GPU tests'
+# runtime over ARCHS stays as it is)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # config values that make each family's quirks visible in greedy outputs (multipliers far from 1)
 ARCH_OVERRIDES = {
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
@@ -54,6 +57,12 @@ ARCH_OVERRIDES = {
                    query_pre_attn_scalar=9),
     "gemma3_text": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=9,
                         layer_types=["sliding_attention", "full_attention"]),
+    # 8 experts, top-2: over short prompts some experts get no token; Qwen3-MoE renormalises the top-k (as
+    # Qwen3-30B-A3B does), Qwen2-MoE does not (its default, Qwen1.5-MoE's), Mixtral always does
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                      num_experts_per_tok=2, qkv_bias=True),
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -66,12 +75,15 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
                "gemma": (T.GemmaConfig, T.GemmaForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
                "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM), "granite": (T.GraniteConfig, T.GraniteForCausalLM),
                "starcoder2": (T.Starcoder2Config, T.Starcoder2ForCausalLM),
-               "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM), "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}
+               "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM), "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM),
+               "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM),
+               "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM),
+               "mixtral": (T.MixtralConfig, T.MixtralForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    if arch in ("qwen3", "gemma"):
+    if arch in ("qwen3", "gemma", "qwen3_moe"):
         kwargs["head_dim"] = 16
     kwargs.update(ARCH_OVERRIDES.get(arch, {}))
     kwargs.update(overrides)
@@ -90,6 +102,12 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
                     p.normal_(1.0, 0.3)
                 elif name.endswith("bias"):  # Starcoder2's q/k/v/o, MLP and LayerNorm biases
                     p.normal_(0.0, 0.1)
+        if arch in MOE_ARCHS:  # decisive routing (init logits are ~0: near-ties), biases and norms visible
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                    p.mul_(25.0)
+                elif name.endswith("bias") or ("norm" in name and name.endswith("weight")):
+                    p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     return model
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
-from conftest import ARCHS, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, MOE_ARCHS, hf_greedy, make_model, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -23,6 +23,26 @@ def test_greedy_on_gpu_matches_transformers_generate_fp32(arch, cuda_graphs, fus
                                               cuda_graphs=cuda_graphs, fused_decoder=fused))
     assert engine.runner.decode_forward.is_fused == fused
     assert engine.runner.use_triton and (engine.runner.graphs is not None) == cuda_graphs
+    got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
+                                                                                   ignore_eos=True))]
+    assert got == expected
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_on_gpu_through_the_grouped_gemm_kernels_matches_transformers_generate_fp32(arch, cuda_graphs):
+    """The fused MoE forward on the device: routing, align and grouped GEMMs (fp32, IEEE dots) replayed from the
+    decode graphs at a padded bucket, prefill through forward_packed."""
+    model = make_model(arch).cuda()
+    # transformers' reference through its batched_mm experts (bmm: any dtype on CUDA; generate switches its decode
+    # steps to it anyway), not grouped_mm, whose CUDA kernel may take bf16 only
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")
+    prompts = random_prompts((5, 17, 33, 8, 64, 1))
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32,
+                                              cuda_graphs=cuda_graphs))
+    assert engine.decode_path == "fused" and (engine.runner.graphs is not None) == cuda_graphs
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected

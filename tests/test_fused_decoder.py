@@ -1,4 +1,4 @@
-"""The fused decode and packed forwards (every family in ARCHS) on CPU: same weights as transformers, no copy,
+"""The fused decode and packed forwards (every family in ARCHS and MOE_ARCHS) on CPU: same weights as transformers, no copy,
 the same logits, exact greedy; and the reason stated wherever a model falls back to transformers' modules."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from batchgen.attention.backend import AttentionMetadata
 from batchgen.models.llama import LlamaDecoder
 from batchgen.models.registry import DECODERS, unsupported_reason
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from conftest import ARCHS, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, MOE_ARCHS, hf_greedy, make_model, random_prompts
 
 
 def _cache(model):
@@ -35,8 +35,9 @@ def test_fusing_keeps_one_copy_of_the_weights_and_leaves_transformers_forward_un
 
 
 # qwen3: per-head q/k norms; gemma: (1 + w) norms, GELU-tanh gate; phi3: fused checkpoint weights; olmo2: post-norms,
-# whole-q/k norms; granite: multipliers; starcoder2: LayerNorm with bias, biases, plain GELU MLP
-@pytest.mark.parametrize("arch", ARCHS)
+# whole-q/k norms; granite: multipliers; starcoder2: LayerNorm with bias, biases, plain GELU MLP; the MoE
+# families: their routers, the grouped experts, Qwen2-MoE's shared expert and biased q/k/v, Qwen3-MoE's q/k norms
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_engine_prefills_and_decodes_through_the_fused_forward_and_matches_transformers_generate(arch):
     model = make_model(arch)
     prompts = random_prompts((5, 17, 33, 8))
@@ -117,7 +118,7 @@ def test_phi3_reads_its_checkpoint_fused_qkv_and_gate_up_weights_without_copies(
     assert fused.mlp.gate_up_weight.data_ptr() == layer.mlp.gate_up_proj.weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_packed_forward_logits_equal_transformers_forward_logits(arch):
     """Sharper than greedy tokens: quirks that rarely flip an argmax (Granite's logits_scaling never does, a
     LayerNorm bias seldom) still show in the logits. fp32 on CPU: the same ops in the same order."""

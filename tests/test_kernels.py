@@ -357,3 +357,98 @@ def test_paged_decode_kernel_with_window_and_softcap_bf16_on_gpu():
     for window, cap in ((4096, None), (None, 50.0), (1000, 30.0)):
         _check("cuda", torch.bfloat16, 2e-2, num_splits=None, block_n=None, num_seqs=len(seq_lens), num_heads=16,
                num_kv_heads=8, head_dim=256, block_size=16, seq_lens=seq_lens, sliding_window=window, softcap=cap)
+
+
+# ---- Mixture-of-Experts: grouping by expert, grouped GEMMs --------------------------------------------------
+
+def _moe_case(device, dtype, num_tokens, hidden, inter, num_experts, top_k, dead_experts=(), weights_fp32=False,
+              seed=0):
+    """Random experts and a routing with `dead_experts` never chosen; routing weights bf16/fp32 as the router."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(device, dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    logits[:, list(dead_experts)] = -1e9
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)  # [T, K] each
+    weights = weights.to(device, torch.float32 if weights_fp32 else dtype)
+    return h, gate_up, down, ids.to(device), weights
+
+
+def _check_moe(device, dtype, atol, transposed=False, **shape):
+    from batchgen.kernels.moe import fused_experts
+
+    h, gate_up, down, ids, weights = _moe_case(device, dtype, **shape)
+    if transposed:  # transformers' is_transposed layout: [E, H, 2 I] / [E, I, H] storage, read as views
+        gate_up, down = gate_up.transpose(1, 2).contiguous().transpose(1, 2), \
+            down.transpose(1, 2).contiguous().transpose(1, 2)
+    out = fused_experts(h, gate_up, down, ids, weights, use_triton=True)
+    ref = fused_experts(h, gate_up, down, ids, weights, use_triton=False)
+    assert out.dtype == ref.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+
+
+MOE_INTERPRET_SCRIPT = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_moe
+# a decode-sized step (block_m 16), experts 1 and 3 get no pair; 1 token; ragged counts at block_m 32 and 64
+_check_moe("cpu", torch.float32, 1e-5, num_tokens=7, hidden=48, inter=40, num_experts=5, top_k=2, dead_experts=(1, 3))
+_check_moe("cpu", torch.float32, 1e-5, num_tokens=1, hidden=32, inter=24, num_experts=6, top_k=3)
+_check_moe("cpu", torch.float32, 1e-5, num_tokens=45, hidden=40, inter=72, num_experts=4, top_k=2, weights_fp32=True,
+           transposed=True)
+_check_moe("cpu", torch.float32, 1e-5, num_tokens=150, hidden=24, inter=16, num_experts=4, top_k=2, dead_experts=(2,))
+print("ok")
+"""
+
+
+def test_moe_grouped_gemm_experts_match_the_reference_under_triton_interpreter():
+    _run_under_interpreter(MOE_INTERPRET_SCRIPT)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_m", [(7, 2, 16), (1, 8, 16), (300, 8, 64), (33, 2, 32)])
+def test_moe_alignment_holds_every_pair_once_in_its_experts_padded_blocks(num_tokens, top_k, block_m):
+    from batchgen.kernels.moe import align_by_expert, max_blocks
+
+    num_experts = 16
+    _, _, _, ids, _ = _moe_case("cpu", torch.float32, num_tokens, 8, 8, num_experts, top_k, dead_experts=(0, 5))
+    al = align_by_expert(ids, num_experts, block_m)
+    num_pairs = ids.numel()
+    assert al.sorted_pairs.numel() == max_blocks(num_pairs, num_experts, block_m) * block_m
+    used = int(al.num_padded)
+    assert used % block_m == 0 and (al.sorted_pairs[used:] == num_pairs).all()
+    real = al.sorted_pairs[al.sorted_pairs < num_pairs].long()
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
+    flat = ids.reshape(-1)
+    for b in range(used // block_m):  # each block holds one expert's pairs (and padding)
+        rows = al.sorted_pairs[b * block_m:(b + 1) * block_m].long()
+        rows = rows[rows < num_pairs]
+        assert len(rows) and (flat[rows] == al.block_expert[b]).all()
+    assert al.tokens_per_expert.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 256, 2048])
+def test_moe_grouped_gemm_experts_bf16_on_gpu_at_qwen3_30b_a3b_sizes(num_tokens):
+    _check_moe("cuda", torch.bfloat16, 2e-2, num_tokens=num_tokens, hidden=2048, inter=768, num_experts=128,
+               top_k=8, dead_experts=(3, 77))
+
+
+@pytest.mark.gpu
+def test_moe_grouped_gemm_experts_replay_from_a_cuda_graph_with_new_routing():
+    """No host sync, no data-dependent shape: captured once, replayed with other routing, equal to eager."""
+    from batchgen.kernels.moe import fused_experts
+
+    h, gate_up, down, ids, weights = _moe_case("cuda", torch.bfloat16, 64, 512, 256, 32, 4)
+    static = [t.clone() for t in (h, ids, weights)]
+    fused_experts(*static[:1], gate_up, down, *static[1:])  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(static[0], gate_up, down, static[1], static[2])
+    for seed in (1, 2):
+        h2, _, _, ids2, w2 = _moe_case("cuda", torch.bfloat16, 64, 512, 256, 32, 4, dead_experts=range(seed * 8),
+                                       seed=seed)
+        for dst, src in zip(static, (h2, ids2, w2)):
+            dst.copy_(src)
+        graph.replay()
+        torch.testing.assert_close(out, fused_experts(h2, gate_up, down, ids2, w2), atol=0, rtol=0)

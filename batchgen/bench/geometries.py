@@ -48,11 +48,13 @@ GEOMETRIES: dict[str, tuple[str, dict]] = {
                                    num_attention_heads=32, num_key_value_heads=8, embedding_multiplier=12.0,
                                    residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
                                    max_position_embeddings=4096, tie_word_embeddings=True)),
+    # 128 experts of 768, top-8 renormalised; ~30.5B parameters, ~3.3B read per token
     "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                         moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
                                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                        norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960,
-                                        tie_word_embeddings=False)),
+                                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                                        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)),
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                      num_experts_per_tok=2, rope_theta=1e6, sliding_window=None,
@@ -107,27 +109,25 @@ class DecodeBytes:
 
 
 def decode_bytes(config, dtype_bytes: int = 2) -> DecodeBytes:
-    """The decode step's bytes for a transformers config (bf16 by default)."""
+    """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's."""
+    from batchgen.bench import moe_floor
+
     cfg = config.get_text_config()
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
+    kv_heads = cfg.num_key_value_heads
     num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     if num_experts:
-        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-        expert = 3 * hidden * inter * dtype_bytes  # gate, up, down
-        router = hidden * num_experts
-        shared = 3 * hidden * getattr(cfg, "shared_expert_intermediate_size", 0)
-        per_layer = attention + router + shared
-        moe_layers = layers
+        dense = moe_floor.dense_step_bytes(cfg, dtype_bytes)
+        expert, moe_layers = moe_floor.expert_bytes(cfg, dtype_bytes), sum(moe_floor.sparse_layers(cfg))
     else:
+        attention = hidden * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)  # q, o, k, v
+        head = cfg.vocab_size * hidden  # the LM head is read every step (tied or not)
+        dense = (layers * (attention + 3 * hidden * cfg.intermediate_size) + head) * dtype_bytes
         expert, moe_layers = 0, 0
-        per_layer = attention + 3 * hidden * cfg.intermediate_size
-    head = cfg.vocab_size * hidden  # the LM head is read every step (tied or not)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     window = getattr(cfg, "sliding_window", None)
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
-    return DecodeBytes(dense_weight_bytes=(layers * per_layer + head) * dtype_bytes, expert_bytes=expert,
-                       num_moe_layers=moe_layers, num_experts=num_experts,
-                       kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes, layer_windows=windows)
+    return DecodeBytes(dense_weight_bytes=dense, expert_bytes=expert, num_moe_layers=moe_layers,
+                       num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes,
+                       layer_windows=windows)

@@ -8,6 +8,7 @@ bandwidth measured in the same run, plus prefill FLOPs at the measured bf16 matm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -122,7 +123,13 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
     steps0, sched0, prep0 = engine.num_steps, engine.schedule_s, engine.runner.prepare_s
-    results, wall, busy = timed_generate(engine, prompts, params)
+    routes = None
+    if hasattr(engine.runner.decode_forward, "count_routes"):  # MoE: the floor needs each step's distinct experts
+        from batchgen.bench.moe_floor import RouteRecorder
+
+        routes = RouteRecorder(engine)
+    with routes.watch() if routes is not None else contextlib.nullcontext():
+        results, wall, busy = timed_generate(engine, prompts, params)
     steps = engine.num_steps - steps0
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     kernels = count_kernels_per_decode_step(engine, prompts[0])
@@ -135,7 +142,8 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
             "_token_ids": tokens_out,
             "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,
-            "first_tokens": [t[:8] for t in tokens_out[:2]]}
+            "first_tokens": [t[:8] for t in tokens_out[:2]],
+            **({"_distinct_experts": routes.distinct_per_step()} if routes is not None else {})}
 
 
 class GpuBusyMeter:
@@ -213,16 +221,26 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
     ceilings = measure_ceilings()
     model = build_model(geometry=geometry)
     prompts = seed_prompts(requests, prompt_len)
-    # MoE: every expert in every step (an upper bound) until the run's routing is counted
-    floor = floor_seconds(model.config, requests, prompt_len, new_tokens, ceilings)
+    moe = bool(decode_bytes(model.config).num_experts)  # its floor: the first variant's measured routing
+    floor = None if moe else floor_seconds(model.config, requests, prompt_len, new_tokens, ceilings)
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry,
-              "floor_counts_all_experts": bool(decode_bytes(model.config).num_experts),
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
-              "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "floor_s": floor,
-              "floor_tok_s": requests * new_tokens / floor}
+              "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens}
     reference_tokens = None
     for variant in variants.split(","):
         r = report[f"ours_sync_{variant}"] = run_ours(model, prompts, new_tokens, max_num_seqs, variant)
+        distinct = r.pop("_distinct_experts", None)
+        if distinct:
+            from batchgen.bench.moe_floor import routed_floor_seconds, routed_step_bytes, sparse_layers
+
+            r["distinct_experts_per_sparse_layer"] = sum(distinct) / len(distinct) / sum(sparse_layers(model.config))
+            if floor is None:
+                floor = routed_floor_seconds(model.config, routed_step_bytes(distinct, model.config), requests,
+                                             prompt_len, new_tokens, ceilings)
+        if floor is None:
+            raise ValueError(f"geometry {geometry}: the first variant must run the fused MoE forward (its routing "
+                             f"gives the floor), not {variant!r}")
+        report["floor_s"], report["floor_tok_s"] = floor, requests * new_tokens / floor
         r["x_floor"] = r["wall_s"] / floor
         token_ids = r.pop("_token_ids")
         if reference_tokens is None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.models import gemma, gemma2, granite, llama, olmo2, phi3, starcoder2
+from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.transformers_forward import TransformersDecode
 
@@ -23,6 +23,8 @@ DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[Dec
     **{t: (olmo2.unsupported_reason, olmo2.Olmo2Decoder) for t in olmo2.MODEL_TYPES},
     **{t: (granite.unsupported_reason, granite.GraniteDecoder) for t in granite.MODEL_TYPES},
     **{t: (starcoder2.unsupported_reason, starcoder2.Starcoder2Decoder) for t in starcoder2.MODEL_TYPES},
+    **{t: (qwen_moe.unsupported_reason, qwen_moe.QwenMoEDecoder) for t in qwen_moe.MODEL_TYPES},
+    **{t: (mixtral.unsupported_reason, mixtral.MixtralDecoder) for t in mixtral.MODEL_TYPES},
 }
 
 

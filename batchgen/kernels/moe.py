@@ -1,0 +1,181 @@
+"""Mixture-of-Experts experts in Triton: token grouping by expert, grouped GEMMs, the weighted combine; and the
+torch reference they are tested against (CPU, and wherever Triton is absent).
+
+    out[t] = sum_k  w[t, k] * down_e( act(gate_e(h[t])) * up_e(h[t]) ),   e = ids[t, k]
+
+Shapes: T tokens, K = top_k, S = T * K (token, k) pairs ("pair" p = t * K + k), E experts, H hidden, I the
+expert's intermediate size. Weights as transformers 5.x stores them: gate_up [E, 2 I, H] (the gate rows, then
+the up rows), down [E, H, I]; any strides (transposed layouts are views, never copies).
+
+Steps (every shape a function of T, K, E and block_m only: capturable in CUDA graphs at a fixed batch bucket,
+no host synchronisation, no data-dependent shape):
+  1. `align_by_expert`: the pairs sorted by expert id, each expert's run padded to a multiple of block_m with
+     the sentinel S; `block_expert[b]` is the expert of rows b*block_m..; `num_padded` (a device scalar) ends the
+     used rows. Worst case rows: S + min(E, S) * (block_m - 1) (each expert that gets a pair pads < block_m rows),
+     so the buffers and the GEMM grid are sized by that bound and blocks past `num_padded` exit at once.
+  2. `grouped_gemm` gate_up: row p of the output [S, 2 I] is h[p // K] @ gate_up[e]^T (fp32 accumulate, rounded to
+     the activation dtype: one GEMM's rounding).
+  3. the gated activation over [S, 2 I] (kernels/gated_act.py): [S, I].
+  4. `grouped_gemm` down with the routing weight: row p is round(act[p] @ down[e]^T) * w[p], the product in fp32
+     and stored in promote(activation dtype, weight dtype): bf16 weights (Qwen's, rounded by its router) give a
+     bf16 product, fp32 weights (Mixtral's) an fp32 one, as transformers' `proj_out * sample_weights` rounds.
+  5. combine: [S, H] viewed [T, K, H] summed over k (torch's sum: fp32 accumulation in top-k order, rounded once
+     to the activation dtype), exactly transformers' grouped_mm / batched_mm experts forward.
+Invariants: every pair appears exactly once in the sorted rows (so every output row of 2.-4. is written; no
+memset); padding rows (sentinel S) are neither loaded (masked) nor stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels.gated_act import gated_act, gated_act_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without Triton (CPU) use the reference
+    triton = None
+
+
+@dataclass
+class Alignment:
+    """The (token, k) pairs grouped by expert, each expert's rows padded to a multiple of block_m."""
+
+    sorted_pairs: torch.Tensor  # [NB * block_m] int32: pair ids by expert; S (the sentinel) in padding rows
+    block_expert: torch.Tensor  # [NB] int32: the expert of each row block (>= E past num_padded: unused)
+    num_padded: torch.Tensor  # [1] int32: rows in use (a multiple of block_m); device-side, never read on host
+    tokens_per_expert: torch.Tensor  # [E] int64: pairs routed to each expert
+    num_pairs: int  # S = T * K (host-known: a shape)
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks the padded pairs can need at most: S + min(E, S) * (block_m - 1) rows, rounded up."""
+    return -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
+
+
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per GEMM block, from the shape alone (a graph bucket's choice is fixed): 16 (tl.dot's minimum) while
+    experts get few rows each (decode: every block reads its expert's weights once), larger for prefill."""
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """topk_ids [T, K] (int) -> Alignment. Torch ops of fixed shapes only (sort, scatter, cumsum, searchsorted):
+    no host synchronisation. Within an expert the pairs keep ascending pair order (a stable sort)."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()  # [S]
+    num_pairs = flat.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)  # [E]: one past each expert's last padded row
+    padded_start = padded_end - padded  # [E]
+    raw_start = counts.cumsum(0) - counts  # [E]: each expert's first position among the sorted pairs
+    order = torch.argsort(flat, stable=True)  # [S]: pair ids by expert
+    expert_of = flat.index_select(0, order)  # [S]
+    dest = padded_start.index_select(0, expert_of) + torch.arange(num_pairs, device=dev) \
+        - raw_start.index_select(0, expert_of)  # [S]: each sorted pair's padded row
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=dev) * block_m  # [NB]
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)  # [NB]
+    return Alignment(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32), counts, num_pairs,
+                     block_m)
+
+
+if triton is not None:
+    @triton.jit
+    def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, rw_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                         N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+                         A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One [BLOCK_M, BLOCK_N] tile of C[p] = A[p // A_ROW_DIV] @ W[e]^T for the pairs p of one row block."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the used rows: the worst-case grid's spare blocks
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]; S in padding rows
+        valid = pairs < num_pairs
+        a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        out = acc.to(a_ptr.dtype.element_ty)  # the GEMM's own rounding, before the routing weight
+        if MUL_WEIGHT:
+            rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+            out = out.to(tl.float32) * rw[:, None]
+        c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _launch(block_m: int) -> dict:
+    """Tile and launch settings per row-block size (a first choice; tuned on the GPU, not here)."""
+    if block_m <= 16:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4 if block_m <= 32 else 8, num_stages=3)
+
+
+def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, align: Alignment, a_row_div: int,
+                 routing_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """C [S, N], C[p] = a[p // a_row_div] @ weight[e(p)]^T (times routing_weights[p] if given).
+    a: [R, Kd] contiguous rows; weight: [E, N, Kd] any strides; routing_weights: [S]."""
+    num_pairs = align.num_pairs
+    assert a.stride(1) == 1 and a.shape[1] == weight.shape[2]
+    n = weight.shape[1]
+    out = torch.empty(num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+    launch = _launch(align.block_m)
+    grid = (align.block_expert.shape[0], triton.cdiv(n, launch["BLOCK_N"]))
+    _moe_gemm_kernel[grid](
+        a, weight, out, routing_weights if routing_weights is not None else out, align.sorted_pairs,
+        align.block_expert, align.num_padded, num_pairs, n, a.shape[1], a.stride(0), weight.stride(0),
+        weight.stride(1), weight.stride(2), out.stride(0), A_ROW_DIV=a_row_div,
+        MUL_WEIGHT=routing_weights is not None, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        BLOCK_M=align.block_m, **launch)
+    return out
+
+
+def fused_experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str = "silu", use_triton: bool = True) -> torch.Tensor:
+    """The routed experts' output [T, H] for h [T, H], topk_ids [T, K], topk_weights [T, K] (the router's
+    dtype decides the product's rounding, see the module docstring)."""
+    if not use_triton:
+        return fused_experts_ref(h, gate_up, down, topk_ids, topk_weights, activation)
+    num_tokens, top_k = topk_ids.shape
+    align = align_by_expert(topk_ids, gate_up.shape[0], choose_block_m(num_tokens * top_k, gate_up.shape[0]))
+    gate_up_out = grouped_gemm(h, gate_up, align, a_row_div=top_k)  # [S, 2 I]
+    act = gated_act(gate_up_out, activation, use_triton=True)  # [S, I]
+    weighted = grouped_gemm(act, down, align, a_row_div=1, routing_weights=topk_weights.reshape(-1),
+                            out_dtype=torch.promote_types(h.dtype, topk_weights.dtype))  # [S, H]
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(h.dtype)
+
+
+def fused_experts_ref(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The torch reference, one GEMM pair per expert hit, with transformers' roundings (module docstring).
+    Reads the hit experts on the host (.tolist()): a reference, not capturable in CUDA graphs."""
+    num_tokens, top_k = topk_ids.shape
+    flat, rw = topk_ids.reshape(-1), topk_weights.reshape(-1)  # [S], [S]
+    weighted = torch.empty(flat.numel(), h.shape[1], dtype=torch.promote_types(h.dtype, rw.dtype),
+                           device=h.device)  # [S, H]; every row written below (each pair has one expert)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero()[:, 0]  # [n_e]
+        act = gated_act_ref(F.linear(h[pairs // top_k], gate_up[e]), activation)  # [n_e, I]
+        weighted[pairs] = F.linear(act, down[e]) * rw[pairs, None]
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(h.dtype)
