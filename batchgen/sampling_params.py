@@ -37,7 +37,9 @@ class SamplingParams(BaseModel):
     # tokens do not count) lose frequency_penalty x their count and presence_penalty once
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(default_factory=dict)  # token id -> bias
+    # {token id: bias} in the job file and the API; kept as (id, bias) pairs sorted by id, so the model stays
+    # immutable and hashable
+    logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]], ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; a single string is one stop string
     stop_token_ids: tuple[int, ...] = ()
     n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
@@ -79,12 +81,27 @@ class SamplingParams(BaseModel):
                              "prompt_logprobs: true")
         return self
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _bias_ids_are_token_ids(cls, value: dict[int, float]) -> dict[int, float]:
-        bad = [t for t in value if t < 0]
-        if bad:
-            raise ValueError(f"logit_bias keys are token ids (>= 0), got {bad[:5]}")
+    def _bias_from_a_mapping(cls, value):
+        if not isinstance(value, dict):
+            return value
+        pairs = []
+        for key, bias in value.items():
+            try:
+                token = int(key)  # JSON keys are strings
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"logit_bias keys are token ids (>= 0), got {token}")
+            pairs.append((token, bias))
+        return tuple(sorted(pairs))
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_are_token_ids(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(t < 0 for t in value):
+            raise ValueError(f"stop_token_ids are token ids (>= 0), got {[t for t in value if t < 0][:5]}")
         return value
 
     @property
@@ -93,9 +110,10 @@ class SamplingParams(BaseModel):
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model does not have (ValueError naming the field)."""
-        bad = sorted(t for t in (*self.logit_bias, *self.stop_token_ids) if t >= vocab_size)
+        bias_ids = [t for t, _ in self.logit_bias]
+        bad = sorted(t for t in (*bias_ids, *self.stop_token_ids) if t >= vocab_size)
         if bad:
-            field = "logit_bias" if any(t in self.logit_bias for t in bad) else "stop_token_ids"
+            field = "logit_bias" if any(t in bias_ids for t in bad) else "stop_token_ids"
             raise ValueError(f"{field}: token ids {bad[:5]} are outside the model's vocabulary of {vocab_size} tokens")
 
     @property

@@ -90,7 +90,9 @@ def test_async_pipeline_on_gpu_samples_exactly_what_the_sync_engine_samples(arch
     model = make_model(arch).cuda()
     prompts = random_prompts((5, 17, 33, 8, 64, 1, 40, 23, 11), seed=3)
     params = [SamplingParams(max_new_tokens=24, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=i,
-                             min_new_tokens=6, repetition_penalty=1.2 if i % 3 == 0 else 1.0)
+                             min_new_tokens=6, repetition_penalty=1.2 if i % 3 == 0 else 1.0,
+                             presence_penalty=0.5 if i % 3 == 1 else 0.0, frequency_penalty=0.7 if i % 4 == 1 else 0.0,
+                             logit_bias={7: 2.0, 9: -100.0} if i % 2 else {})
               for i in range(len(prompts))]
     runs = []
     for async_pipeline in (False, True):
@@ -109,7 +111,9 @@ def test_dispatching_a_step_never_makes_a_synchronising_cuda_call():
     model = make_model("llama").cuda()
     prompts = random_prompts((5, 17, 33, 8, 64, 1, 40), seed=4)
     params = [SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=i, min_new_tokens=4,
-                             repetition_penalty=1.3 if i % 2 else 1.0) for i in range(len(prompts))]
+                             repetition_penalty=1.3 if i % 2 else 1.0, presence_penalty=0.4 if i % 3 == 0 else 0.0,
+                             frequency_penalty=0.6 if i % 3 == 1 else 0.0, logit_bias={5: 1.5} if i % 2 else {})
+              for i in range(len(prompts))]
     engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=32, async_pipeline=True))
     dispatch = engine.runner.dispatch
     calls = []
@@ -127,6 +131,13 @@ def test_dispatching_a_step_never_makes_a_synchronising_cuda_call():
     results = engine.generate(prompts, params)
     assert all(len(r.samples[0].token_ids) == 16 for r in results)
     assert any(n > 0 for n in calls) and any(n == 0 for n in calls)  # prefill and decode steps both ran
+    # a cache too small for all: preempted penalised sequences come back and resend prompt + output counts
+    small = Engine(model, None, EngineConfig(num_kv_blocks=12, block_size=8, max_num_seqs=4, async_pipeline=True))
+    small.generate(prompts, params)
+    dispatch = small.runner.dispatch
+    small.runner.dispatch = strict_dispatch
+    small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

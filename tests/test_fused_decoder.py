@@ -236,3 +236,14 @@ def test_gemm_weights_are_one_layers_projections_counted_per_layer_and_the_lm_he
     got = fallback.runner.decode_forward.gemm_weights()
     assert [w for w, _ in got] == linears + [model.lm_head.weight]
     assert [n for _, n in got] == [num_layers] * len(linears) + [1]
+
+
+def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
+    """Gemma3's attention module stores the config's attn_logit_softcapping but never applies it."""
+    model = make_model("gemma3_text", attn_logit_softcapping=0.5)
+    prompts = random_prompts((5, 17, 33))
+    expected = [hf_greedy(model, p, 10) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
+    assert engine.decode_path == "fused"
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected

@@ -37,7 +37,8 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
         _request("req-c", {"messages": chat, "n": 2, "temperature": 0.9, "seed": 5, "max_completion_tokens": 6}),
         _request("req-d", {"messages": chat, "presence_penalty": 2.5}),  # outside OpenAI's -2..2: rejected
         _request("req-e", {"messages": chat, "stop": ["\n"], "stream": False, "user": "u1",
-                           "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"5": -100}}),
+                           "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {}}),
+        _request("req-f", {"messages": chat, "logit_bias": {"5": -100}}),  # OpenAI's token ids: rejected
         "{not json",
         _request("req-g", {"prompt": "Hello"}, url="/v1/completions"),  # another endpoint than the file's
     ]
@@ -54,6 +55,7 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
     assert len(samples["req-c"]) == 2 and all(r["num_completion_tokens"] <= 6 for r in samples["req-c"])
     rejects = {r["custom_id"]: r for r in read_rows(tmp_path / "out", "rejects")}
     assert rejects["req-d"]["error_class"] == "bad_sampling" and "presence_penalty" in rejects["req-d"]["message"]
+    assert rejects["req-f"]["error_class"] == "bad_sampling" and "OpenAI token ids" in rejects["req-f"]["message"]
     assert rejects["req-g"]["error_class"] == "malformed_row" and "/v1/completions" in rejects["req-g"]["message"]
     assert sum(r["error_class"] == "malformed_row" for r in rejects.values()) == 2  # the broken line too
 
@@ -63,7 +65,7 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
     results = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     errors = [json.loads(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
     ids = [x["custom_id"] for x in results + errors]
-    assert len(ids) == len(set(ids)) == 7  # every line exactly once (the broken line by its position)
+    assert len(ids) == len(set(ids)) == 8  # every line exactly once (the broken line by its position)
     assert [x["custom_id"] for x in results] == ["req-a", "req-b", "req-c", "req-e"]  # file order
     assert len(results[2]["response"]["body"]["choices"]) == 2
 

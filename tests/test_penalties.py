@@ -119,3 +119,12 @@ def test_logit_bias_outside_the_vocabulary_is_refused_naming_the_key():
         SamplingParams(presence_penalty=3.0)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_sampling_params_stay_hashable_and_take_logit_bias_as_a_mapping_with_string_keys():
+    a = SamplingParams(logit_bias={"12": -5, 3: 1.5})  # JSON object keys are strings
+    assert a.logit_bias == ((3, 1.5), (12, -5.0)) and hash(a) == hash(SamplingParams(logit_bias={3: 1.5, 12: -5}))
+    with pytest.raises(ValueError, match="stop_token_ids are token ids"):
+        SamplingParams(stop_token_ids=(-1,))
+    with pytest.raises(ValueError, match="logit_bias keys are token ids, got 'the'"):
+        SamplingParams(logit_bias={"the": 1.0})

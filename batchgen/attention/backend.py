@@ -81,8 +81,8 @@ def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
     """A packed step whose new K/V are already in the cache (the fused forwards write them with the rotary).
     q: [T, H, D]. Returns [T, H, D]."""
     if meta.use_triton and meta.prefill_work is not None:
-        # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel
-        # where it applies; every other row the prefill kernel, over its own sequence only.
+        # Decode rows (one token per sequence, packed first, one work item each) take the decode kernel;
+        # every other row the prefill kernel, over its own sequence only.
         d = meta.num_decode_seqs
         out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
@@ -91,7 +91,7 @@ def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
             out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, True,
                              sliding_window=sliding_window, softcap=softcap)
         return out
-    # CPU (and graphs of models the decode kernel cannot serve): the torch reference.
+    # CPU, and graphed steps through transformers' modules (no prefill work list): the torch reference.
     return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                meta.max_query_len, meta.max_seq_len, scale, sliding_window=sliding_window,
                                softcap=softcap)

@@ -89,6 +89,7 @@ VARIANTS = {  # name -> EngineConfig overrides
     "compiled": dict(cuda_graphs=True, compile=True, async_pipeline=False),  # transformers' modules, torch.compiled
     "graphs_async": dict(cuda_graphs=True, async_pipeline=True),  # cuBLASLt GEMMs in the graphs (the default)
     "graphs_async_cublas": dict(cuda_graphs=True, async_pipeline=True, graph_blas_library="cublas"),
+    "graphs_async_auto": dict(cuda_graphs=True, async_pipeline=True, graph_blas_library="auto"),  # per bucket
     "compiled_async": dict(cuda_graphs=True, compile=True, async_pipeline=True),
 }
 
@@ -138,7 +139,7 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     release(engine)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps, "setup_s": setup_s,
-            "decode_path": engine.runner.decode_forward.name,
+            "decode_path": engine.decode_path,
             "_token_ids": tokens_out,
             "cpu_ms_per_step": cpu_ms_per_step, "gpu_busy": busy,
             "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,

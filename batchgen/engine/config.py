@@ -27,8 +27,9 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; no effect on CPU)
     fused_decoder: bool = True  # decode steps of models with a fused decoder (models/registry.py) run it
     compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
-    # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs
-    graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "auto"
+    # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs timed at
+    # start-up (not yet shown to win end to end: bench/RESULTS.md, session 7)
+    graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
 

@@ -83,9 +83,12 @@ class Engine:
         self.reasoning_markers: ReasoningMarkers | None = ReasoningMarkers.auto(tokenizer)
         geometry = KVGeometry.from_config(model.config)
         dtype = next(model.parameters()).dtype
+        # Reserved beside the KV cache: activations of the largest step, and the sampler's [S, V] buffers (the
+        # penalty table, allocated by the first penalised step, and up to three 4-byte temporaries of it)
+        sampler_bytes = (config.max_num_seqs + 1) * text_config.vocab_size * 4 * 4
         num_blocks = config.num_kv_blocks or plan_num_blocks(
             geometry, config.block_size, dtype, self.device, config.gpu_memory_utilization,
-            reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16,
+            reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16 + sampler_bytes,
             cpu_max_bytes=config.cpu_kv_cache_bytes)
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

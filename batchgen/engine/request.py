@@ -64,7 +64,6 @@ class Request:
     # (-1: none), and whether its history has been sent to that row since the slot was assigned
     penalty_slot: int = -1
     penalty_history_sent: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = field(init=False, default=())  # params.logit_bias, sorted by id
     # issue 14: logprobs / reasoning
     output_logprobs: list[float] = field(default_factory=list)  # one per output token (params.logprobs set)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # K per output token
@@ -80,7 +79,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.logit_bias = tuple(sorted(self.params.logit_bias.items()))
         if self.scores_prompt and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 

@@ -151,7 +151,7 @@ class Scheduler:
                     temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                     repetition_penalty=p.repetition_penalty, seed=req.seed, suppressed_token_ids=suppressed,
                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                    logit_bias=req.logit_bias, penalty_slot=req.penalty_slot, penalty_num_prompt=req.num_prompt_tokens,
+                    logit_bias=p.logit_bias, penalty_slot=req.penalty_slot, penalty_num_prompt=req.num_prompt_tokens,
                     # the slot's first sampling step: every token is known (no carry-over right after admission)
                     penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
                     logprobs=-1 if p.logprobs is None else p.logprobs, forced_token_id=forced,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.paged_prefill import softcapped
 from batchgen.kernels.rope_kv import rotate_rounded
 
 
@@ -32,14 +33,6 @@ def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
     x = tl.load(ptrs, mask=mask, other=0.0)
     xp = tl.load(partner_ptrs, mask=mask, other=0.0)
     return rotate_rounded(x, xp, cos, sin, sign)
-
-
-@triton.jit
-def _softcapped(s, softcap):
-    """softcap * tanh(s / softcap), with tanh from one exp of a non-positive argument (no overflow)."""
-    x = s / softcap
-    e = tl.exp(-2.0 * tl.abs(x))
-    return softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
 
 
 @triton.jit
@@ -107,7 +100,7 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         if HAS_SOFTCAP:
-            scores = _softcapped(scores, softcap)
+            scores = softcapped(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -122,7 +115,7 @@ def _decode_split_kernel(
             tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
             if HAS_SOFTCAP:
-                score = _softcapped(score, softcap)
+                score = softcapped(score, softcap)
             m_new = tl.maximum(m_i, score)
             p = tl.exp(score - m_new)
             alpha = tl.exp(m_i - m_new)

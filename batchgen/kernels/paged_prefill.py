@@ -35,6 +35,13 @@ def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
 
 if triton is not None:
     @triton.jit
+    def softcapped(s, softcap):
+        """softcap * tanh(s / softcap), with tanh from one exp of a non-positive argument (no overflow)."""
+        x = s / softcap
+        e = tl.exp(-2.0 * tl.abs(x))
+        return softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+
+    @triton.jit
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
         scale, softcap, window,
@@ -85,9 +92,7 @@ if triton is not None:
             v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] fp32
             if HAS_SOFTCAP:
-                x = s / softcap
-                e = tl.exp(-2.0 * tl.abs(x))
-                s = softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+                s = softcapped(s, softcap)
             visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (q_pos[:, None] - pos[None, :] < window)

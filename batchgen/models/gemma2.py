@@ -116,7 +116,9 @@ class Gemma2Decoder(LlamaDecoder):
             post_attention_norm=self._norm(layer.post_attention_layernorm),
             pre_mlp_norm=self._norm(layer.pre_feedforward_layernorm), mlp=self._mlp(layer.mlp),
             post_mlp_norm=self._norm(layer.post_feedforward_layernorm), scale=attn.scaling, layer_type=layer_type,
-            sliding_window=getattr(attn, "sliding_window", None), softcap=getattr(attn, "attn_logit_softcapping", None),
+            sliding_window=getattr(attn, "sliding_window", None),
+            # Gemma3's attention module keeps the config's attn_logit_softcapping but never applies it
+            softcap=getattr(attn, "attn_logit_softcapping", None) if self.config.model_type == "gemma2" else None,
             q_norm=self._norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
             k_norm=self._norm(attn.k_norm) if hasattr(attn, "k_norm") else None)
 

@@ -78,7 +78,8 @@ def partial_rotary_reason(model: torch.nn.Module) -> str | None:
 
 
 def window_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
-    """Why the attention is windowed within max_model_len (the fused layers attend to the whole context)."""
+    """Why the attention is windowed within max_model_len (the Llama-family layers attend to the whole context;
+    Gemma2/Gemma3 pass their windows to the kernels)."""
     cfg = model.config.get_text_config()
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)

@@ -10,10 +10,12 @@ A graph records the GEMM kernels torch's BLAS back end chose at capture, and the
 the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
 where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), while at M = 256 cuBLAS runs gate_up in 91 µs
 against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_decode.py, bench/RESULTS.md). So
-`blas_library="auto"` times the decoder's own GEMMs (layer 0's, counted once per layer, and the LM head's once:
+`blas_library="auto"` (opt-in until an A/B on the job path shows it wins) times the decoder's own GEMMs (layer 0's, counted once per layer, and the LM head's once:
 `DecodeForward.gemm_weights`) under both back ends at each bucket's M before capturing it, and captures with
-the faster. The choice is process-global in torch, so it is set only around each capture and restored after;
-eager steps keep torch's default.
+the faster. Caveats: each weight is timed alone, so one that fits in L2 is timed hot; near a tie, timing noise
+can pick either back end, and their GEMMs round differently (bf16 outputs may differ between runs). The choice is
+process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
+default.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def preferred_blas(library: str | None):
 
 class DecodeGraphs:
     def __init__(self, decode_forward: DecodeForward, model: torch.nn.Module, kv_cache: KVCache, max_batch: int,
-                 max_model_len: int, compile: bool = False, blas_library: str | None = "auto") -> None:
+                 max_model_len: int, compile: bool = False, blas_library: str | None = "cublaslt") -> None:
         self.decode_forward = decode_forward
         self.model = model  # routed to our attention during capture (transformers' modules read its config)
         self.blas_library = blas_library

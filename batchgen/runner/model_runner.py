@@ -53,7 +53,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
                  compile: bool = False, fused_decoder: bool = True,
-                 blas_library: str | None = "auto", *, max_num_seqs: int) -> None:
+                 blas_library: str | None = "cublaslt", *, max_num_seqs: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -152,12 +152,12 @@ class ModelRunner:
         rest = rest[len(plan.host_arrays()):] if plan is not None else rest
         forced_d = rest.pop(0) if batch.num_forced else None
         carry_d = rest
-        sampling = self._sampling(batch)
-        self.prepare_s += time.perf_counter() - t0
-        busy = None
+        busy = None  # recorded before the first work this step queues on the compute stream
         if self.compute_stream is not None:
             busy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             busy[0].record()
+        sampling = self._sampling(batch)
+        self.prepare_s += time.perf_counter() - t0
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
             ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
         num_sampled = len(sampled)

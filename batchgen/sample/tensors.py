@@ -45,7 +45,7 @@ class SamplingTensors:
               penalty_table: PenaltyTable | None = None) -> SamplingTensors:
         """`positions[i]`: position of the token row i samples (noise depends on it). `to_device` moves a
         list of host arrays to the device in one go (the runner's pinned staging); default: one copy each.
-        Rows with a repetition penalty need `penalty_table`; those with a `penalty_history` (re)initialise
+        Rows with a repetition, presence or frequency penalty need `penalty_table`; those with a `penalty_history` (re)initialise
         their slot's row of it here, queued before this step's sampling."""
         arrays: dict[str, np.ndarray] = {
             "temperature": np.array([r.temperature for r in rows], dtype=np.float32),

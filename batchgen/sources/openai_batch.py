@@ -5,9 +5,10 @@ Each line becomes a row with columns `custom_id` (the row key), `messages` (url 
 `prompt` (url /v1/completions), and `sampling`: the body's generation fields mapped onto the job's `sampling:`
 names, which `source.sampling_column` applies per row (job/row_sampling.py), so a bad or unsupported value
 rejects that line as `bad_sampling` naming the field. Mapped: max_tokens / max_completion_tokens ->
-max_new_tokens, temperature, top_p, n, stop, seed, presence_penalty, frequency_penalty, logit_bias (token id
-strings as keys). Accepted and ignored: model (every line runs the job's model; one notice), user, metadata,
-store, stream: false, logprobs false, response_format {type: text}. Anything else is passed on under its own name and rejects its line.
+max_new_tokens, temperature, top_p, n, stop, seed, presence_penalty, frequency_penalty. A non-empty logit_bias
+rejects its line: its keys are ids of OpenAI's tokenizers, not of the job's model. Accepted and ignored: model
+(every line runs the job's model; one notice), user, metadata, store, stream: false, logprobs false,
+response_format {type: text}. Anything else is passed on under its own name and rejects its line.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
 """
@@ -28,9 +29,9 @@ from batchgen.sources.jsonl import JsonlSource
 
 ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # url -> the prompt's column
 RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-MAPPED = {"temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias"}
+MAPPED = {"temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty"}
 IGNORED = {"model", "user", "metadata", "store", "messages", "prompt"}
-NEUTRAL = {"stream": (False, None), "presence_penalty": (None,), "frequency_penalty": (None,), "logit_bias": (None,),
+NEUTRAL = {"stream": (False, None), "presence_penalty": (None,), "frequency_penalty": (None,), "logit_bias": (None, {}),
            "logprobs": (False, None), "top_logprobs": (0, None)}
 
 
@@ -59,6 +60,8 @@ def body_sampling(body: dict) -> dict:
             continue
         if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
+        if name == "logit_bias":  # ids of OpenAI's tokenizers mean other tokens here: refused by its own name
+            name = "logit_bias (its keys are OpenAI token ids, not this model's)"
         out[RENAMED.get(name, name)] = value
     return out
 
