@@ -50,7 +50,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return "json_schema", '{"type": "object"}'
         if self.type == "json_schema":
-            return "json_schema", json.dumps(self.json_schema, sort_keys=True)
+            return "json_schema", json.dumps(self.json_schema)  # key order kept: properties come out in it
         if self.type == "choice":
             return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
         return self.type, self.regex if self.type == "regex" else self.grammar

@@ -40,7 +40,7 @@ import torch
 from batchgen.sample.grammar_mask import apply_token_bitmask, bitmask_words
 
 __all__ = ["GrammarCache", "GrammarState", "apply_token_bitmask", "bitmask_words", "check_response_format",
-           "fill_bitmasks"]
+           "fill_bitmasks", "grammar_error"]
 
 MAX_COMPILED = 1024  # distinct compiled grammars kept (a per-row schema column may have many)
 BATCH_FILL_MIN_ROWS = 16  # from this many rows, masks are filled by xgrammar's thread pool
@@ -68,14 +68,21 @@ def _grammar(kind: str, text: str):
     return xgr.Grammar.from_ebnf(text)
 
 
+def grammar_error(rf) -> str | None:
+    """xgrammar's reason for refusing a ResponseFormat's schema / regex / grammar, or None when it is usable."""
+    try:
+        _grammar(*rf.source())
+    except Exception as e:  # xgrammar raises RuntimeError (and InvalidJSONError) with its reason
+        return _reason(e)
+    return None
+
+
 def check_response_format(rf, key: str = "sampling.response_format") -> None:
     """ValueError('<key>.<field>: xgrammar cannot use it: <reason>') when xgrammar refuses the format."""
-    kind, text = rf.source()
-    try:
-        _grammar(kind, text)
-    except Exception as e:  # xgrammar raises RuntimeError (and InvalidJSONError) with its reason
+    reason = grammar_error(rf)
+    if reason is not None:
         field = FIELD_OF[rf.type]
-        raise ValueError(f"{key}{'.' + field if field else ''}: xgrammar cannot use it: {_reason(e)}") from None
+        raise ValueError(f"{key}{'.' + field if field else ''}: xgrammar cannot use it: {reason}")
 
 
 class GrammarState:
