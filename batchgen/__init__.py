@@ -6,7 +6,7 @@ import time
 # start-up (imports of torch and transformers) from here. A constant, set once.
 IMPORT_STARTED_MONOTONIC = time.monotonic()
 
-from batchgen.sampling_params import SamplingParams  # noqa: E402
+from batchgen.sampling_params import ResponseFormat, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -20,4 +20,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "EngineConfig", "PromptResult", "Sample", "SamplingParams", "__version__"]
+__all__ = ["Engine", "EngineConfig", "PromptResult", "ResponseFormat", "Sample", "SamplingParams", "__version__"]

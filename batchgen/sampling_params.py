@@ -6,12 +6,54 @@ setting is a field here (plus its use in `sample/`), and the job file, `--set` a
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 MAX_LOGPROBS = 20  # top log-probs per position (vLLM's and OpenAI's limit)
+
+
+# issue 14: structured output
+class ResponseFormat(BaseModel):
+    """What every completion must be: a JSON object, a JSON Schema's instance, a regex's match, one of the
+    choices, or a sentence of an EBNF grammar (xgrammar's dialect). Only the field of its `type` is set.
+    Checked here for shape only; whether xgrammar accepts the schema / regex / grammar is checked by
+    sample/grammar.py `check_response_format` (the job does it before the model loads)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    json_schema: dict[str, Any] | None = None  # type json_schema: the schema itself (a JSON object)
+    regex: str | None = None  # type regex
+    choices: tuple[str, ...] | None = None  # type choice: the completion is exactly one of them
+    grammar: str | None = None  # type grammar: EBNF with a `root` rule
+
+    @model_validator(mode="after")
+    def _its_field_only(self) -> ResponseFormat:
+        own = {"json_object": None, "json_schema": "json_schema", "regex": "regex", "choice": "choices",
+               "grammar": "grammar"}[self.type]
+        others = [f for f in ("json_schema", "regex", "choices", "grammar")
+                  if f != own and getattr(self, f) is not None]
+        if others:
+            raise ValueError(f"type {self.type} takes {own or 'no other field'}, not {', '.join(others)}")
+        if own is not None and not getattr(self, own):
+            raise ValueError(f"type {self.type} needs a non-empty {own}")
+        if self.choices is not None and any(c == "" for c in self.choices):
+            raise ValueError("choices must be non-empty strings")
+        return self
+
+    def source(self) -> tuple[str, str]:
+        """(kind, text) for the grammar compiler: kind json_schema | regex | grammar; equal formats give equal
+        pairs (the compiled-grammar cache's key). A choice is an EBNF alternation of JSON-quoted literals."""
+        if self.type == "json_object":
+            return "json_schema", '{"type": "object"}'
+        if self.type == "json_schema":
+            return "json_schema", json.dumps(self.json_schema)  # key order kept: properties come out in it
+        if self.type == "choice":
+            return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
+        return self.type, self.regex if self.type == "regex" else self.grammar
 
 
 class SamplingParams(BaseModel):
@@ -51,6 +93,8 @@ class SamplingParams(BaseModel):
     prompt_logprobs: bool = False  # one per prompt token (the first is None): the prompt scored by the model
     # reasoning models: after this many tokens inside the think block, its end marker is forced next
     thinking_budget: Annotated[int, Field(ge=0)] | None = None
+    # issue 14: structured output
+    response_format: ResponseFormat | None = None  # every completion follows it (sample/grammar.py)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,6 +123,10 @@ class SamplingParams(BaseModel):
         if self.max_new_tokens == 0 and not self.prompt_logprobs:
             raise ValueError("max_new_tokens: 0 generates nothing; it is allowed only to score prompts, with "
                              "prompt_logprobs: true")
+        # issue 14: structured output: the grammar decides every token, also where the completion ends
+        if self.response_format is not None and (self.min_new_tokens or self.thinking_budget is not None):
+            raise ValueError("response_format decides where a completion ends and which token comes next: it "
+                             "cannot be combined with min_new_tokens > 0 or thinking_budget")
         return self
 
     @field_validator("logit_bias", mode="before")

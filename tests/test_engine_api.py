@@ -54,7 +54,10 @@ def test_invalid_sampling_and_engine_values_raise_value_errors_naming_the_field(
 def test_the_job_file_and_the_api_share_one_definition_of_each_setting():
     from batchgen.job.spec import JobSpec
 
-    assert JobSpec.model_fields["sampling"].annotation is SamplingParams
+    sampling = JobSpec.model_fields["sampling"].annotation  # SamplingParams + the job-only column name
+    assert issubclass(sampling, SamplingParams)
+    assert set(sampling.model_fields) - set(SamplingParams.model_fields) == {"response_format_column"}
+    assert all(repr(sampling.model_fields[k]) == repr(f) for k, f in SamplingParams.model_fields.items())
     assert JobSpec.model_fields["engine"].annotation is EngineConfig
     assert EngineConfig.model_validate({"async": False}).async_pipeline is False  # the YAML name
     assert EngineConfig(async_pipeline=True).async_on("cpu") and not EngineConfig().async_on("cpu")

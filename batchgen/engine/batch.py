@@ -44,6 +44,10 @@ class SeqSampling:
     # issue 14: logprobs / reasoning
     logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
     forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)
+    # issue 14: structured output: the row's grammar state (sample/grammar.py GrammarState), or None. Its
+    # bitmask for this step is filled by the engine only once the previous step's token is known (with the
+    # async pipeline: after this step's forward is dispatched), then handed to the runner for the sampling.
+    grammar: object | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class ScheduledBatch:
     # issue 14: logprobs / reasoning
     num_logprob_seqs: int = 0  # sequences asking for log-probs (prompt or sampled): 0 -> the runner skips them
     num_forced: int = 0  # sequences with a forced token (thinking budget)
+    num_constrained: int = 0  # issue 14: structured output: sampling rows with a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from batchgen.engine.reasoning import ReasoningMarkers, ThinkingBudget
 from batchgen.engine.request import FinishReason, Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.runner.model_runner import ModelRunner
+from batchgen.sample.grammar import GrammarCache
 from batchgen.sampling_params import SamplingParams
 from batchgen.seeding import derive_seed
 
@@ -110,6 +111,10 @@ class Engine:
         self.num_generated_tokens = 0
         self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables, updates)
         self._in_flight = None  # async pipeline: (batch, InFlight) dispatched and not yet applied
+        # issue 14: structured output: compiled response formats (built by the first request with one), and
+        # the host's time advancing matchers' masks into bitmasks
+        self._grammars: GrammarCache | None = None
+        self.grammar_s = 0.0
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",
@@ -172,12 +177,14 @@ class Engine:
         if len(seeds) != params.n:
             raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
         thinking = self._thinking_budget(params)
+        grammars = self._grammar_states(params)  # issue 14: structured output (ValueError: a bad format)
         reqs = [Request(
             request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params,
             seed=seeds[i],
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, sample_idx=i,
             stop_watcher=StopStringWatcher(self.tokenizer, params.stop) if params.stop and self.tokenizer else None,
             thinking=ThinkingBudget(thinking, params.thinking_budget, prompt_ids) if thinking else None,
+            grammar=grammars[i] if grammars else None,
         ) for i in range(params.n)]
         reqs[0].followers = reqs[1:]
         self._pending[request_id] = (PromptResult(request_id, prompt_ids), params, params.n)
@@ -196,6 +203,31 @@ class Engine:
             raise ValueError(f"sampling.thinking_budget needs an end marker of one token; it encodes to "
                              f"{len(markers.end_ids)} tokens {list(markers.end_ids)}")
         return markers
+
+    # issue 14: structured output
+    def _grammar_states(self, params: SamplingParams) -> list | None:
+        """One matcher per sample of a constrained prompt (compiling its format on first use), else None.
+        A row ends where its grammar may end on one of its own stop tokens: EOS (unless ignore_eos) and
+        stop_token_ids."""
+        rf = params.response_format
+        if rf is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("sampling.response_format needs an engine built with a tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        stops = (() if params.ignore_eos else tuple(self.eos_token_ids)) + params.stop_token_ids
+        return [self._grammars.state(rf, stops) for _ in range(params.n)]
+
+    def _bitmask(self, batch: ScheduledBatch):
+        """The step's constrained rows' bitmasks (runner.bitmask_buffer), filled from their matchers now.
+        Invariant: each matcher has accepted its row's every token but the one this step samples."""
+        t0 = time.perf_counter()
+        states = [s.sampling.grammar for s in batch.seqs if s.sampling is not None and s.sampling.grammar is not None]
+        bitmask = self.runner.bitmask_buffer(len(states))
+        self._grammars.fill(states, bitmask)
+        self.grammar_s += time.perf_counter() - t0
+        return bitmask
 
     @property
     def decode_path(self) -> str:
@@ -219,7 +251,7 @@ class Engine:
                 "kv_cache_usage": round(self.block_manager.usage, 4), "num_kv_blocks": self.block_manager.num_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
-                "schedule_cpu_s": round(self.schedule_s, 3),
+                "schedule_cpu_s": round(self.schedule_s, 3), "grammar_cpu_s": round(self.grammar_s, 3),
                 "prepare_cpu_s": round(self.runner.prepare_s, 3), "gpu_busy_s": round(self.runner.gpu_busy_s, 3)}
 
     def step(self) -> list[PromptResult]:
@@ -230,7 +262,7 @@ class Engine:
         self.schedule_s += time.perf_counter() - t0
         if not self.async_pipeline:
             if batch:
-                self._apply(batch, self.runner.execute(batch))
+                self._apply(batch, self.runner.execute(batch, self._bitmask(batch) if batch.num_constrained else None))
             return self._collect(self.scheduler.take_finished())
         # Async: queue this step, then wait for the previous one, whose tokens this step's placeholders take
         # on the device. The host prepares step N+1 while the device runs step N.
@@ -238,6 +270,8 @@ class Engine:
         if self._in_flight is not None:
             prev_batch, prev_step = self._in_flight
             self._apply(prev_batch, self.runner.collect(prev_step))
+        if batch and batch.num_constrained:  # issue 14: the masks need the tokens just applied (sample/grammar.py)
+            step = self.runner.sample_deferred(step, self._bitmask(batch))
         self._in_flight = (batch, step) if batch else None
         return self._collect(self.scheduler.take_finished())
 

@@ -73,6 +73,10 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     num_scored_prompt_positions: int = 0
     thinking: ThinkingBudget | None = None  # params.thinking_budget set: the think block's state
+    # issue 14: structured output: params.response_format's matcher (sample/grammar.py GrammarState), own to
+    # this sample. Invariant: it has accepted exactly output_token_ids (a preempted sequence keeps its tokens
+    # and recomputes their KV only, so its matcher stays as it is)
+    grammar: object | None = None
     # a numpy mirror of `block_table` (see `block_table_view`)
     _table_mirror: ListMirror = field(default_factory=lambda: ListMirror(np.int32), repr=False)
 
@@ -132,6 +136,13 @@ class Request:
         self.token_ids.append(token_id)
         if self.thinking is not None:
             self.thinking.append(token_id)
+        # issue 14: structured output: the mask allowed only tokens the grammar accepts here
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):
+                raise RuntimeError(f"{self.request_id}: token {token_id} was sampled under a grammar that does "
+                                   f"not accept it (after {len(self.output_token_ids) - 1} tokens)")
+            if self.grammar.terminated:  # a stop token of the grammar, or the grammar complete without one
+                return FinishReason.STOP
         num_out = len(self.output_token_ids)
         if num_out >= self.params.min_new_tokens:
             if token_id in self.params.stop_token_ids:

@@ -4,6 +4,11 @@ job's `sampling:` section is (unknown field, wrong type, out of range); a bad on
 `bad_sampling` with the field named, and the job goes on. An empty or null value, or a null field, means the
 job's settings (Parquet struct columns give absent fields as null).
 A row's own `seed` replaces the job's as the root of its samples' seeds.
+
+issue 14: structured output: `sampling.response_format_column` names a column holding a JSON Schema per row (JSON
+text, or an object); it replaces the row's response_format (type json_schema). Null or empty: the job's (or the
+row's sampling_column's) format. A value that is not JSON, not an object, or a schema xgrammar refuses rejects
+its row as `bad_response_format`, with xgrammar's reason; each distinct value is checked once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pydantic import ValidationError
 
 from batchgen.errors import JobError, RowError
 from batchgen.job.spec import JobSpec
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import ResponseFormat, SamplingParams
 
 MAX_CACHED = 4096  # distinct values kept parsed (most jobs have a handful)
 # settings that decide which output columns exist: job-wide only, a row may not change them
@@ -30,9 +35,55 @@ class RowSampling:
             raise JobError(f"source.sampling_column {self.column!r} is not a column of the source; columns: "
                            f"{', '.join(columns)}")
         self._cache: dict[str, SamplingParams] = {}
+        # issue 14: structured output
+        self.format_column = spec.sampling.response_format_column
+        if self.format_column is not None and self.format_column not in columns:
+            raise JobError(f"sampling.response_format_column {self.format_column!r} is not a column of the source; "
+                           f"columns: {', '.join(columns)}")
+        self._formats: dict[str, ResponseFormat] = {}
 
     def params_for(self, columns: dict[str, Any]) -> SamplingParams:
-        """The row's sampling settings; RowError('bad_sampling') when its value is not valid."""
+        """The row's sampling settings; RowError('bad_sampling' / 'bad_response_format') when a value is not
+        valid."""
+        params = self._sampling_for(columns)
+        if self.format_column is None:
+            return params
+        value = columns.get(self.format_column)
+        if value is None or value == "" or value == {}:
+            return params
+        rf = self._response_format(value)
+        try:
+            return SamplingParams.model_validate({**params.model_dump(exclude={"response_format_column"}),
+                                                  "response_format": rf})
+        except ValidationError as e:  # the row's own sampling_column asked for min_new_tokens / thinking_budget
+            raise RowError("bad_response_format", f"column {self.format_column!r}: "
+                                                  f"{e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+    def _response_format(self, value: Any) -> ResponseFormat:
+        from batchgen.sample.grammar import grammar_error
+
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+        rf = self._formats.get(text)
+        if rf is not None:
+            return rf
+        where = f"sampling.response_format_column {self.format_column!r}"
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RowError("bad_response_format", f"{where} is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise RowError("bad_response_format", f"{where} must hold a JSON Schema (a JSON object), got "
+                                                  f"{type(value).__name__}")
+        rf = ResponseFormat(type="json_schema", json_schema=value)
+        reason = grammar_error(rf)
+        if reason is not None:
+            raise RowError("bad_response_format", f"{where} is not a JSON Schema xgrammar can use: {reason}")
+        if len(self._formats) < MAX_CACHED:
+            self._formats[text] = rf
+        return rf
+
+    def _sampling_for(self, columns: dict[str, Any]) -> SamplingParams:
         if self.column is None:
             return self.job
         value = columns.get(self.column)
@@ -58,7 +109,9 @@ class RowSampling:
                                            f"{type(value).__name__}")
         value = {k: v for k, v in value.items() if v is not None}  # a null field (a struct column's absent one)
         try:
-            params = SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True), **value})
+            params = SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True,
+                                                                          exclude={"response_format_column"}),
+                                                    **value})
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
                                  for err in e.errors())
@@ -67,4 +120,11 @@ class RowSampling:
         if changed:
             raise RowError("bad_sampling", f"{where}: {', '.join(changed)} decide the output columns: set them "
                                            f"in the job's sampling: section, not per row")
+        if params.response_format is not None and params.response_format != self.job.response_format:
+            from batchgen.sample.grammar import check_response_format  # issue 14: structured output
+
+            try:
+                check_response_format(params.response_format, key=f"{where}: response_format")
+            except ValueError as e:
+                raise RowError("bad_sampling", str(e)) from None
         return params

@@ -90,12 +90,28 @@ class OutputSpec(_Strict):
     reasoning: Literal["auto", "none"] | ReasoningSpec = "none"
 
 
+# issue 14: structured output
+class JobSampling(SamplingParams):
+    """The job's `sampling:` section: SamplingParams plus what only a job can say (it names a source column)."""
+
+    # a column holding a JSON Schema per row (JSON text): that row's response_format (type json_schema)
+    response_format_column: str | None = None
+
+    @model_validator(mode="after")
+    def _column_rows_end_by_grammar(self) -> JobSampling:
+        if self.response_format_column is not None and (self.min_new_tokens
+                                                        or self.thinking_budget is not None):
+            raise ValueError("response_format_column decides where its rows end: it cannot be combined with "
+                             "min_new_tokens > 0 or thinking_budget")
+        return self
+
+
 class JobSpec(_Strict):
     name: str | None = None
     model: ModelSpec
     source: SourceSpec
     prompt: PromptSpec
-    sampling: SamplingParams = Field(default_factory=SamplingParams)  # the one definition: sampling_params.py
+    sampling: JobSampling = Field(default_factory=JobSampling)  # SamplingParams (sampling_params.py) + job-only
     engine: EngineConfig = Field(default_factory=EngineConfig)  # the one definition: engine/config.py
     output: OutputSpec = Field(default_factory=OutputSpec)
 
@@ -203,6 +219,19 @@ def _openai_batch_defaults(raw: dict, base: Path) -> None:
                    {"column": "prompt", "chat": False})
 
 
+def _check_response_format(spec: JobSpec, path: Path) -> None:
+    """issue 14: structured output: a schema, regex or grammar xgrammar refuses stops the job here, before any
+    model loads (run and validate), naming the key and xgrammar's reason."""
+    if spec.sampling.response_format is None:
+        return
+    from batchgen.sample.grammar import check_response_format
+
+    try:
+        check_response_format(spec.sampling.response_format)
+    except ValueError as e:
+        raise JobError(f"invalid job file {path}:\n  - {e}") from None
+
+
 def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | None = None) -> JobSpec:
     path = Path(path)
     if not path.is_file():
@@ -221,6 +250,7 @@ def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | Non
         spec = JobSpec.model_validate(raw)
     except ValidationError as e:
         raise JobError(_format_validation_error(e, str(path))) from None
+    _check_response_format(spec, path)
     base = path.resolve().parent
     model = spec.model.model_copy(update={"path": _resolve(base, spec.model.path)})
     paths = [spec.source.path] if isinstance(spec.source.path, str) else spec.source.path

@@ -26,7 +26,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
     OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run checks
-    RowSampling(spec, source.columns)  # source.sampling_column too
+    row_sampling = RowSampling(spec, source.columns)  # source.sampling_column, sampling.response_format_column
     expected = source.expected_rows
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
@@ -62,6 +62,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
             lengths.append(len(ids))
             if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
                 rejects["prompt_too_long"] = rejects.get("prompt_too_long", 0) + 1
+            row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
             if len(shown) < show:
                 shown.append(prompt)
         except RowError as e:
@@ -79,7 +80,10 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
         lines.append("rows that would be rejected in the sample: "
                      + ", ".join(f"{k}: {v}" for k, v in sorted(rejects.items())))
     lines.append(f"sampling: n={spec.sampling.n}, max_new_tokens={spec.sampling.max_new_tokens}, "
-                 f"temperature={spec.sampling.temperature}, seed={spec.sampling.seed}")
+                 f"temperature={spec.sampling.temperature}, seed={spec.sampling.seed}"
+                 + (f", response_format={spec.sampling.response_format.type}" if spec.sampling.response_format else "")
+                 + (f", response_format_column={spec.sampling.response_format_column!r}"
+                    if spec.sampling.response_format_column else ""))
     lines.append(_check_resume(spec, tokenizer, config))
     lines.append(_check_keys(spec, source))
     return "\n".join(lines)

@@ -44,7 +44,8 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
 # sampling settings added after outputs existed: recorded only when set, so an output begun before them (or
 # without them) resumes, and turning one on (or changing it) is refused
 SAMPLING_OFF = {"logprobs": None, "prompt_logprobs": False, "thinking_budget": None, "presence_penalty": 0.0,
-                "frequency_penalty": 0.0, "logit_bias": []}
+                "frequency_penalty": 0.0, "logit_bias": [],
+                "response_format": None, "response_format_column": None}  # issue 14: structured output
 
 
 def _sampling(spec: JobSpec) -> dict[str, Any]:

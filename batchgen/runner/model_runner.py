@@ -24,6 +24,7 @@ from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
 from batchgen.sample import logprobs as lpmod
+from batchgen.sample.grammar_mask import bitmask_words
 from batchgen.sample.penalty import PenaltyTable
 from batchgen.sample.sampler import SamplingTensors, sample
 
@@ -49,6 +50,20 @@ class InFlight:
     busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
+# issue 14: structured output
+@dataclass
+class DeferredStep:
+    """A dispatched step whose forward is queued but whose sampling waits for its constrained rows' bitmasks
+    (sample/grammar.py says why); `ModelRunner.sample_deferred` queues the rest of the step."""
+
+    logits: torch.Tensor  # [S + P, V] the LM head's rows: S sampling rows (batch order), then P prompt-scoring
+    sampling: SamplingTensors
+    num_sampled: int  # S
+    forced: torch.Tensor | None  # [S] int64 forced ids (-1: none), thinking budget
+    lp_inputs: lpmod.LogprobInputs | None
+    busy: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
@@ -71,6 +86,11 @@ class ModelRunner:
         self.staging = StepStaging(device, self.compute_stream)
         self._out_host = [torch.empty(256, dtype=torch.int64, pin_memory=True) for _ in range(2)] if cuda else []
         self._out_next = 0
+        # issue 14: structured output: host bitmasks [G, ceil(V / 32)] int32, pinned A/B on CUDA. A slot is
+        # refilled two steps later, after the host collected the step between, whose D2H copy follows this
+        # slot's H2D copy on the compute stream: the copy out of it is done by then.
+        self._bitmask_host: list[torch.Tensor] = []
+        self._bitmask_next = 0
         # Decode steps (one token per sequence) run the model family's decode forward, replayed from CUDA
         # graphs where they are on; prefill and mixed steps run its packed forward where the family has one,
         # else transformers' forward with our attention.
@@ -100,7 +120,7 @@ class ModelRunner:
         and nothing needs copying)."""
         rows = [(s.sampling, s.seq_len) for s in batch.seqs if s.sampling is not None]
         if all(r.temperature == 0 and not r.uses_penalty_table and not r.suppressed_token_ids and not r.logit_bias
-               for r, _ in rows):
+               and r.grammar is None for r, _ in rows):
             return None
         return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device,
                                      to_device=self.staging.to_device, penalty_table=self.penalties)
@@ -116,17 +136,41 @@ class ModelRunner:
         return [np.array([p for p, _ in rows], dtype=np.int64), np.array([s for _, s in rows], dtype=np.int64)]
 
     @torch.inference_mode()
-    def dispatch(self, batch: ScheduledBatch) -> InFlight:
+    def dispatch(self, batch: ScheduledBatch, bitmask: torch.Tensor | None = None) -> InFlight | DeferredStep:
         """Queue one step on the device and return at once (on CUDA); `collect` gives its sampled tokens.
-        Placeholders (`carry_from`) are filled on the device from the previous dispatch's sampled tokens."""
+        Placeholders (`carry_from`) are filled on the device from the previous dispatch's sampled tokens.
+        A batch with constrained rows needs their `bitmask` (from `bitmask_buffer`); without it the forward
+        is queued and a DeferredStep returned, for `sample_deferred` to finish."""
         if self.compute_stream is None:
-            return self._dispatch(batch)
+            return self._dispatch(batch, bitmask)
         # Whatever the caller queued on its own stream (weights, a cache reset) comes before this step.
         self.compute_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.compute_stream):
-            return self._dispatch(batch)
+            return self._dispatch(batch, bitmask)
 
-    def _dispatch(self, batch: ScheduledBatch) -> InFlight:
+    # issue 14: structured output
+    def bitmask_buffer(self, num_rows: int) -> torch.Tensor:
+        """A host int32 [num_rows, ceil(V / 32)] buffer for a step's bitmasks (pinned on CUDA), to fill and pass
+        to `dispatch` / `sample_deferred` of that step; contents undefined."""
+        width = bitmask_words(self.vocab_size)
+        if self.compute_stream is None:
+            return torch.empty(num_rows, width, dtype=torch.int32)
+        if not self._bitmask_host or self._bitmask_host[0].shape[0] < num_rows:
+            self._bitmask_host = [torch.empty(max(num_rows, 64), width, dtype=torch.int32, pin_memory=True)
+                                  for _ in range(2)]
+        host = self._bitmask_host[self._bitmask_next][:num_rows]
+        self._bitmask_next ^= 1
+        return host
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: DeferredStep, bitmask: torch.Tensor) -> InFlight:
+        """Queue the masked sampling (and the rest) of a deferred step; `collect` gives its tokens."""
+        if self.compute_stream is None:
+            return self._sample(step, bitmask)
+        with torch.cuda.stream(self.compute_stream):
+            return self._sample(step, bitmask)
+
+    def _dispatch(self, batch: ScheduledBatch, bitmask: torch.Tensor | None = None) -> InFlight | DeferredStep:
         t0 = time.perf_counter()
         a = StepArrays.build(batch, self.block_size)
         carry = self._carry_rows(batch, a.last_index)
@@ -165,7 +209,8 @@ class ModelRunner:
             assert plan is None or plan.prompt_positions is None, "a decode step scores no prompt"
             logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
             # clone: the graph's buffer is rewritten by the next replay
-            tokens = greedy.clone() if sampling is None else sample(logits, sampling, self.use_triton)
+            tokens = greedy.clone() if sampling is None else None if batch.num_constrained else \
+                sample(logits, sampling, self.use_triton)
         else:
             if decode_only:  # one token per sequence, all sample, in batch order
                 logits = self.decode_forward(ids_d, pos_d, slots_d, tables_d, lens_d, int(a.seq_lens.max()))
@@ -182,8 +227,24 @@ class ModelRunner:
                                          use_cache=False, **{METADATA_KWARG: attention})
                     logits = out.logits[0]  # [S + P, V]: the `keep` rows only, sampling rows in batch order
             sample_logits = logits[:num_sampled]
-            tokens = sample_logits.argmax(dim=-1) if sampling is None else sample(sample_logits, sampling,
-                                                                                   self.use_triton)
+            tokens = None if batch.num_constrained else sample_logits.argmax(dim=-1) if sampling is None else \
+                sample(sample_logits, sampling, self.use_triton)
+        if batch.num_constrained:  # issue 14: structured output: sampled below, from the masked logits
+            deferred = DeferredStep(logits, sampling, num_sampled, forced_d, lp_inputs, busy)
+            return deferred if bitmask is None else self._sample(deferred, bitmask)
+        return self._finish_step(tokens, logits, num_sampled, sampling, forced_d, lp_inputs, busy)
+
+    def _sample(self, step: DeferredStep, bitmask: torch.Tensor) -> InFlight:
+        """issue 14: structured output: the masked draw of a step with constrained rows, then the rest."""
+        step.sampling.grammar_bitmask = bitmask.to(self.device, non_blocking=True)  # pinned -> no host wait
+        tokens = sample(step.logits[:step.num_sampled], step.sampling, self.use_triton)
+        return self._finish_step(tokens, step.logits, step.num_sampled, step.sampling, step.forced, step.lp_inputs,
+                                 step.busy)
+
+    def _finish_step(self, tokens: torch.Tensor, logits: torch.Tensor, num_sampled: int,
+                     sampling: SamplingTensors | None, forced_d: torch.Tensor | None,
+                     lp_inputs: lpmod.LogprobInputs | None, busy) -> InFlight:
+        """After the draw: forced tokens, log-probs, penalty marks, then the copy back."""
         if forced_d is not None:  # thinking budget: the end marker replaces whatever was drawn
             tokens = torch.where(forced_d >= 0, forced_d, tokens)
         lp_result = None
@@ -235,6 +296,7 @@ class ModelRunner:
         arrays = {k: v.numpy() for k, v in step.logprobs_host.items()}
         return StepOutput(token_ids=step.tokens_host.tolist(), **arrays)
 
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """Run one step synchronously: one sampled token per sequence with `sampling`, in batch order."""
-        return self.collect(self.dispatch(batch))
+    def execute(self, batch: ScheduledBatch, bitmask: torch.Tensor | None = None) -> StepOutput:
+        """Run one step synchronously: one sampled token per sequence with `sampling`, in batch order
+        (`bitmask`: the constrained rows' bitmasks, needed when the batch has any)."""
+        return self.collect(self.dispatch(batch, bitmask))

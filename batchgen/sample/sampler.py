@@ -1,9 +1,9 @@
 """Sampler: one token per sampled sequence, from fp32 logits, on the logits' device.
 
 Random draws use the Gumbel-max trick with noise from `noise.py` (a function of seed, position and vocab id).
-Order of operations: logit bias, repetition penalty (as transformers' generate), frequency and presence
-penalties (as vLLM and OpenAI: output tokens only), suppression (min_new_tokens), temperature, top-k, top-p,
-min-p, then argmax (greedy) or Gumbel-max (sampling).
+Order of operations: a grammar's token bitmask (structured output), logit bias, repetition penalty (as
+transformers' generate), frequency and presence penalties (as vLLM and OpenAI: output tokens only), suppression
+(min_new_tokens), temperature, top-k, top-p, min-p, then argmax (greedy) or Gumbel-max (sampling).
 
 Two implementations of the steps after suppression: `sample_ref` in torch (CPU, and the reference: a full sort
 for top-k/top-p), and on CUDA the sort-free Triton kernel `kernels/sample.py` (one program per row).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.sample import sample_rows
+from batchgen.sample.grammar_mask import apply_token_bitmask
 from batchgen.sample.noise import uniform_noise
 from batchgen.sample.tensors import SamplingTensors
 
@@ -24,6 +25,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) 
     """logits: [S, V] (any float dtype). Returns [S] int64 token ids. Its kernels are the profiler's
     `batchgen.sample` range (bench/job profiles split a step's GPU time by it)."""
     with torch.profiler.record_function("batchgen.sample"):
+        # issue 14: structured output: grammar-masked tokens are -inf before penalties, temperature, filters
+        if st.grammar_rows is not None:
+            assert st.grammar_bitmask is not None, "a constrained row without its bitmask"
+            rows = None if st.grammar_rows.shape[0] == logits.shape[0] else st.grammar_rows
+            logits = apply_token_bitmask(logits, rows, st.grammar_bitmask)
         if not use_triton:
             return sample_ref(logits, st)
         if st.penalty is not None or st.suppress_rows is not None or st.bias_rows is not None:

@@ -8,7 +8,10 @@ rejects that line as `bad_sampling` naming the field. Mapped: max_tokens / max_c
 max_new_tokens, temperature, top_p, n, stop, seed, presence_penalty, frequency_penalty. A non-empty logit_bias
 rejects its line: its keys are ids of OpenAI's tokenizers, not of the job's model. Accepted and ignored: model
 (every line runs the job's model; one notice), user, metadata, store, stream: false, logprobs false,
-response_format {type: text}. Anything else is passed on under its own name and rejects its line.
+response_format {type: text}. Honoured (issue 14: structured output): response_format {type: json_object} and
+{type: json_schema, json_schema: {name, schema, strict}} -> the row's response_format (the schema; name and
+strict are not needed: every completion follows the schema). Anything else is passed on under its own name and
+rejects its line.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
 """
@@ -62,8 +65,20 @@ def body_sampling(body: dict) -> dict:
             continue
         if name == "logit_bias":  # ids of OpenAI's tokenizers mean other tokens here: refused by its own name
             name = "logit_bias (its keys are OpenAI token ids, not this model's)"
+        if name == "response_format":
+            value = _response_format(value)
         out[RENAMED.get(name, name)] = value
     return out
+
+
+def _response_format(value):
+    """OpenAI's response_format as batchgen's: json_object as it is; json_schema's {name, schema, strict} wrapper
+    unwrapped to the schema (without one: no json_schema, which rejects the line naming it). Anything else is
+    passed on unchanged (SamplingParams names what is wrong)."""
+    wrapper = value.get("json_schema") if isinstance(value, dict) else None
+    if not isinstance(wrapper, dict) or value.get("type") != "json_schema":
+        return value
+    return {"type": "json_schema", **({"json_schema": wrapper["schema"]} if "schema" in wrapper else {})}
 
 
 class OpenAIBatchSource(Source):
