@@ -24,7 +24,7 @@ class PlanChannel:
         self.group = cpu_group
         self.src = src_global_rank  # the group's rank 0, as a global rank (broadcast's `src`)
         self.is_leader = is_leader
-        self.stopped = False  # the last message sent was STOP (or nothing yet was built)
+        self.stopped = False  # STOP sent last; False: the other ranks still wait for a message that ends them
         self.num_steps_sent = 0
 
     def _send(self, message) -> None:
