@@ -78,34 +78,71 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         workers: Annotated[Optional[int], typer.Option(help="Start this many local worker processes.")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="Start one worker process per GPU: a number or 'all'.")]
         = None,
+        tensor_parallel: Annotated[Optional[int], typer.Option(
+            "--tensor-parallel", help="Split the model over this many ranks per worker (engine.tensor_parallel_size; "
+                                      "one process and, on CUDA, one GPU each).")] = None,
         progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
     """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
+    if os.environ.get("BATCHGEN_TP_RANK", "0") != "0":  # a rank > 0: signals are rank 0's to act on (job/ranks.py)
+        import signal
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+    from batchgen.errors import JobError
     from batchgen.job.run import fresh_start, run_job
     from batchgen.job.spec import load_spec
     from batchgen.job.workers import resolve_worker
 
-    spec = load_spec(job, set_ or [], output)
-    if workers is not None or gpus is not None:
-        from batchgen.errors import JobError
+    overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
+                                else [])
+    spec = load_spec(job, overrides, output)
+    size = spec.engine.tensor_parallel_size
+    identity = None  # this process's tensor-parallel rank, when a launcher (ours, torchrun) started it as one
+    if size > 1:
+        from batchgen.distributed.groups import identity_from_environment
+
+        try:
+            identity = identity_from_environment(size)
+        except ValueError as e:
+            raise JobError(str(e)) from None
+    if workers is not None or gpus is not None or (size > 1 and identity is None):
         from batchgen.job.launcher import launch, resolve_gpus
 
         if worker_index is not None or num_workers is not None or (workers is not None and gpus is not None):
             raise JobError("--workers/--gpus start their own workers: drop --worker-index/--num-workers, and give "
                            "only one of --workers and --gpus")
         gpu_ids = resolve_gpus(gpus) if gpus is not None else None
-        count = len(gpu_ids) if gpu_ids is not None else workers
+        count = len(gpu_ids) // size if gpu_ids is not None else (workers if workers is not None else 1)
+        if size > 1:
+            import torch
+
+            from batchgen.job import ranks
+
+            gpu_ids = ranks.worker_gpus(spec, count, gpu_ids, gpus, torch.cuda.device_count())
+            count = len(gpu_ids) // size if gpu_ids is not None else count
+            ranks.check_before_launch(spec)
         if count is None or count < 1:
             raise JobError("--workers must be >= 1")
         if fresh:
             fresh_start(spec)
-        raise typer.Exit(launch(job, set_ or [], output, count, gpu_ids))
-    worker = resolve_worker(worker_index, num_workers)
-    if fresh and worker.count > 1:
-        from batchgen.errors import JobError
+        raise typer.Exit(launch(job, overrides, output, count, gpu_ids, size, progress))
+    if identity is not None and identity.source == "torchrun":
+        from batchgen.job.ranks import torchrun_worker
 
+        worker = torchrun_worker(identity)
+    else:
+        worker = resolve_worker(worker_index, num_workers)
+    if fresh and worker.count > 1:
         raise JobError("--fresh with several workers would let each one delete the others' results: delete the "
                        "output directory once before starting them, or use --workers/--gpus, which does it once")
-    result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
+    if identity is not None:
+        from batchgen.job.ranks import run_rank
+
+        result = run_rank(spec, identity, worker, fresh, progress)
+        if result is None:  # a rank > 0: rank 0 reports
+            return
+    else:
+        result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
     r = result.report
     summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
                f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "

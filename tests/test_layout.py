@@ -15,9 +15,12 @@ ALLOWED = {
     "models": {"models", "attention", "kernels"},
     "sample": {"sample", "engine.batch", "kernels"},
     "runner": {"runner", "models", "attention", "sample", "kernels", "engine.batch", "errors", "hub"},
+    # tensor parallelism: groups and plans; beside runner/ (the runner reaches it only through the group it is given)
+    "distributed": {"distributed", "models", "attention", "kernels", "engine.batch", "errors"},
     "engine": {"engine", "sampling_params", "seeding", "errors"},
     # composition root (sample: the grammar cache of structured output)
-    "engine/engine.py": {"engine", "runner", "attention", "sample", "sampling_params", "seeding", "errors"},
+    "engine/engine.py": {"engine", "runner", "distributed", "attention", "sample", "sampling_params", "seeding",
+                         "errors"},
 }
 HOST_ONLY = ("engine/batch.py", "engine/block_manager.py", "engine/config.py", "engine/detokenizer.py",
              "engine/list_mirror.py", "engine/request.py", "engine/scheduler.py", "sampling_params.py")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -32,6 +32,17 @@ class EngineConfig(BaseModel):
     graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
+    # ranks (processes, one GPU each on CUDA) that split every layer's heads and MLP columns and the vocabulary;
+    # rank 0 schedules and samples; batchgen/distributed/. Changes the rounding (partial sums), not the contract
+    tensor_parallel_size: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_the_fused_decoder(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and (not self.fused_decoder or self.compile):
+            key = "engine.fused_decoder: false" if not self.fused_decoder else "engine.compile: true"
+            raise ValueError(f"engine.tensor_parallel_size {self.tensor_parallel_size} runs the fused decoders' "
+                             f"sharded layers; {key} runs transformers' modules, which are not sharded")
+        return self
 
     def context_length(self, model_config) -> int:
         """Tokens a sequence may hold: max_model_len, else the model's max_position_embeddings."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.attention.kv_cache import KVCache, KVGeometry, plan_num_blocks
+from batchgen.distributed.groups import for_engine, local_kv_geometry
 from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
@@ -69,7 +70,8 @@ MAX_GRAPH_BATCH = 512
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
+                 tensor_parallel=None) -> None:
         self.config = config = config or EngineConfig()
         self._closed = False
         self._owns_model = False  # from_pretrained: the model is the engine's to drop on close
@@ -82,7 +84,10 @@ class Engine:
         # think markers for SamplingParams.thinking_budget: the tokenizer's <think> / </think> when it has them;
         # the job runner sets its output.reasoning markers here
         self.reasoning_markers: ReasoningMarkers | None = ReasoningMarkers.auto(tokenizer)
-        geometry = KVGeometry.from_config(model.config)
+        # tensor parallelism (engine.tensor_parallel_size > 1): this rank's shard of the model (sharded here if the
+        # loader did not) and of the KV cache (its KV heads); every rank builds an Engine, only rank 0 schedules
+        self.tensor_parallel = tp = for_engine(model, config, tensor_parallel)
+        geometry = local_kv_geometry(KVGeometry.from_config(model.config), tp)
         dtype = next(model.parameters()).dtype
         # Reserved beside the KV cache: activations of the largest step, and the sampler's [S, V] buffers (the
         # penalty table, allocated by the first penalised step, and up to three 4-byte temporaries of it)
@@ -91,6 +96,8 @@ class Engine:
             geometry, config.block_size, dtype, self.device, config.gpu_memory_utilization,
             reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16 + sampler_bytes,
             cpu_max_bytes=config.cpu_kv_cache_bytes)
+        if tp is not None:  # one block table serves every rank: the blocks that fit on all of them
+            num_blocks = tp.agree_min(num_blocks)
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -100,7 +107,8 @@ class Engine:
                                       max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
                                       max_model_len=self.max_model_len,
                                       compile=config.compile, fused_decoder=config.fused_decoder,
-                                      blas_library=config.graph_blas_library, max_num_seqs=config.max_num_seqs)
+                                      blas_library=config.graph_blas_library, max_num_seqs=config.max_num_seqs,
+                                      tensor_parallel=tp)
         except BaseException:
             self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
             raise
@@ -214,6 +222,8 @@ class Engine:
             return None
         if self.tokenizer is None:
             raise ValueError("sampling.response_format needs an engine built with a tokenizer")
+        if self.tensor_parallel is not None:  # the matchers and masks live on rank 0 only; the others sample too
+            raise ValueError("sampling.response_format is not supported with engine.tensor_parallel_size > 1 yet")
         if self._grammars is None:
             self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         stops = (() if params.ignore_eos else tuple(self.eos_token_ids)) + params.stop_token_ids

@@ -1,14 +1,19 @@
 """`batchgen run --workers N` / `--gpus N|all`: start one worker process per GPU (or N CPU workers) on this
 machine, forward signals to them, and wait. Each worker is an ordinary `batchgen run --worker-index i
 --num-workers N`, so what it writes is exactly what a Slurm array would write. A worker that fails makes
-the command exit non-zero, after the others have finished and committed."""
+the command exit non-zero, after the others have finished and committed.
+
+With engine.tensor_parallel_size T > 1 each worker is T rank processes (job/ranks.py) on T GPUs (`--gpus 4` with
+T = 2: two workers of two GPUs each), rendezvousing on their own free localhost port; signals go to rank 0."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from batchgen.errors import JobError
@@ -18,6 +23,39 @@ from batchgen.job.spec import load_spec
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
                   "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX", "BATCHGEN_NUM_WORKERS")
+
+
+# how long a worker's other ranks may outlive its rank 0 (they exit at its STOP, normally at once), and how long
+# rank 0 may outlive a failed rank (its step's collective then fails, or waits for the NCCL timeout) before a kill
+RANK_GRACE_S = 30.0
+
+
+def _free_port() -> int:
+    """A localhost TCP port free now (a group's rendezvous; another process may take it first: rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
+    """Wait for every worker's ranks, all watched at once; a worker's exit code is its rank 0's, else its first
+    failed rank's. A rank left running RANK_GRACE_S after its rank 0 ended is killed; after another rank of its
+    group failed, rank 0 gets SIGTERM (commit what is finished) and the same grace."""
+    ended_at: dict[int, float] = {}  # group -> when its rank 0 ended or another of its ranks failed
+    while any(p.poll() is None for group in groups for p in group):
+        for g, group in enumerate(groups):
+            leader, others = group[0], group[1:]
+            if g not in ended_at and (leader.poll() is not None or any(p.poll() not in (None, 0) for p in others)):
+                ended_at[g] = time.monotonic()
+                if leader.poll() is None:
+                    leader.send_signal(signal.SIGTERM)
+            if g in ended_at and time.monotonic() - ended_at[g] > RANK_GRACE_S:
+                for p in group:
+                    if p.poll() is None:
+                        p.kill()
+        time.sleep(0.1)
+    codes = [[p.wait() for p in group] for group in groups]
+    return [c[0] if c[0] != 0 else next((x for x in c[1:] if x != 0), 0) for c in codes]
 
 
 def resolve_gpus(gpus: str) -> list[int]:
@@ -37,30 +75,41 @@ def resolve_gpus(gpus: str) -> list[int]:
     return list(range(n))
 
 
-def launch(job: Path, overrides: list[str], output: str | None, num_workers: int, gpus: list[int] | None) -> int:
-    procs: list[subprocess.Popen] = []
+def launch(job: Path, overrides: list[str], output: str | None, num_workers: int, gpus: list[int] | None,
+           tensor_parallel_size: int = 1, show_progress: bool = False) -> int:
+    """Start the workers (each a group of `tensor_parallel_size` rank processes; `gpus`: every rank's GPU,
+    worker after worker) and wait for them. Signals go to each worker's rank 0 only (job/ranks.py)."""
+    size = tensor_parallel_size
+    groups: list[list[subprocess.Popen]] = []
     for i in range(num_workers):
-        env = {k: v for k, v in os.environ.items() if k not in _IDENTITY_VARS}
+        env = {k: v for k, v in os.environ.items() if k not in _IDENTITY_VARS and not k.startswith("BATCHGEN_TP_")}
         env["BATCHGEN_WORKER_INDEX"] = str(i)  # informational (logs, user hooks, fault tests)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpus[i])
+        if gpus is not None:  # the group's GPUs; rank r takes cuda:r of them
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[i * size:(i + 1) * size])
         cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--worker-index", str(i),
-               "--num-workers", str(num_workers), "--no-progress"]
+               "--num-workers", str(num_workers)]
         for o in overrides:
             cmd += ["--set", o]
         cmd += ["--set", "output.report=false"]  # the card and plots are written once, below, after all workers
         if output is not None:
             cmd += ["--output", output]
-        procs.append(subprocess.Popen(cmd, env=env))
+        init = f"tcp://127.0.0.1:{_free_port()}"  # each group is its own world
+        group = []
+        for rank in range(size):
+            rank_env = env if size == 1 else {**env, "BATCHGEN_TP_RANK": str(rank), "BATCHGEN_TP_SIZE": str(size),
+                                              "BATCHGEN_TP_INIT": init}
+            quiet = [] if show_progress and num_workers == 1 and rank == 0 else ["--no-progress"]
+            group.append(subprocess.Popen(cmd + quiet, env=rank_env))
+        groups.append(group)
 
     def forward(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        for group in groups:
+            if group[0].poll() is None:
+                group[0].send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        codes = [p.wait() for p in procs]
+        codes = _wait_groups(groups)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -70,7 +119,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
         print(f"batchgen: {described}; the other workers committed their rows. Run the same command again to "
               f"resume.", file=sys.stderr)
         return next(c for _, c in failed if c > 0) if any(c > 0 for _, c in failed) else 1
-    print(f"batchgen: all {num_workers} workers done", file=sys.stderr)
+    print(f"batchgen: {f'all {num_workers} workers' if num_workers > 1 else 'the worker'} done", file=sys.stderr)
     spec = load_spec(job, overrides, output)
     if spec.output.report:
         write_report_or_say_why(Path(spec.output.dir))

@@ -52,7 +52,8 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
 
 
 class JobLoop:
-    def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool) -> None:
+    def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool,
+                 tensor_parallel=None) -> None:
         from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -62,6 +63,7 @@ class JobLoop:
         self.startup_s = setup_started - batchgen.IMPORT_STARTED_MONOTONIC
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
+        self.tp = tensor_parallel  # distributed.TensorParallelGroup of which this process is rank 0, or None
         self.source = open_source(spec.source)
         self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
         # Everything that can refuse the job or find it done needs only the tokenizer and the config: the
@@ -82,6 +84,11 @@ class JobLoop:
         self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
+        from batchgen.models.registry import tensor_parallel_reason
+
+        reason = tensor_parallel_reason(config, spec.engine.tensor_parallel_size)
+        if reason is not None:  # before any weight loads
+            raise JobError(f"engine.tensor_parallel_size {spec.engine.tensor_parallel_size}: {reason}")
         try:
             spec.sampling.check_vocab(config.get_text_config().vocab_size)
         except ValueError as e:
@@ -117,13 +124,17 @@ class JobLoop:
         from batchgen.engine.engine import Engine
 
         spec = self.spec
+        tp = self.tp
+        if tp is not None:
+            tp.plans.send_build()  # the other ranks load their shards and build their engines meanwhile
         try:
-            model = load_model(self.model_source, spec.model.dtype, spec.model.device)
+            model = load_model(self.model_source, spec.model.dtype, spec.model.device,
+                               shard=(tp.rank, tp.size) if tp is not None else None)
         except (OSError, ValueError) as e:
             raise JobError(f"cannot load the weights of model.path {spec.model.path!r}: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
         try:
-            self.engine = Engine(model, self.tokenizer, spec.engine)
+            self.engine = Engine(model, self.tokenizer, spec.engine, tensor_parallel=tp)
         except (torch.OutOfMemoryError, MemoryError) as e:
             cpu = self.device.type == "cpu"
             knobs = ("engine.num_kv_blocks (now {}) or engine.cpu_kv_cache_bytes (now {})".format(
@@ -140,7 +151,8 @@ class JobLoop:
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
               f"decode forward {self.engine.runner.decode_forward.name}; "
-              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}",
+              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
+              f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}",
               file=sys.stderr)
         self.engine.reasoning_markers = self.think_markers
         self.engine_setup_s = time.monotonic() - t0

@@ -116,7 +116,8 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
 
 
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
-            show_progress: bool = True) -> RunResult:
+            show_progress: bool = True, tensor_parallel=None) -> RunResult:
+    """One worker's run; `tensor_parallel`: the group this process leads (job/ranks.py), None without."""
     if worker.local_rank is not None and spec.model.device == "auto":
         import torch
 
@@ -134,7 +135,7 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
     try:
         if fresh:
             _fresh(out_dir)
-        loop = JobLoop(spec, out_dir, worker, show_progress)
+        loop = JobLoop(spec, out_dir, worker, show_progress, tensor_parallel)
         _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
         with _StopFlag() as stop:
             result = loop.run(stop)

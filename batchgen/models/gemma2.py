@@ -100,9 +100,9 @@ class Gemma2Decoder(LlamaDecoder):
     norm_kind = "rms_unit_offset"
     activation = "gelu_tanh"
 
-    def __init__(self, model: torch.nn.Module, kv_cache, use_triton: bool) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache, use_triton: bool, shard=None) -> None:
         self._types = _layer_types(model)
-        super().__init__(model, kv_cache, use_triton)
+        super().__init__(model, kv_cache, use_triton, shard)
         self.per_type_rotary = _per_layer_type(self.rotary)
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
@@ -154,9 +154,9 @@ class Gemma2Decoder(LlamaDecoder):
                 self._qk_norms(qkv, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, steps[layer.layer_type], geo.num_heads, geo.num_kv_heads,
                               layer.scale, sliding_window=layer.sliding_window, softcap=layer.softcap)  # [B, H D]
-            o = add_norm(F.linear(attn, layer.o_weight), layer.post_attention_norm, None, tri)
+            o = add_norm(self._reduce(F.linear(attn, layer.o_weight)), layer.post_attention_norm, None, tri)
             h = add_norm(o, layer.pre_mlp_norm, residual, tri)  # residual <- residual + o, then its norm
-            mlp = add_norm(layer.mlp(h, tri), layer.post_mlp_norm, None, tri)
+            mlp = add_norm(self._reduce(layer.mlp(h, tri)), layer.post_mlp_norm, None, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h = add_norm(mlp, norm, residual, tri)
         return h

@@ -33,8 +33,8 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class GraniteDecoder(LlamaDecoder):
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool) -> None:
-        super().__init__(model, kv_cache, use_triton)
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None) -> None:
+        super().__init__(model, kv_cache, use_triton, shard)
         self.embedding_multiplier = float(self.config.embedding_multiplier)
         self.residual_multiplier = float(self.config.residual_multiplier)
         self.logits_scaling = float(self.config.logits_scaling)

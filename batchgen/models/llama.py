@@ -24,7 +24,7 @@ from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
-from batchgen.models.weights import fuse_linears
+from batchgen.models.weights import SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -121,17 +121,23 @@ class LlamaDecoder(DecodeForward):
     norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
     activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
+                 shard: Shard | None = None) -> None:
         cfg = model.config.get_text_config()
         inner = model.model
         self.name = "fused"
         self.config = cfg
         self.kv_cache = kv_cache
         self.use_triton = use_triton
-        self.geometry = KVGeometry.from_config(cfg)
+        # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
+        # geometry this rank's heads; None: the whole model
+        self.shard = shard
+        if shard is not None:
+            assert getattr(model, SHARD_ATTR, None) == (shard.rank, shard.size), "the model is not this rank's shard"
+        self.geometry = local_geometry(KVGeometry.from_config(cfg), shard)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.lm_head = model.lm_head if shard is None else VocabParallelHead(model.lm_head, shard)
         with torch.no_grad():
             self.final_norm = self._norm(inner.norm)
             self.layers = [self._layer(layer) for layer in inner.layers]
@@ -175,6 +181,11 @@ class LlamaDecoder(DecodeForward):
         """A sublayer's output [B, E] as it joins the residual stream."""
         return out
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's output [B, E] summed over the tensor-parallel ranks (in place), before anything
+        else reads it; the identity without a shard."""
+        return partial if self.shard is None else self.shard.all_reduce(partial)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)  # [S, V]
 
@@ -205,8 +216,8 @@ class LlamaDecoder(DecodeForward):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm)
-            h = add_norm(self._branch(o), layer.post_norm, residual, tri)
+            h = add_norm(self._branch(self._reduce(o)), layer.post_norm, residual, tri)
             mlp = layer.mlp(h, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            h = add_norm(self._branch(mlp), norm, residual, tri)
+            h = add_norm(self._branch(self._reduce(mlp)), norm, residual, tri)
         return h

@@ -13,6 +13,7 @@ from batchgen.attention.kv_cache import KVCache
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.transformers_forward import TransformersDecode
+from batchgen.models.weights import Shard, divisibility_reason
 
 # model_type -> (why a model of that type cannot be fused, or None; the decoder class)
 DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
@@ -37,9 +38,11 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, max_model_len: int,
-                         fused_decoder: bool = True, compile: bool = False) -> DecodeForward:
+                         fused_decoder: bool = True, compile: bool = False, shard: Shard | None = None) -> DecodeForward:
     """The decode forward for this model. A fused decoder that fails its first step on the device warns and
-    falls back to transformers' modules."""
+    falls back to transformers' modules (with a `shard`: raises instead, see build_sharded)."""
+    if shard is not None:
+        return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
     reason = "off" if not fused_decoder else "compile requested" if compile else \
         unsupported_reason(model, max_model_len)
     if reason is None:
@@ -49,3 +52,47 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
             return fused
         warnings.warn(f"batchgen: {reason}; decode steps use transformers' modules", stacklevel=3)
     return TransformersDecode(model, kv_cache, use_triton, max_model_len, reason)
+
+
+# ---- tensor parallelism: which fused decoders read a Shard (models/weights.py) -----------------------------------
+# the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP) and Gemma2's. Not here:
+# OLMo2 (its q/k RMSNorm spans all heads: a sharded norm needs its own sum over ranks) and MoE models.
+TENSOR_PARALLEL_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
+                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def tensor_parallel_reason(config, size: int) -> str | None:
+    """Why a model of this config cannot run split `size` ways, from its config alone (before any weight loads),
+    or None. Phrased to follow "engine.tensor_parallel_size N: "."""
+    if size == 1:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = text.model_type
+    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+        return f"tensor parallelism of mixture-of-experts models (model type {model_type!r}) is not built"
+    if model_type not in DECODERS:
+        return (f"tensor parallelism needs a fused decoder; model type {model_type!r} runs transformers' modules "
+                f"(fused decoders with tensor parallelism: {', '.join(sorted(TENSOR_PARALLEL_TYPES))})")
+    if model_type not in TENSOR_PARALLEL_TYPES:
+        return (f"tensor parallelism is not built for model type {model_type!r}'s fused decoder (built for: "
+                f"{', '.join(sorted(TENSOR_PARALLEL_TYPES))})")
+    return divisibility_reason(text, size)
+
+
+def build_sharded(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, max_model_len: int,
+                  shard: Shard) -> DecodeForward:
+    """The fused decoder over this rank's shard. No fallback: transformers' modules cannot run a shard, so a
+    model without a usable fused decoder raises ValueError, and one whose first step fails raises RuntimeError
+    (on one rank only, the other ranks then wait in the step's collectives until their timeout)."""
+    reason = tensor_parallel_reason(model.config, shard.size)
+    if reason is None and unsupported_reason(model, max_model_len) is not None:
+        reason = (f"tensor parallelism needs a fused decoder; this {model.config.get_text_config().model_type!r} "
+                  f"model runs transformers' modules ({unsupported_reason(model, max_model_len)})")
+    if reason is not None:
+        raise ValueError(f"engine.tensor_parallel_size {shard.size}: {reason}")
+    fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton, shard=shard)
+    reason = fused.check(kv_cache)
+    if reason is not None:
+        raise RuntimeError(f"engine.tensor_parallel_size {shard.size}: {reason}")
+    return fused

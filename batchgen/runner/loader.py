@@ -176,12 +176,19 @@ def model_source(path: str, gguf_file: str | None = None) -> str:
     return source if gguf is None else str(converted_gguf(gguf))
 
 
-def load_model(source: str, dtype: str = "auto", device: str = "auto") -> torch.nn.Module:
-    """The weights from `model_source`'s answer, in eval mode on the device."""
+def load_model(source: str, dtype: str = "auto", device: str = "auto",
+               shard: tuple[int, int] | None = None) -> torch.nn.Module:
+    """The weights from `model_source`'s answer, in eval mode on the device. `shard` (rank, size): only that
+    tensor-parallel rank's part of the layers and LM head (models/weights.py), cut on the CPU, so moving it to
+    the GPU copies the shard alone. Hazard: every rank still reads the whole checkpoint into host memory first."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
+    if shard is not None:
+        from batchgen.models.weights import shard_model_
+
+        shard_model_(model, *shard)
     return model.to(dev).eval()
 
 

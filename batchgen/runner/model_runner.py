@@ -68,8 +68,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
                  compile: bool = False, fused_decoder: bool = True,
-                 blas_library: str | None = "cublaslt", *, max_num_seqs: int) -> None:
+                 blas_library: str | None = "cublaslt", *, max_num_seqs: int, tensor_parallel=None) -> None:
         self.model = model
+        # distributed.TensorParallelGroup or None: every rank runs this runner over its shard; rank 0 sends each
+        # step's plan to the others first (distributed/plan.py) and, on close, STOP
+        self.tensor_parallel = tensor_parallel
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -95,7 +98,8 @@ class ModelRunner:
         # graphs where they are on; prefill and mixed steps run its packed forward where the family has one,
         # else transformers' forward with our attention.
         self.decode_forward = build_decode_forward(model, kv_cache, self.use_triton, max_model_len,
-                                                   fused_decoder=fused_decoder, compile=compile)
+                                                   fused_decoder=fused_decoder, compile=compile,
+                                                   shard=tensor_parallel.shard() if tensor_parallel else None)
         self.graphs = None
         if cuda_graphs and self.use_triton:
             from batchgen.runner.cuda_graphs import DecodeGraphs
@@ -106,6 +110,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the graphs (and their pool), the staging slots and the decode forward's own tensors."""
+        if self.tensor_parallel is not None and self.tensor_parallel.is_leader:
+            self.tensor_parallel.plans.send_stop()  # the other ranks' follow() returns
         if self.compute_stream is not None:
             torch.cuda.synchronize(self.device)
         self.graphs = None
@@ -141,6 +147,8 @@ class ModelRunner:
         Placeholders (`carry_from`) are filled on the device from the previous dispatch's sampled tokens.
         A batch with constrained rows needs their `bitmask` (from `bitmask_buffer`); without it the forward
         is queued and a DeferredStep returned, for `sample_deferred` to finish."""
+        if self.tensor_parallel is not None and self.tensor_parallel.is_leader:
+            self.tensor_parallel.plans.send_step(batch)  # first: the other ranks prepare it while this one does
         if self.compute_stream is None:
             return self._dispatch(batch, bitmask)
         # Whatever the caller queued on its own stream (weights, a cache reset) comes before this step.

@@ -1,0 +1,125 @@
+"""`batchgen run` with engine.tensor_parallel_size 2 on CPU (gloo): killed mid-run and resumed, the job writes
+exactly the single-rank job's completions, each row once; bad tensor-parallel settings stop the job with one
+message naming the key, before any weight is read (the model folders here hold no weights at all)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchgen.errors import JobError
+from batchgen.job import ranks
+from batchgen.job.spec import load_spec
+from conftest import make_tokenizer
+from jobutil import read_rows, run_cli, seed_rows, write_job, write_jsonl
+
+NUM_ROWS = 14
+
+
+def _content(out: Path) -> list[dict]:
+    rows = read_rows(out)
+    keys = [(r["id"], r["sample_idx"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
+                  key=lambda r: (r["id"], r["sample_idx"]))
+
+
+def test_tensor_parallel_job_killed_then_resumed_writes_the_single_rank_output_once(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"temperature": 0.0, "max_new_tokens": 10},
+                    engine={"max_num_seqs": 3, "async": True}, output={"rows_per_shard": 3})
+    from batchgen.job.run import run_job
+
+    run_job(load_spec(job, [], str(tmp_path / "single")), show_progress=False)  # the reference, in this process
+    out = tmp_path / "tp2"
+    # rank 0 is killed (SIGKILL) right after its second commit; the launcher then ends rank 1
+    killed = run_cli("run", str(job), "-o", str(out), "--tensor-parallel", "2", env={"BATCHGEN_FAULT": "commit_done:2"},
+                     timeout=120)
+    assert killed.returncode != 0
+    assert 0 < len(read_rows(out)) < NUM_ROWS
+    resumed = run_cli("run", str(job), "-o", str(out), "--tensor-parallel", "2", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "tensor parallel 2 ranks" in resumed.stderr
+    assert _content(out) == _content(tmp_path / "single")
+
+
+def _config_only_model(root: Path, **config) -> str:
+    """A model folder with a config and a tokenizer and no weights: whatever reads a weight fails."""
+    root.mkdir()
+    make_tokenizer().save_pretrained(root)
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_a_size_that_does_not_divide_the_heads_exits_2_naming_the_key_before_weights(tmp_path):
+    model = _config_only_model(tmp_path / "llama", **LLAMA)
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    job = write_job(tmp_path, model, {"path": "rows.jsonl"})
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    done = CliRunner().invoke(app, ["run", str(job), "--tensor-parallel", "3", "--no-progress"])
+    assert done.exit_code == 2
+    assert "engine.tensor_parallel_size 3" in done.output and "num_attention_heads (4)" in done.output
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(LLAMA, num_key_value_heads=1), "num_key_value_heads (1)"),
+    (dict(LLAMA, intermediate_size=129), "intermediate_size (129)"),
+    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=2, n_head=4),
+     "tensor parallelism needs a fused decoder; model type 'gpt2' runs transformers' modules"),
+    (dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], **{k: v for k, v in LLAMA.items()
+                                                                   if k not in ("model_type", "architectures")}),
+     "not built for model type 'olmo2'"),
+    (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+          **{k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures")}),
+     "mixture-of-experts models (model type 'qwen2_moe') is not built"),
+])
+def test_models_that_cannot_be_split_are_refused_from_their_config(tmp_path, config, message):
+    model = _config_only_model(tmp_path / "m", **config)
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    spec = load_spec(write_job(tmp_path, model, {"path": "rows.jsonl"}), ["engine.tensor_parallel_size=2"])
+    with pytest.raises(JobError, match="engine.tensor_parallel_size 2") as e:
+        ranks.check_before_launch(spec)
+    assert message in str(e.value)
+
+
+def test_more_gpus_than_exist_or_than_divide_into_groups_are_refused(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl"}, model={"device": "auto"})
+    spec = load_spec(job, ["engine.tensor_parallel_size=2"])
+    with pytest.raises(JobError, match="--gpus 1 with engine.tensor_parallel_size 2: each worker takes 2 GPUs"):
+        ranks.worker_gpus(spec, 0, [0], "1", num_available=1)
+    with pytest.raises(JobError, match=r"tensor_parallel_size 2 x 2 worker\(s\) needs 4 GPUs; this machine has 2"):
+        ranks.worker_gpus(spec, 2, None, None, num_available=2)
+    assert ranks.worker_gpus(spec, 2, [0, 1, 2, 3], "4", num_available=4) == [0, 1, 2, 3]  # 2 workers x 2 GPUs
+    assert ranks.worker_gpus(spec, 2, None, None, num_available=0) is None  # auto on a CPU machine: CPU ranks
+    one_gpu = load_spec(job, ["engine.tensor_parallel_size=2", "model.device=cuda:1"])
+    with pytest.raises(JobError, match="model.device 'cuda:1' names one GPU"):
+        ranks.check_before_launch(one_gpu)
+
+
+def test_tensor_parallelism_with_transformers_modules_is_refused_by_the_engine_config():
+    from batchgen import EngineConfig
+
+    for knobs in (dict(fused_decoder=False), dict(compile=True)):
+        with pytest.raises(ValueError, match="engine.tensor_parallel_size 2 runs the fused decoders' sharded layers"):
+            EngineConfig(tensor_parallel_size=2, **knobs)
+
+
+def test_structured_output_with_tensor_parallelism_is_refused_naming_both_keys(tmp_path):
+    """The grammar masks live on rank 0 only: a constrained job would sample differently on the other ranks."""
+    model = _config_only_model(tmp_path / "llama", **LLAMA)
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    spec = load_spec(write_job(tmp_path, model, {"path": "rows.jsonl"}),
+                     ["engine.tensor_parallel_size=2", "sampling.response_format={type: json_object}"])
+    with pytest.raises(JobError, match="sampling.response_format .* engine.tensor_parallel_size 2"):
+        ranks.check_before_launch(spec)
