@@ -127,7 +127,7 @@ def steady_tok_s(log_path: Path, rows: int) -> float | None:
 
 
 def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, config, c: Ceilings,
-            batchgen_dir: str | None = None) -> dict:
+            batchgen_dir: str | None = None, extra_sets: list[str] = ()) -> dict:
     """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout)."""
     import os
 
@@ -137,7 +137,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     if batchgen_dir:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(batchgen_dir).resolve()), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out_dir), "--fresh", "--no-progress",
-           "--set", f"engine.max_num_seqs={max_num_seqs}", "--set", f"sampling.repetition_penalty={penalty}"]
+           "--set", f"engine.max_num_seqs={max_num_seqs}", "--set", f"sampling.repetition_penalty={penalty}",
+           *[arg for kv in extra_sets for arg in ("--set", kv)]]
     t0 = time.perf_counter()
     # `python -m` puts the working folder first on sys.path: run the other checkout from its own folder
     subprocess.run(cmd, check=True, env=env, cwd=batchgen_dir or None)
@@ -236,7 +237,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
          json_path: str | None = None, compare: str | None = None, compare_last: bool = False,
-         geometry: str = "llama-8b") -> dict:
+         geometry: str = "llama-8b", extra_sets: list[str] = ()) -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
@@ -251,7 +252,8 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     job = write_job(work, model_dir, write_source(work, rows), new_tokens)
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
               "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
-              "vocab_size": vocab, "geometry": geometry, "runs": [], "profiles": []}
+              "vocab_size": vocab, "geometry": geometry, "job_sets": list(extra_sets), "runs": [],
+              "profiles": []}
     # Warm-up: a short run of every configuration and checkout first, so that Triton's compilation (a first
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two
     # otherwise equal runs 25 % slower.
@@ -261,12 +263,12 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         warm = write_job(work, model_dir, write_source(work, s + 64), 32, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
             for code in [compare, None] if compare else [None]:
-                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code)
+                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, extra_sets)
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
             order = ([compare] if compare else []) + [None]  # the other checkout first, then this one
             for code in reversed(order) if compare_last else order:
-                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code)
+                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, extra_sets)
                 report["runs"].append(r)
                 print("run", json.dumps(r), flush=True)
     if profile_steps_n:
