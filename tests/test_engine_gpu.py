@@ -118,10 +118,10 @@ def test_dispatching_a_step_never_makes_a_synchronising_cuda_call():
     dispatch = engine.runner.dispatch
     calls = []
 
-    def strict_dispatch(batch):
+    def strict_dispatch(batch, *rest):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return dispatch(batch)
+            return dispatch(batch, *rest)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             calls.append(batch.num_prefill_tokens)

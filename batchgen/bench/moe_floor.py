@@ -90,8 +90,8 @@ class RouteRecorder:
         runner = self.engine.runner
         original = runner.dispatch
 
-        def recorded(batch):
-            step = original(batch)
+        def recorded(batch, *rest):
+            step = original(batch, *rest)
             stream = runner.compute_stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._distinct.append((self.counts > 0).sum())

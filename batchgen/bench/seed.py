@@ -95,16 +95,16 @@ VARIANTS = {  # name -> EngineConfig overrides
 
 
 def timed_generate(engine, prompts, params) -> tuple[list, float, float]:
-    """`engine.generate` under the GPU busy meter: (results, wall seconds, GPU busy fraction)."""
-    busy = GpuBusyMeter()
+    """`engine.generate` timed: (results, wall seconds, GPU busy fraction: the device time of its steps, from
+    each step's first kernel to its last (`Engine.stats()["gpu_busy_s"]`), over the wall time)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    busy0 = engine.runner.gpu_busy_s
     t0 = time.perf_counter()
-    with busy.watch(engine):
-        results = engine.generate(prompts, params)
+    results = engine.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return results, wall, busy.fraction(wall)
+    return results, wall, (engine.runner.gpu_busy_s - busy0) / wall
 
 
 def release(engine) -> None:
@@ -145,42 +145,6 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int
             "kernels_per_decode_step": kernels, "peak_gpu_gib": peak_gib,
             "first_tokens": [t[:8] for t in tokens_out[:2]],
             **({"_distinct_experts": routes.distinct_per_step()} if routes is not None else {})}
-
-
-class GpuBusyMeter:
-    """GPU busy fraction: event-timed device time of each dispatched step over wall time. Events are recorded
-    on the compute stream around every `runner.dispatch`, so gaps where the device waits for the host count
-    as idle (and a wait for a step's input copy, queued inside the step, counts as busy)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def watch(self, engine):
-        import contextlib
-
-        runner = engine.runner
-        original = runner.dispatch
-
-        def timed(batch):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(runner.compute_stream)
-            step = original(batch)
-            end.record(runner.compute_stream)
-            self.events.append((start, end))
-            return step
-
-        @contextlib.contextmanager
-        def patched():
-            runner.dispatch = timed
-            try:
-                yield
-            finally:
-                runner.dispatch = original
-        return patched()
-
-    def fraction(self, wall_s: float) -> float:
-        torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3 / wall_s
 
 
 def count_kernels_per_decode_step(engine, prompt: list[int]) -> int:
