@@ -67,14 +67,7 @@ class RowSampling:
         if rf is not None:
             return rf
         where = f"sampling.response_format_column {self.format_column!r}"
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RowError("bad_response_format", f"{where} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise RowError("bad_response_format", f"{where} must hold a JSON Schema (a JSON object), got "
-                                                  f"{type(value).__name__}")
+        value = _json_object(value, "bad_response_format", where, "a JSON Schema (a JSON object)")
         rf = ResponseFormat(type="json_schema", json_schema=value)
         reason = grammar_error(rf)
         if reason is not None:
@@ -99,14 +92,7 @@ class RowSampling:
 
     def _parse(self, value: Any) -> SamplingParams:
         where = f"column {self.column!r}"
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise RowError("bad_sampling", f"{where} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise RowError("bad_sampling", f"{where} must hold a JSON object of sampling fields, got "
-                                           f"{type(value).__name__}")
+        value = _json_object(value, "bad_sampling", where, "a JSON object of sampling fields")
         value = {k: v for k, v in value.items() if v is not None}  # a null field (a struct column's absent one)
         try:
             params = SamplingParams.model_validate({**self.job.model_dump(exclude_unset=True,
@@ -128,3 +114,15 @@ class RowSampling:
             except ValueError as e:
                 raise RowError("bad_sampling", str(e)) from None
         return params
+
+
+def _json_object(value: Any, error_class: str, where: str, what: str) -> dict:
+    """A row's value as a JSON object (JSON text is parsed); RowError(error_class) naming `where` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowError(error_class, f"{where} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise RowError(error_class, f"{where} must hold {what}, got {type(value).__name__}")
+    return value
