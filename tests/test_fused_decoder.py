@@ -70,10 +70,8 @@ def test_fused_decoder_is_used_only_where_the_architecture_allows_and_says_why_n
     assert unsupported_reason(make_model("phi3"), 1024) is None
     assert unsupported_reason(make_model("gemma", hidden_act="gelu_pytorch_tanh"), 1024) is None
     assert unsupported_reason(make_model("gemma", hidden_act="relu"), 1024) == "activation 'relu'"
-    for arch in ("mistral", "starcoder2"):  # a window shorter than the context: the fused layers attend to all
-        windowed = make_model(arch, sliding_window=16)
-        assert "sliding window 16 < max_model_len 1024" in unsupported_reason(windowed, 1024)
-        assert unsupported_reason(windowed, 16) is None
+    for arch in ("mistral", "starcoder2", "phi3"):  # windows shorter than the context: served by the kernels
+        assert unsupported_reason(make_model(arch, sliding_window=16), 1024) is None
     longrope = _phi3_longrope()
     assert unsupported_reason(longrope, 256) is None  # inside the original context: the short factors, static
     assert unsupported_reason(longrope, 257) == ("rope type 'longrope' with max_model_len 257 > "
@@ -247,3 +245,35 @@ def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
     assert engine.decode_path == "fused"
     got = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     assert [r.samples[0].token_ids for r in got] == expected
+
+
+@pytest.mark.parametrize("arch,window", [("mistral", dict(sliding_window=8)), ("starcoder2", dict(sliding_window=8)),
+                                         ("phi3", dict(sliding_window=8)),
+                                         ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))])
+def test_sliding_window_layers_run_fused_and_match_transformers_generate(arch, window):
+    """Mistral / Starcoder2 / Phi3 slide on every layer, Qwen2 on the layers from max_window_layers on; prompts
+    longer than the window make it bind (a window ignored or misplaced changes the tokens)."""
+    model = make_model(arch, **window)
+    prompts = random_prompts((5, 17, 33, 40))
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=24))
+    assert engine.decode_path == "fused"
+    windows = [layer.sliding_window for layer in engine.runner.decode_forward.layers]
+    assert windows == ([None, 8] if arch == "qwen2" else [8, 8])
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected
+    # sharper than greedy tokens (a tiny model may repeat one token): the packed forward's logits over a prompt
+    # longer than the window equal transformers', and differ from the same model's without the window
+    ids = prompts[3]
+    expected_logits = model(torch.tensor([ids])).logits[0]
+    cache = _cache(model)
+    n = len(ids)
+    meta = AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.arange(4, dtype=torch.int32)[None])
+    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    got_logits = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
+    torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)
+    unwindowed = make_model(arch, **{**window, "sliding_window": 4096})
+    assert (unwindowed(torch.tensor([ids])).logits[0] - expected_logits).abs().max() > 1e-3

@@ -150,14 +150,15 @@ def test_run_start_up_line_names_the_transformers_path_and_why_for_a_model_the_f
     from conftest import make_model, make_tokenizer
 
     tok = make_tokenizer()
-    model = make_model("starcoder2", vocab_size=len(tok), max_position_embeddings=256, sliding_window=16)
-    model.save_pretrained(tmp_path / "windowed")
-    tok.save_pretrained(tmp_path / "windowed")
-    job = write_job(tmp_path, str(tmp_path / "windowed"), _make_source(tmp_path, "jsonl", seed_rows(2)),
+    model = make_model("phi3", vocab_size=len(tok), max_position_embeddings=256,  # Phi-4-mini's partial rotary
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    model.save_pretrained(tmp_path / "partial")
+    tok.save_pretrained(tmp_path / "partial")
+    job = write_job(tmp_path, str(tmp_path / "partial"), _make_source(tmp_path, "jsonl", seed_rows(2)),
                     sampling={"max_new_tokens": 4})
     result = runner.invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
-    assert "decode forward transformers (sliding window 16 < max_model_len 256);" in result.output
+    assert "decode forward transformers (partial rotary (8 of 16 head dims));" in result.output
 
 
 def test_local_data_files_through_datasets(tmp_path, tiny_model_dir):

@@ -72,11 +72,14 @@ def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_tri
 def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
                    o_weight: torch.Tensor, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
-                   qk_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                   qk_norm: tuple[torch.Tensor, float] | None = None,
+                   sliding_window: int | None = None) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
-    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D])."""
+    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
+    layer's window (None: the whole context)."""
     qkv = F.linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
-    attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm)
+    attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
+                      sliding_window=sliding_window)
     return F.linear(attn, o_weight, o_bias)
 
 

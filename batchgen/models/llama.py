@@ -39,8 +39,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 def layout_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
     """Why a model with the Llama layer layout (pre-norm layers of q/k/v/o attention and a gated MLP) cannot
-    run the fused layers, whatever its norm and activation: module layout, MLP biases, rope type, windows."""
-    return module_reason(model) or rope_reason(model) or window_reason(model, max_model_len)
+    run the fused layers, whatever its norm and activation: module layout, MLP biases, rope type. (Sliding
+    windows are served: each layer passes its own to the kernels, see `LlamaDecoder._window`.)"""
+    return module_reason(model) or rope_reason(model)
 
 
 def module_reason(model: torch.nn.Module) -> str | None:
@@ -109,6 +110,7 @@ class Layer:
     mlp: GatedMLP | PlainMLP
     scale: float  # the attention's softmax scale
     qk_norm: tuple[torch.Tensor, float] | None  # Qwen3: per-head q/k RMSNorm weights [2, D] (q, k), eps
+    sliding_window: int | None = None  # the keys a query sees on this layer (Mistral, Qwen2 sliding layers); None: all
 
 
 class LlamaDecoder(DecodeForward):
@@ -153,7 +155,18 @@ class LlamaDecoder(DecodeForward):
             mlp=self._mlp(layer.mlp), scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
             # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
             qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
-                     norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None)
+                     norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None,
+            sliding_window=self._window(attn))
+
+    def _window(self, attn: torch.nn.Module) -> int | None:
+        """The layer's sliding window as its transformers module applies it: Qwen-style modules keep their own
+        (None on full-attention layers); Mistral-, Phi3-, Starcoder2- and Mixtral-style ones pass the config's
+        to every layer."""
+        if getattr(self.config, "use_sliding_window", True) is False:  # Qwen configs carry an unused window
+            return None
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)
 
     def _norm(self, module: torch.nn.Module) -> Norm:
         return Norm(module.weight, norm_eps(module), self.norm_kind)
@@ -215,7 +228,8 @@ class LlamaDecoder(DecodeForward):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
-                               step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm)
+                               step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm,
+                               sliding_window=layer.sliding_window)
             h = add_norm(self._branch(self._reduce(o)), layer.post_norm, residual, tri)
             mlp = layer.mlp(h, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

@@ -21,8 +21,7 @@ import torch
 
 from batchgen.attention.kv_cache import KVCache
 from batchgen.models.blocks import GatedMLP
-from batchgen.models.llama import (LlamaDecoder, module_reason, partial_rotary_reason, rope_reason,
-                                   window_reason)
+from batchgen.models.llama import LlamaDecoder, module_reason, partial_rotary_reason, rope_reason
 
 MODEL_TYPES = ("phi3",)
 
@@ -53,7 +52,7 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
         reason = partial_rotary_reason(model)
     else:
         reason = rope_reason(model)
-    return reason or window_reason(model, max_model_len)
+    return reason
 
 
 class Phi3Decoder(LlamaDecoder):

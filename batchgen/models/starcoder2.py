@@ -5,7 +5,7 @@ Starcoder2 keeps the pre-norm layer order of Llama but with GPT-style pieces: La
 `gelu_pytorch_tanh`) -> c_proj with biases. The norms run torch's own layer_norm after the residual add and the
 MLP torch's linear/GELU (blocks.Norm "layer", blocks.PlainMLP), i.e. the eager module's ops, so they round as
 it does on every device; the attention is the shared fused path (QKV GEMM with the fused bias, rotary + K/V
-write + paged attention). A config `sliding_window` shorter than max_model_len falls back, like Mistral's.
+write + paged attention). A config `sliding_window` is passed to the kernels on every layer, as Mistral's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.models.blocks import Norm, PlainMLP
-from batchgen.models.llama import LlamaDecoder, module_reason, norm_eps, rope_reason, window_reason
+from batchgen.models.llama import LlamaDecoder, module_reason, norm_eps, rope_reason
 
 MODEL_TYPES = ("starcoder2",)
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' name -> blocks.PlainMLP's
@@ -31,7 +31,7 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
     layer = model.model.layers[0]
     if not isinstance(layer.input_layernorm, torch.nn.LayerNorm) or not hasattr(layer.mlp, "c_fc"):
         return "layers without Starcoder2's LayerNorm and c_fc/c_proj MLP"
-    return rope_reason(model) or window_reason(model, max_model_len)
+    return rope_reason(model)
 
 
 class Starcoder2Decoder(LlamaDecoder):
