@@ -167,4 +167,9 @@ class SamplingParams(BaseModel):
     @property
     def uses_penalty_table(self) -> bool:
         """Whether a running sequence needs a row of the runner's table of the tokens it has seen."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return needs_penalty_table(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+
+def needs_penalty_table(repetition_penalty: float, presence_penalty: float, frequency_penalty: float) -> bool:
+    """Whether these penalties read the tokens a sequence has seen (PenaltyTable, sample/penalty.py)."""
+    return repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0

@@ -111,6 +111,18 @@ def make_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, num_la
     return model
 
 
+def one_sequence_meta(cache, num_tokens: int):
+    """AttentionMetadata of a packed step that prefills one sequence of `num_tokens` from position 0 into the
+    first blocks of `cache` (a decoder's forward_packed over a whole prompt)."""
+    from batchgen.attention.backend import AttentionMetadata
+
+    n, blocks = num_tokens, -(-num_tokens // cache.block_size)
+    return AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.arange(blocks, dtype=torch.int32)[None])
+
+
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
-from batchgen.attention.backend import AttentionMetadata
 from batchgen.models.llama import LlamaDecoder
 from batchgen.models.registry import DECODERS, unsupported_reason
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from conftest import ARCHS, MOE_ARCHS, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, MOE_ARCHS, hf_greedy, make_model, one_sequence_meta, random_prompts
 
 
 def _cache(model):
@@ -126,10 +125,7 @@ def test_packed_forward_logits_equal_transformers_forward_logits(arch):
     cache = _cache(model)
     decoder = DECODERS[arch][1](model, cache, use_triton=False)
     n = len(ids)
-    meta = AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(2, dtype=torch.int32)[None])
+    meta = one_sequence_meta(cache, n)
     got = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -268,10 +264,7 @@ def test_sliding_window_layers_run_fused_and_match_transformers_generate(arch, w
     expected_logits = model(torch.tensor([ids])).logits[0]
     cache = _cache(model)
     n = len(ids)
-    meta = AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(4, dtype=torch.int32)[None])
+    meta = one_sequence_meta(cache, n)
     decoder = DECODERS[arch][1](model, cache, use_triton=False)
     got_logits = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
     torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
-from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.models.blocks import GatedMLP
 from batchgen.models.moe import SparseMoE
 from batchgen.models.registry import DECODERS, unsupported_reason
-from conftest import MOE_ARCHS, hf_greedy, make_model, random_prompts
+from conftest import MOE_ARCHS, hf_greedy, make_model, one_sequence_meta, random_prompts
 
 
 def _decoder(model, dtype=torch.float32):
@@ -65,10 +64,7 @@ def test_dense_layers_of_the_config_run_the_dense_mlp_and_logits_equal_transform
     assert kinds == ([SparseMoE, GatedMLP, SparseMoE] if arch == "qwen3_moe" else [GatedMLP, SparseMoE, GatedMLP])
     ids = random_prompts((21,))[0]
     n = len(ids)
-    meta = AttentionMetadata(kv_cache=cache, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(2, dtype=torch.int32)[None])
+    meta = one_sequence_meta(cache, n)
     got = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
     torch.testing.assert_close(got, model(torch.tensor([ids])).logits[0], atol=1e-5, rtol=1e-5)
     prompts = random_prompts((6, 19))

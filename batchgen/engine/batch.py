@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen.sampling_params import needs_penalty_table
+
 
 @dataclass(frozen=True)
 class SeqSampling:
@@ -40,7 +42,7 @@ class SeqSampling:
 
     @property
     def uses_penalty_table(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return needs_penalty_table(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
     # issue 14: logprobs / reasoning
     logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
     forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)

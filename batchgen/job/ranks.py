@@ -32,14 +32,10 @@ def check_before_launch(spec: JobSpec) -> None:
         raise JobError(f"sampling.response_format (or response_format_column) with engine.tensor_parallel_size "
                        f"{size}: structured output is not supported with tensor parallelism yet (its grammar "
                        f"masks live on rank 0); run it with tensor_parallel_size 1")
+    from batchgen.job.validate import tokenizer_and_config
     from batchgen.models.registry import tensor_parallel_reason
-    from batchgen.runner.loader import load_tokenizer_and_config
 
-    try:
-        _, config = load_tokenizer_and_config(spec.model.path, spec.model.gguf_file)
-    except (OSError, ValueError) as e:
-        raise JobError(f"cannot load model.path {spec.model.path!r}: {type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    _, config = tokenizer_and_config(spec)
     reason = tensor_parallel_reason(config, size)
     if reason is not None:
         raise JobError(f"engine.tensor_parallel_size {size}: {reason}")

@@ -18,9 +18,20 @@ from batchgen.prompts import PromptRenderer, RowError
 from batchgen.sources import Source, open_source
 
 
+def tokenizer_and_config(spec: JobSpec):
+    """The job model's tokenizer and config (no weights); JobError naming model.path when they do not load."""
+    from batchgen.runner.loader import load_tokenizer_and_config
+
+    try:
+        return load_tokenizer_and_config(spec.model.path, spec.model.gguf_file)
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot load the tokenizer/config of model.path {spec.model.path!r}: "
+                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
 def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     from batchgen.attention.kv_cache import KVGeometry
-    from batchgen.runner.loader import load_tokenizer_and_config, resolve_device
+    from batchgen.runner.loader import resolve_device
 
     resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
@@ -30,11 +41,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     expected = source.expected_rows
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
-    try:
-        tokenizer, config = load_tokenizer_and_config(spec.model.path, spec.model.gguf_file)
-    except (OSError, ValueError) as e:
-        raise JobError(f"cannot load the tokenizer/config of model.path {spec.model.path!r}: "
-                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    tokenizer, config = tokenizer_and_config(spec)
     text = config.get_text_config()
     try:
         spec.sampling.check_vocab(text.vocab_size)
