@@ -246,9 +246,9 @@ class Scheduler:
     @staticmethod
     def _append_logprobs(req: Request, output: StepOutput, row: int, k: int) -> None:
         req.output_logprobs.append(float(output.logprobs[row]))
-        if k > 0:
-            req.output_top_logprobs.append(list(zip(output.top_token_ids[row, :k].tolist(),
-                                                    output.top_logprobs[row, :k].tolist())))
+        if k > 0:  # views into this step's arrays: the request keeps them, nothing is converted per value
+            req.output_top_ids.append(output.top_token_ids[row, :k])
+            req.output_top_values.append(output.top_logprobs[row, :k])
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self._release_penalty_slot(req)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from batchgen.engine.detokenizer import final_text
 from batchgen.engine.reasoning import ReasoningMarkers
+from batchgen.output.arrow_columns import GridCell
 from batchgen.errors import JobError
 from batchgen.job.spec import JobSpec
 
@@ -87,10 +89,9 @@ def logprob_values(spec: JobSpec, result, sample) -> dict[str, Any]:
     out: dict[str, Any] = {}
     k = spec.sampling.logprobs
     if k is not None:
-        out["completion_logprobs"] = sample.logprobs
-        if k > 0:
-            out["completion_top_logprobs"] = [[{"token_id": t, "logprob": v} for t, v in pos]
-                                              for pos in sample.top_logprobs]
+        out["completion_logprobs"] = np.asarray(sample.logprobs, dtype=np.float32)
+        if k > 0:  # arrays until the shard is written (output/arrow_columns.py)
+            out["completion_top_logprobs"] = GridCell((sample.top_logprob_ids, sample.top_logprob_values))
     if spec.sampling.prompt_logprobs:
         out["prompt_logprobs"] = result.prompt_logprobs
     return out

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.output import faults
+from batchgen.output import arrow_columns, faults
 from batchgen.output.manifest import Manifest, fsync_dir
 
 # The key is stored as text in rejects: a row that could not be parsed has no key of the column's type.
@@ -66,7 +66,7 @@ class ShardWriter:
         final = self.out_dir / folder / name
         tmp = final.with_name(f".{name}.tmp")
         try:
-            table = pa.Table.from_pylist(rows, schema=schema)
+            table = arrow_columns.table(rows, schema)
             with open(tmp, "wb") as f:
                 faults.raise_if_armed("shard_write", OSError(errno.ENOSPC, "No space left on device"))
                 pq.write_table(table, f, compression="zstd")
