@@ -20,6 +20,8 @@ the same call on the same bytes at the same alignment whatever the batch, so it 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -78,7 +80,9 @@ if triton is not None:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@functools.cache
 def _num_programs(device: torch.device) -> int:
+    """One persistent program per SM (asked once per device: every GEMM of every step launches with it)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return INTERPRETER_PROGRAMS
