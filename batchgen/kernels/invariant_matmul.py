@@ -4,7 +4,7 @@ whatever the other rows of x are and however many there are (M).
 Why the default GEMMs are not: cuBLAS / cuBLASLt pick a kernel, a tile and a split-K factor per shape, so the
 same row is summed in another order at M = 16 than at M = 256; on CPU, MKL runs M = 1 as a GEMV and M >= 3 as a
 GEMM (measured on this project's CPU machines, torch 2.13, fp32: row 0 of an [M, 576] x [576, 1536] product
-differs between M = 1 and M = 3 in 4,161 of 4,608 values; tests/test_invariant_kernels.py keeps that check).
+differs between M = 1 and M = 3 in 1,111 of its 1,536 values; tests/test_invariant_kernels.py keeps that check).
 
 CUDA: a persistent Triton GEMM. One tile configuration for every M (BLOCK_K fixed, no split-K), so output
 element (m, n) is always the same fp32 sequence of BLOCK_K-wide dot products over K in increasing order, then one
