@@ -73,3 +73,17 @@ def test_a_resume_may_not_switch_deterministic_mode_on_or_off(tmp_path, tiny_mod
     (out / FILE).write_text(json.dumps({**stored, "components": old}))
     assert refusal(out, {**components, "engine": {"deterministic": False}}) is None
     assert "engine.deterministic: False -> True" in refusal(out, components)
+
+
+def test_a_model_without_batch_invariant_layers_is_refused_before_its_weights_load(tmp_path):
+    from conftest import make_model, make_tokenizer
+
+    path = tmp_path / "tiny-moe"
+    make_model("qwen3_moe", vocab_size=len(make_tokenizer())).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"not weights: the refusal must come first")
+    job = _job(tmp_path, str(path))
+    for command in ("run", "validate"):
+        result = runner.invoke(app, [command, str(job), "--set", "engine.deterministic=true"])
+        assert result.exit_code == 2, result.output
+        assert "engine.deterministic: batch-invariant mixture-of-experts layers" in result.output
