@@ -5,19 +5,23 @@
 #   2. between an uninterrupted run and one killed twice (kill -9 after a commit) and resumed
 #   3. between --gpus 1 and --gpus 2 (only where the machine has two GPUs)
 #   4. its cost: tok/s of the deterministic mode against the default mode at 256 sequences, same rows
-# Usage: bash bench/deterministic_gpu.sh [WORK_DIR] [ROWS] [COST_ROWS]   (defaults: /tmp/batchgen-det 500 4000)
+# Usage: bash bench/deterministic_gpu.sh [WORK_DIR] [ROWS] [COST_ROWS] [TOKENIZER_DIR]
+#        (defaults: /tmp/batchgen-det 500 4000, SmolLM2's tokenizer from the embedded GGUF); PYTHON=python3 by default
 # Each comparison prints "identical completions: N / N"; the script stops at the first that is not identical.
 set -euo pipefail
 WORK=${1:-/tmp/batchgen-det}
 ROWS=${2:-500}
 COST_ROWS=${3:-4000}
+TOK=(); [ -n "${4:-}" ] && TOK=(--tokenizer "$4")
+PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
-COMPARE="python $HERE/compare_outputs.py --require-identical"
+COMPARE="$PY $HERE/compare_outputs.py --require-identical"
 KEEP=(--job-set output.keep_token_ids=true)
+batchgen() { "$PY" -m batchgen.cli "$@"; }
 mkdir -p "$WORK"
 
 echo "== 1. deterministic mode at max_num_seqs 16 and 256 ($ROWS rows)"
-batchgen bench --workload job --rows "$ROWS" --seqs 16,256 --penalties 1.0 --profile-steps 0 --work-dir "$WORK" \
+batchgen bench --workload job "${TOK[@]}" --rows "$ROWS" --seqs 16,256 --penalties 1.0 --profile-steps 0 --work-dir "$WORK" \
   --job-set engine.deterministic=true "${KEEP[@]}" --json "$WORK/det-16-256.json"
 $COMPARE "$WORK/out-16-1.0" "$WORK/out-256-1.0"
 
@@ -41,11 +45,11 @@ else
 fi
 
 echo "== 4. cost: default vs deterministic mode, $COST_ROWS rows at 256 sequences (compare the tok/s columns)"
-batchgen bench --workload job --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
+batchgen bench --workload job "${TOK[@]}" --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
   --work-dir "$WORK" --json "$WORK/cost-default.json"
-batchgen bench --workload job --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
+batchgen bench --workload job "${TOK[@]}" --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
   --work-dir "$WORK" --job-set engine.deterministic=true --json "$WORK/cost-deterministic.json"
-python - "$WORK/cost-default.json" "$WORK/cost-deterministic.json" <<'EOF'
+$PY - "$WORK/cost-default.json" "$WORK/cost-deterministic.json" <<'EOF'
 import json, sys
 default, det = (json.load(open(p))["runs"][0] for p in sys.argv[1:])
 for k in ("tok_s_end_to_end", "tok_s_steady", "loop_ms_per_step"):
