@@ -81,6 +81,10 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         tensor_parallel: Annotated[Optional[int], typer.Option(
             "--tensor-parallel", help="Split the model over this many ranks per worker (engine.tensor_parallel_size; "
                                       "one process and, on CUDA, one GPU each).")] = None,
+        deterministic: Annotated[bool, typer.Option(
+            "--deterministic", help="Batch-invariant kernels: each row's tokens independent of batch size, other "
+                                    "rows, chunking, prefix cache, resume and worker count (engine.deterministic).")]
+        = False,
         progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
     """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
     if os.environ.get("BATCHGEN_TP_RANK", "0") != "0":  # a rank > 0: signals are rank 0's to act on (job/ranks.py)
@@ -94,7 +98,7 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
     from batchgen.job.workers import resolve_worker
 
     overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
-                                else [])
+                                else []) + (["engine.deterministic=true"] if deterministic else [])
     spec = load_spec(job, overrides, output)
     size = spec.engine.tensor_parallel_size
     identity = None  # this process's tensor-parallel rank, when a launcher (ours, torchrun) started it as one

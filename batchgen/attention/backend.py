@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.attention.kv_cache import KVCache
+from batchgen.kernels.invariant_attention import query_attention_rows
 from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from batchgen.kernels.paged_prefill import paged_prefill_attention
 
@@ -47,6 +48,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     bound = max_seq_len if max_seq_len is not None else int(seq_lens.max())
     return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, 1, bound, scale,
                                sliding_window=sliding_window, softcap=softcap)
+
+
+def attend_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     kv_lens: torch.Tensor, row_seq: torch.Tensor | None, scale: float, use_triton: bool,
+                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """engine.deterministic: each row one query token over the keys already in the cache, in a summation order
+    fixed by the token's position alone (kernels/invariant_attention.py), for decode and packed steps alike.
+    q: [R, H, D]; kv_lens: [R] int32 (position + 1; 0: padding); row_seq: [R] int32 or None (row r is sequence
+    r). Returns [R, H, D]."""
+    if use_triton:
+        from batchgen.kernels.invariant_attention import query_attention
+
+        return query_attention(q, k_cache, v_cache, block_tables, kv_lens, row_seq, scale,
+                               sliding_window=sliding_window, softcap=softcap)
+    return query_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, row_seq, scale,
+                                sliding_window=sliding_window, softcap=softcap)
 
 
 def decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,

@@ -1,4 +1,5 @@
-"""EngineConfig: the engine's knobs. None of them changes what is generated, only how fast.
+"""EngineConfig: the engine's knobs. None of them changes what is generated, only how fast, except
+`deterministic`, which picks other numerics (batch-invariant kernels) and is part of a job's fingerprint.
 
 The one definition of these settings: the job file's `engine:` section is this model (YAML names `async` for
 `async_pipeline`), so a new knob is a field here plus its use.
@@ -35,6 +36,21 @@ class EngineConfig(BaseModel):
     # ranks (processes, one GPU each on CUDA) that split every layer's heads and MLP columns and the vocabulary;
     # rank 0 schedules and samples; batchgen/distributed/. Changes the rounding (partial sums), not the contract
     tensor_parallel_size: PositiveInt = 1
+    # batch-invariant kernels (models/registry.py build_deterministic): a row's tokens do not depend on the other
+    # rows of its steps, max_num_seqs, max_num_batched_tokens, prefix-cache hits, preemption or the worker count
+    deterministic: bool = False
+
+    @model_validator(mode="after")
+    def _deterministic_needs_the_fused_decoder(self) -> EngineConfig:
+        if not self.deterministic:
+            return self
+        tp = f"engine.tensor_parallel_size {self.tensor_parallel_size}"
+        for key, conflict in (("engine.fused_decoder: false", not self.fused_decoder),
+                              ("engine.compile: true", self.compile), (tp, self.tensor_parallel_size > 1)):
+            if conflict:
+                raise ValueError(f"engine.deterministic runs the fused decoders' batch-invariant kernels on one "
+                                 f"device; {key} cannot be combined with it (its reductions depend on the batch)")
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_the_fused_decoder(self) -> EngineConfig:

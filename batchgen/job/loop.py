@@ -84,11 +84,15 @@ class JobLoop:
         self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
-        from batchgen.models.registry import tensor_parallel_reason
+        from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
 
         reason = tensor_parallel_reason(config, spec.engine.tensor_parallel_size)
         if reason is not None:  # before any weight loads
             raise JobError(f"engine.tensor_parallel_size {spec.engine.tensor_parallel_size}: {reason}")
+        reason = deterministic_reason(config) if spec.engine.deterministic else None
+        if reason is not None:  # before any weight loads (the model-level checks: models/registry.py)
+            raise JobError(f"engine.deterministic: {reason}; run without it (no reproducibility guarantee across "
+                           f"batch sizes and worker counts)")
         try:
             spec.sampling.check_vocab(config.get_text_config().vocab_size)
         except ValueError as e:
@@ -135,6 +139,10 @@ class JobLoop:
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
         try:
             self.engine = Engine(model, self.tokenizer, spec.engine, tensor_parallel=tp)
+        except ValueError as e:
+            if not str(e).startswith("engine.deterministic"):  # a model the batch-invariant decoders cannot run
+                raise
+            raise JobError(str(e)) from None
         except (torch.OutOfMemoryError, MemoryError) as e:
             cpu = self.device.type == "cpu"
             knobs = ("engine.num_kv_blocks (now {}) or engine.cpu_kv_cache_bytes (now {})".format(
@@ -152,7 +160,8 @@ class JobLoop:
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
               f"decode forward {self.engine.runner.decode_forward.name}; "
               f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
-              f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}",
+              f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
+              f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}",
               file=sys.stderr)
         self.engine.reasoning_markers = self.think_markers
         self.engine_setup_s = time.monotonic() - t0

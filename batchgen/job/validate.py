@@ -47,6 +47,12 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
         spec.sampling.check_vocab(text.vocab_size)
     except ValueError as e:
         raise JobError(f"sampling.{e}") from None
+    if spec.engine.deterministic:  # what run refuses from the config alone (models/registry.py)
+        from batchgen.models.registry import deterministic_reason
+
+        reason = deterministic_reason(config)
+        if reason is not None:
+            raise JobError(f"engine.deterministic: {reason}")
     context = spec.engine.max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
     geo = KVGeometry.from_config(config)
     lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "

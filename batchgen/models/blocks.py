@@ -7,6 +7,7 @@ decodes), hidden size E, H query heads, Hkv KV heads, head dim D.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from batchgen.kernels.gated_act import gated_act
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
 
+# a GEMM with F.linear's signature: F.linear itself, or kernels.invariant_matmul.linear_invariant
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -38,6 +41,11 @@ class StepInputs:
     use_triton: bool
     max_seq_len: int | None  # host-known bound on seq_lens (the CPU reference uses it); None: read it
     packed: AttentionMetadata | None = None  # a packed step's attention metadata; None: a decode step
+    # engine.deterministic: every row's attention through the batch-invariant per-query kernel
+    # (kernels/invariant_attention.py), a decode row and a prefill token alike
+    invariant: bool = False
+    kv_lens: torch.Tensor | None = None  # [B] int32, invariant only: keys each row sees (position + 1; 0: padding)
+    row_seq: torch.Tensor | None = None  # [B] int32, invariant packed steps: each row's sequence; None: row b is b
 
 
 @dataclass
@@ -73,14 +81,14 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Te
                    o_weight: torch.Tensor, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
                    qk_norm: tuple[torch.Tensor, float] | None = None,
-                   sliding_window: int | None = None) -> torch.Tensor:
+                   sliding_window: int | None = None, linear: Linear = F.linear) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
-    layer's window (None: the whole context)."""
-    qkv = F.linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
+    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: F.linear or batch-invariant)."""
+    qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
                       sliding_window=sliding_window)
-    return F.linear(attn, o_weight, o_bias)
+    return linear(attn, o_weight, o_bias)
 
 
 def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
@@ -93,7 +101,12 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its decode rows).
     `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3)."""
     window = {"sliding_window": sliding_window, "softcap": softcap}
-    if step.packed is not None:
+    if step.invariant:  # every row alike, its key read back from the cache (no fused rotary decode kernel)
+        q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
+                    qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
+        attn = backend.attend_invariant(q, k_cache, v_cache, step.block_tables, step.kv_lens, step.row_seq, scale,
+                                        step.use_triton, **window)
+    elif step.packed is not None:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale, **window)
@@ -115,11 +128,13 @@ class GatedMLP:
     gate_up_weight: torch.Tensor  # [2 I, E], the gate rows then the up rows
     down_weight: torch.Tensor  # [E, I]
     activation: str = "silu"
+    linear: Linear = F.linear  # the decoder's GEMM
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
-        gated = gated_act(F.linear(h, self.gate_up_weight), self.activation, use_triton=use_triton)  # [B, I]
-        return F.linear(gated, self.down_weight)
+        gate_up = self.linear(h, self.gate_up_weight, None)  # [B, 2 I]
+        gated = gated_act(gate_up, self.activation, use_triton=use_triton)  # [B, I]
+        return self.linear(gated, self.down_weight, None)
 
 
 @dataclass
@@ -132,11 +147,12 @@ class PlainMLP:
     proj_weight: torch.Tensor  # [E, I]
     proj_bias: torch.Tensor | None  # [E]
     activation: str = "gelu_tanh"
+    linear: Linear = F.linear  # the decoder's GEMM
 
     def __post_init__(self) -> None:
         assert self.activation in PLAIN_ACTIVATIONS
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
-        act = PLAIN_ACTIVATIONS[self.activation](F.linear(h, self.fc_weight, self.fc_bias))  # [B, I]
-        return F.linear(act, self.proj_weight, self.proj_bias)
+        act = PLAIN_ACTIVATIONS[self.activation](self.linear(h, self.fc_weight, self.fc_bias))  # [B, I]
+        return self.linear(act, self.proj_weight, self.proj_bias)

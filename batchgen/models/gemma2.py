@@ -22,7 +22,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
 from batchgen.models.gemma import ACTIVATIONS
@@ -100,9 +99,10 @@ class Gemma2Decoder(LlamaDecoder):
     norm_kind = "rms_unit_offset"
     activation = "gelu_tanh"
 
-    def __init__(self, model: torch.nn.Module, kv_cache, use_triton: bool, shard=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache, use_triton: bool, shard=None,
+                 deterministic: bool = False) -> None:
         self._types = _layer_types(model)
-        super().__init__(model, kv_cache, use_triton, shard)
+        super().__init__(model, kv_cache, use_triton, shard, deterministic)
         self.per_type_rotary = _per_layer_type(self.rotary)
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 
@@ -123,7 +123,7 @@ class Gemma2Decoder(LlamaDecoder):
             k_norm=self._norm(attn.k_norm) if hasattr(attn, "k_norm") else None)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h)  # [S, V]
+        logits = self._head(h)  # [S, V]
         if self.final_softcap is not None:  # as transformers rounds it: three ops in the logits' dtype
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -149,12 +149,12 @@ class Gemma2Decoder(LlamaDecoder):
         h = add_norm(residual, self.layers[0].input_norm, None, tri)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
-            qkv = F.linear(h, layer.qkv_weight)  # [B, (H + 2 Hkv) D]
+            qkv = self.linear(h, layer.qkv_weight, None)  # [B, (H + 2 Hkv) D]
             if layer.q_norm is not None:
                 self._qk_norms(qkv, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, steps[layer.layer_type], geo.num_heads, geo.num_kv_heads,
                               layer.scale, sliding_window=layer.sliding_window, softcap=layer.softcap)  # [B, H D]
-            o = add_norm(self._reduce(F.linear(attn, layer.o_weight)), layer.post_attention_norm, None, tri)
+            o = add_norm(self._reduce(self.linear(attn, layer.o_weight, None)), layer.post_attention_norm, None, tri)
             h = add_norm(o, layer.pre_mlp_norm, residual, tri)  # residual <- residual + o, then its norm
             mlp = add_norm(self._reduce(layer.mlp(h, tri)), layer.post_mlp_norm, None, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

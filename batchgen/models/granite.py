@@ -33,8 +33,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class GraniteDecoder(LlamaDecoder):
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None) -> None:
-        super().__init__(model, kv_cache, use_triton, shard)
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
+                 deterministic: bool = False) -> None:
+        super().__init__(model, kv_cache, use_triton, shard, deterministic)
         self.embedding_multiplier = float(self.config.embedding_multiplier)
         self.residual_multiplier = float(self.config.residual_multiplier)
         self.logits_scaling = float(self.config.logits_scaling)
@@ -46,4 +47,4 @@ class GraniteDecoder(LlamaDecoder):
         return out.mul_(self.residual_multiplier)  # out is the sublayer's fresh GEMM output [B, E]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h) / self.logits_scaling  # [S, V]
+        return self._head(h) / self.logits_scaling  # [S, V]

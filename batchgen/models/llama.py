@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
+from batchgen.kernels.invariant_matmul import linear_invariant
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
 from batchgen.models.weights import SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
@@ -124,13 +126,17 @@ class LlamaDecoder(DecodeForward):
     activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
-                 shard: Shard | None = None) -> None:
+                 shard: Shard | None = None, deterministic: bool = False) -> None:
         cfg = model.config.get_text_config()
         inner = model.model
-        self.name = "fused"
+        self.name = "fused, batch-invariant" if deterministic else "fused"
         self.config = cfg
         self.kv_cache = kv_cache
         self.use_triton = use_triton
+        # engine.deterministic: every GEMM (layers and LM head) batch-invariant, every row's attention through
+        # the per-query kernel; norms, rotary and activations are per row already (one program or element each)
+        self.deterministic = deterministic
+        self.linear = linear_invariant if deterministic else F.linear  # set before the layers read it
         # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard
@@ -177,7 +183,7 @@ class LlamaDecoder(DecodeForward):
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | PlainMLP:
         gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        return GatedMLP(gate_up_w, mlp.down_proj.weight, self.activation)
+        return GatedMLP(gate_up_w, mlp.down_proj.weight, self.activation, self.linear)
 
     # ---- the step: hooks ---------------------------------------------------------------------------------------
 
@@ -199,8 +205,14 @@ class LlamaDecoder(DecodeForward):
         else reads it; the identity without a shard."""
         return partial if self.shard is None else self.shard.all_reduce(partial)
 
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's GEMM [S, E] -> [S, V] (batch-invariant in deterministic mode)."""
+        if self.deterministic:
+            return self.linear(h, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(h)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)  # [S, V]
+        return self._head(h)  # [S, V]
 
     # ---- the step ----------------------------------------------------------------------------------------------
 
@@ -208,15 +220,21 @@ class LlamaDecoder(DecodeForward):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
-            positions, slot_mapping, block_tables, seq_lens, cos, sin, self.use_triton, max_seq_len))
+            positions, slot_mapping, block_tables, seq_lens, cos, sin, self.use_triton, max_seq_len,
+            invariant=self.deterministic, kv_lens=seq_lens if self.deterministic else None))
         return self._logits(h)  # [B, V]
 
     @torch.inference_mode()
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        logits_index: torch.Tensor) -> torch.Tensor:
+        invariant = {}
+        if self.deterministic:  # each token a row of its own: its sequence, and the keys up to its position
+            tokens = torch.arange(input_ids.shape[0], dtype=torch.int32, device=input_ids.device)  # [T]
+            row_seq = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True).to(torch.int32)  # [T]
+            invariant = dict(invariant=True, kv_lens=(positions + 1).to(torch.int32), row_seq=row_seq)
         h = self._hidden(input_ids, positions, lambda cos, sin: StepInputs(
             positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, cos, sin, self.use_triton,
-            meta.max_seq_len, packed=meta))
+            meta.max_seq_len, packed=meta, **invariant))
         return self._logits(h[logits_index])  # [S, V]
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, make_step) -> torch.Tensor:
@@ -229,7 +247,7 @@ class LlamaDecoder(DecodeForward):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm,
-                               sliding_window=layer.sliding_window)
+                               sliding_window=layer.sliding_window, linear=self.linear)
             h = add_norm(self._branch(self._reduce(o)), layer.post_norm, residual, tri)
             mlp = layer.mlp(h, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

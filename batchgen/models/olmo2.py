@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
 from batchgen.models.llama import LlamaDecoder, rope_reason, window_reason
@@ -78,13 +77,13 @@ class Olmo2Decoder(LlamaDecoder):
         step = make_step(*self._cos_sin(residual, positions))  # fp32 tables, as OLMo2's rotary module makes them
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
-            qkv = F.linear(residual, layer.qkv_weight, layer.qkv_bias)  # [B, (H + 2 Hkv) D]
+            qkv = self.linear(residual, layer.qkv_weight, layer.qkv_bias)  # [B, (H + 2 Hkv) D]
             q, k = qkv[:, :q_cols], qkv[:, q_cols:q_cols + k_cols]  # [B, H D], [B, Hkv D]: strided views
             add_norm(q, layer.q_norm, None, tri, out=q)  # in place: each row is read whole before it is written
             add_norm(k, layer.k_norm, None, tri, out=k)
             attn = attend_qkv(qkv, k_cache, v_cache, step, geo.num_heads, geo.num_kv_heads, layer.scale,
                               rotate_fp32=True)  # [B, H D]
-            o = F.linear(attn, layer.o_weight, layer.o_bias)  # [B, E]
+            o = self.linear(attn, layer.o_weight, layer.o_bias)  # [B, E]
             residual.add_(add_norm(o, layer.post_attention_norm, None, tri))
             mlp = layer.mlp(residual, tri)  # [B, E]
             residual.add_(add_norm(mlp, layer.post_mlp_norm, None, tri))

@@ -56,8 +56,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class Phi3Decoder(LlamaDecoder):
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None) -> None:
-        super().__init__(model, kv_cache, use_triton, shard)
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
+                 deterministic: bool = False) -> None:
+        super().__init__(model, kv_cache, use_triton, shard, deterministic)
         self.cos_table = self.sin_table = None  # [L, D] each: LongRoPE's short-factor rotary of positions < L
         if getattr(self.rotary, "rope_type", "default") == "longrope":
             num_positions = original_max_positions(self.config)  # >= max_model_len (unsupported_reason)
@@ -71,7 +72,8 @@ class Phi3Decoder(LlamaDecoder):
         return attn.qkv_proj.weight, attn.qkv_proj.bias  # already [(H + 2 Hkv) D, E], q then k then v
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP:
-        return GatedMLP(mlp.gate_up_proj.weight, mlp.down_proj.weight, self.activation)  # [2 I, E]: gate, up
+        # gate_up_proj: [2 I, E], the gate rows then the up rows
+        return GatedMLP(mlp.gate_up_proj.weight, mlp.down_proj.weight, self.activation, self.linear)
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos_table is None:

@@ -38,11 +38,15 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, max_model_len: int,
-                         fused_decoder: bool = True, compile: bool = False, shard: Shard | None = None) -> DecodeForward:
+                         fused_decoder: bool = True, compile: bool = False, shard: Shard | None = None,
+                         deterministic: bool = False) -> DecodeForward:
     """The decode forward for this model. A fused decoder that fails its first step on the device warns and
-    falls back to transformers' modules (with a `shard`: raises instead, see build_sharded)."""
+    falls back to transformers' modules (with a `shard` or `deterministic`: raises instead, see build_sharded
+    and build_deterministic)."""
     if shard is not None:
         return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
+    if deterministic:
+        return build_deterministic(model, kv_cache, use_triton, max_model_len)
     reason = "off" if not fused_decoder else "compile requested" if compile else \
         unsupported_reason(model, max_model_len)
     if reason is None:
@@ -95,4 +99,41 @@ def build_sharded(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, m
     reason = fused.check(kv_cache)
     if reason is not None:
         raise RuntimeError(f"engine.tensor_parallel_size {shard.size}: {reason}")
+    return fused
+
+
+# ---- engine.deterministic: the fused decoders whose every op is batch-invariant ---------------------------------
+# Refused, not warned: a job that asks for reproducible output and silently gets the default numerics would be
+# a dataset that is not what it says. Not covered: transformers' modules (cuBLAS GEMMs, torch's attention
+# choices), MoE decoders (the grouped expert GEMMs pad each expert's tokens into blocks whose count depends on
+# the batch, and the top-k combine), tensor parallelism (all-reduce order and algorithm depend on message size).
+DETERMINISTIC_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
+                       *olmo2.MODEL_TYPES, *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
+
+
+def deterministic_reason(config) -> str | None:
+    """Why a model of this config cannot run engine.deterministic, from its config alone (before any weight
+    loads), or None. Phrased to follow "engine.deterministic: "."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = text.model_type
+    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+        return f"batch-invariant mixture-of-experts layers (model type {model_type!r}) are not built"
+    if model_type not in DETERMINISTIC_TYPES:
+        return (f"batch-invariant kernels exist only in the fused decoders ({', '.join(sorted(DETERMINISTIC_TYPES))}); "
+                f"model type {model_type!r} runs transformers' modules")
+    return None
+
+
+def build_deterministic(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
+                        max_model_len: int) -> DecodeForward:
+    """The fused decoder with batch-invariant GEMMs and attention. No fallback: a model the fused layers cannot
+    run raises ValueError, one whose first step fails on the device RuntimeError (both name the key)."""
+    reason = deterministic_reason(model.config) or unsupported_reason(model, max_model_len)
+    if reason is not None:
+        raise ValueError(f"engine.deterministic: {reason}; run without engine.deterministic (no reproducibility "
+                         f"guarantee across batch sizes), or use a model the fused decoders serve")
+    fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton, deterministic=True)
+    reason = fused.check(kv_cache)
+    if reason is not None:
+        raise RuntimeError(f"engine.deterministic: {reason}")
     return fused

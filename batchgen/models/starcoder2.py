@@ -42,4 +42,4 @@ class Starcoder2Decoder(LlamaDecoder):
 
     def _mlp(self, mlp: torch.nn.Module) -> PlainMLP:
         return PlainMLP(mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
-                        ACTIVATIONS[self.config.hidden_act])
+                        ACTIVATIONS[self.config.hidden_act], self.linear)

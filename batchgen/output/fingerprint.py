@@ -1,6 +1,8 @@
 """Fingerprint: what decides the output (model, tokenizer, chat template, prompt, sampling, row identity,
-batchgen version). Resuming into a directory whose fingerprint differs is refused, naming what changed;
-engine knobs (batch size, memory, graphs) are not part of it and may change freely."""
+batchgen version, engine.deterministic). Resuming into a directory whose fingerprint differs is refused, naming
+what changed; the other engine knobs (batch size, memory, graphs) are not part of it and may change freely.
+engine.deterministic is: a dataset half made with batch-invariant kernels and half without is reproducible for
+no one."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
                               {"reasoning": spec.output.model_dump(mode="json")["reasoning"]})},
         # a chained job: what decided its source, the upstream output (None for any other source)
         "upstream": upstream_fingerprint(spec.source.path),
+        # the numerics: batch-invariant kernels or the default ones (engine/config.py)
+        "engine": {"deterministic": spec.engine.deterministic},
     }
 
 
@@ -63,7 +67,8 @@ def upstream_fingerprint(source_path: str | list[str]) -> str | None:
     return _digest(json.loads(path.read_text())["components"])
 
 
-OFF_WHEN_ABSENT = ("sampling_column", "upstream")  # components added after 0.1.0's first outputs; None = off
+# components added after 0.1.0's first outputs, with the value that means "off" (an output begun before them was)
+OFF_WHEN_ABSENT = {"sampling_column": None, "upstream": None, "engine": {"deterministic": False}}
 
 
 def _diff(old: Any, new: Any, path: str) -> list[str]:
@@ -84,9 +89,9 @@ def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
         return None
     stored = json.loads(path.read_text())["components"]
     current = json.loads(json.dumps(current, default=str))
-    # A component the stored fingerprint predates was off then: it compares as off (None), so an upgrade alone
+    # A component the stored fingerprint predates was off then: it compares as off, so an upgrade alone
     # never blocks a resume, and turning the new setting on does.
-    stored = {**{k: None for k in OFF_WHEN_ABSENT if k in current}, **stored}
+    stored = {**{k: off for k, off in OFF_WHEN_ABSENT.items() if k in current}, **stored}
     comparable = {k: v for k, v in current.items() if k in stored}
     changes = _diff(stored, comparable, "")
     if not changes:
