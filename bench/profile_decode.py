@@ -7,6 +7,7 @@ Prints, for a graphed decode step of `--batch` sequences at `--context` tokens: 
 (splits, block_n, num_warps, num_stages) against the engine's default launch.
 
     python3 bench/profile_decode.py --batch 32 --context 768 [--compile] [--json out.json]
+    python3 bench/profile_decode.py --model-geometry gemma2-9b --engine-only   # another family's step only
 """
 
 from __future__ import annotations
@@ -144,18 +145,9 @@ def rope_fusion_bench(k, v, table, lens, heads: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=768)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--transformers-forward", action="store_true", help="decode through transformers' modules")
-    ap.add_argument("--json")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the 81-launch attention sweep")
-    args = ap.parse_args()
-    ceilings = measure_ceilings()
-    report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context}
-    # Each section prints as it finishes, so a later failure loses nothing measured.
+def isolated_benches(args, report: dict) -> None:
+    """The Llama-8B GEMM shapes and the decode attention sweep, each printed as it finishes (a later failure
+    loses nothing measured)."""
     report["gemm_m%d" % args.batch] = gemm_bench(args.batch)
     for row in report["gemm_m%d" % args.batch]:
         print(row, flush=True)
@@ -164,7 +156,25 @@ def main() -> None:
             [r for r in report["attention"] if r.get("engine_default") or "splits" not in r or "rope_fused" in r]:
         print(row, flush=True)
 
-    model = build_model()
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=768)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--transformers-forward", action="store_true", help="decode through transformers' modules")
+    ap.add_argument("--json")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the 81-launch attention sweep")
+    ap.add_argument("--model-geometry", default="llama-8b", help="the model's shape (batchgen/bench/geometries.py)")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="skip the isolated GEMM and attention benches (their shapes are Llama-8B's)")
+    args = ap.parse_args()
+    ceilings = measure_ceilings()
+    report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context,
+                    "geometry": args.model_geometry}
+    if not args.engine_only:
+        isolated_benches(args, report)
+    model = build_model(geometry=args.model_geometry)
     engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True, async_pipeline=False,
                                               compile=args.compile,
                                               fused_decoder=not args.transformers_forward))
