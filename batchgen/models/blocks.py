@@ -17,6 +17,7 @@ from batchgen.attention.backend import AttentionMetadata
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
 from batchgen.kernels.gated_act import gated_act
+from batchgen.models.fp8 import Fp8Weight, linear
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
 
@@ -69,18 +70,18 @@ def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_tri
                    unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out)
 
 
-def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-                   o_weight: torch.Tensor, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
+def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bias: torch.Tensor | None,
+                   o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
                    qk_norm: tuple[torch.Tensor, float] | None = None,
                    sliding_window: int | None = None) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
     layer's window (None: the whole context)."""
-    qkv = F.linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
+    qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
                       sliding_window=sliding_window)
-    return F.linear(attn, o_weight, o_bias)
+    return linear(attn, o_weight, o_bias)
 
 
 def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
@@ -110,16 +111,17 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 @dataclass
 class GatedMLP:
-    """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh"."""
+    """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh". The weights are
+    plain tensors or FP8 (models/fp8.py), both through `linear`."""
 
-    gate_up_weight: torch.Tensor  # [2 I, E], the gate rows then the up rows
-    down_weight: torch.Tensor  # [E, I]
+    gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
+    down_weight: torch.Tensor | Fp8Weight  # [E, I]
     activation: str = "silu"
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
-        gated = gated_act(F.linear(h, self.gate_up_weight), self.activation, use_triton=use_triton)  # [B, I]
-        return F.linear(gated, self.down_weight)
+        gated = gated_act(linear(h, self.gate_up_weight), self.activation, use_triton=use_triton)  # [B, I]
+        return linear(gated, self.down_weight)
 
 
 @dataclass
@@ -127,9 +129,9 @@ class PlainMLP:
     """proj(act(fc(h))), the non-gated MLP with biases (Starcoder2's c_fc/c_proj), in torch's own ops: those of
     the eager module, so every device rounds as it does (the two GEMMs dominate). act: "gelu_tanh" or "gelu"."""
 
-    fc_weight: torch.Tensor  # [I, E]
+    fc_weight: torch.Tensor | Fp8Weight  # [I, E]
     fc_bias: torch.Tensor | None  # [I]
-    proj_weight: torch.Tensor  # [E, I]
+    proj_weight: torch.Tensor | Fp8Weight  # [E, I]
     proj_bias: torch.Tensor | None  # [E]
     activation: str = "gelu_tanh"
 
@@ -138,5 +140,5 @@ class PlainMLP:
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
-        act = PLAIN_ACTIVATIONS[self.activation](F.linear(h, self.fc_weight, self.fc_bias))  # [B, I]
-        return F.linear(act, self.proj_weight, self.proj_bias)
+        act = PLAIN_ACTIVATIONS[self.activation](linear(h, self.fc_weight, self.fc_bias))  # [B, I]
+        return linear(act, self.proj_weight, self.proj_bias)

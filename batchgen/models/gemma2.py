@@ -22,9 +22,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
+from batchgen.models.fp8 import Fp8Weight, linear, linear_weight
 from batchgen.models.gemma import ACTIVATIONS
 from batchgen.models.llama import LlamaDecoder, module_reason
 
@@ -82,8 +82,8 @@ class Gemma2Layer:
     """One Gemma2 / Gemma3 layer's weights, views of the model's own (q/k/v rebound into one tensor)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E]
-    o_weight: torch.Tensor  # [E, H D]
+    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]
+    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
     post_attention_norm: Norm  # [E]
     pre_mlp_norm: Norm  # [E]
     mlp: GatedMLP
@@ -112,7 +112,7 @@ class Gemma2Decoder(LlamaDecoder):
         assert qkv_b is None and attn.o_proj.bias is None, "Gemma's projections have no biases"
         layer_type = self._types[attn.layer_idx] if hasattr(attn, "layer_idx") else "full_attention"
         return Gemma2Layer(
-            input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, o_weight=attn.o_proj.weight,
+            input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, o_weight=linear_weight(attn.o_proj),
             post_attention_norm=self._norm(layer.post_attention_layernorm),
             pre_mlp_norm=self._norm(layer.pre_feedforward_layernorm), mlp=self._mlp(layer.mlp),
             post_mlp_norm=self._norm(layer.post_feedforward_layernorm), scale=attn.scaling, layer_type=layer_type,
@@ -149,12 +149,12 @@ class Gemma2Decoder(LlamaDecoder):
         h = add_norm(residual, self.layers[0].input_norm, None, tri)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
-            qkv = F.linear(h, layer.qkv_weight)  # [B, (H + 2 Hkv) D]
+            qkv = linear(h, layer.qkv_weight)  # [B, (H + 2 Hkv) D]
             if layer.q_norm is not None:
                 self._qk_norms(qkv, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, steps[layer.layer_type], geo.num_heads, geo.num_kv_heads,
                               layer.scale, sliding_window=layer.sliding_window, softcap=layer.softcap)  # [B, H D]
-            o = add_norm(self._reduce(F.linear(attn, layer.o_weight)), layer.post_attention_norm, None, tri)
+            o = add_norm(self._reduce(linear(attn, layer.o_weight)), layer.post_attention_norm, None, tri)
             h = add_norm(o, layer.pre_mlp_norm, residual, tri)  # residual <- residual + o, then its norm
             mlp = add_norm(self._reduce(layer.mlp(h, tri)), layer.post_mlp_norm, None, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
