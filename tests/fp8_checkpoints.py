@@ -79,7 +79,8 @@ def save_fp8_checkpoint(model, tokenizer, folder: Path, fmt: str) -> Path:
     config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
     return folder
 
 

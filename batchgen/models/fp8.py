@@ -37,7 +37,8 @@ class Fp8Linear(torch.nn.Module):
         self.group_k = group_k  # columns per weight-scale block and activation group; None: per-channel scales
         self.act_quant = act_quant  # the checkpoint quantises activations (dynamically); False: weight-only
         self.scale_ub = scale_ub  # fbgemm's activation_scale_ub: cap on an activation row's absolute max
-        scale_shape = (out_features, 1) if group_k is None else (-(-out_features // group_n), -(-in_features // group_k))
+        scale_shape = (out_features, 1) if group_k is None else \
+            (-(-out_features // group_n), -(-in_features // group_k))
         # [N, K] fp8
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                          requires_grad=False)

@@ -55,7 +55,7 @@ def load_fp8_model(source: str, config, dtype: torch.dtype, device: torch.device
                          if d in _FP8_DTYPE_NAMES and k.endswith(".weight"))
     plain = copy.deepcopy(config)
     del plain.quantization_config
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(plain, dtype=dtype)
     model.config.quantization_config = config.quantization_config  # kept: the output fingerprint records it
     for name in fp8_modules:
@@ -75,7 +75,7 @@ def load_fp8_model(source: str, config, dtype: torch.dtype, device: torch.device
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Parameters created inside are put on the meta device (no memory, no init), buffers stay real (the rotary
     module's tables, computed at construction). Hazard: patches nn.Module.register_parameter while open."""
     original = torch.nn.Module.register_parameter
