@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+               "c_fc", "c_proj")  # Phi3 checkpoint-fused, Starcoder2 MLP
 FP8_MAX = 448.0
 
 

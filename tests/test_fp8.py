@@ -56,7 +56,10 @@ def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch,fmt", [("llama", "block"), ("qwen3", "block"), ("llama", "channel"),
-                                      ("qwen3", "channel"), ("llama", "tensor"), ("qwen2", "fbgemm")])
+                                      ("qwen3", "channel"), ("llama", "tensor"), ("qwen2", "fbgemm"),
+                                      # checkpoint-fused qkv/gate_up; biased plain MLP; sandwich norms; q/k norms
+                                      ("phi3", "channel"), ("starcoder2", "tensor"), ("gemma2", "block"),
+                                      ("olmo2", "channel")])
 def test_fp8_checkpoint_generates_the_dequantized_transformers_tokens_sync_and_async(tmp_path, arch, fmt):
     model, tok, folder = _checkpoint(tmp_path, arch, fmt)
     prompts = random_prompts([5, 9, 13, 17], vocab_size=len(tok), seed=3)
