@@ -147,3 +147,25 @@ def test_fp8_checkpoint_of_a_mixture_of_experts_model_is_refused_up_front(tmp_pa
     folder = save_fp8_checkpoint(moe, tok, tmp_path / "moe", "channel")
     with pytest.raises(JobError, match="mixture-of-experts model .*FP8 expert weights are not built"):
         load_model(str(folder), "float32", "cpu")
+
+
+def test_a_job_runs_on_an_fp8_checkpoint_and_validate_refuses_a_bad_one(tmp_path):
+    """`batchgen run` over an FP8 checkpoint writes every row; `batchgen validate` names the scheme, and refuses
+    an unsupported one from config.json alone (exit 2, model.path named)."""
+    from jobutil import read_rows, seed_rows, write_job, write_jsonl
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    _, tok, folder = _checkpoint(tmp_path, "llama", "block")
+    source = write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, str(folder), {"path": str(source), "key_column": "id"})
+    runner = CliRunner()
+    result = runner.invoke(app, ["validate", str(job)])
+    assert result.exit_code == 0 and "weights: FP8 fp8: weight scales 32x32 blocks" in result.output, result.output
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0001", "row-0002"]
+    _edit_config(folder, lambda q: q.update(scale_fmt="ue8m0"))
+    result = runner.invoke(app, ["validate", str(job)])
+    assert result.exit_code == 2 and f"model.path {str(folder)!r}" in result.output and "ue8m0" in result.output

@@ -40,6 +40,14 @@ def fp8_scheme_or_error(config, path: str) -> Fp8Scheme:
         raise JobError(f"model.path {path!r}: cannot run this FP8 checkpoint: {e}") from None
 
 
+def check_fp8_checkpoint(config, path: str) -> Fp8Scheme | None:
+    """The FP8 scheme of an FP8 checkpoint's config, None for other models; a scheme batchgen cannot run is a
+    JobError naming model.path, from the config alone (run and validate call it before any weight loads)."""
+    from batchgen.models.fp8_scheme import is_fp8
+
+    return fp8_scheme_or_error(config, path) if is_fp8(config) else None
+
+
 def load_fp8_model(source: str, config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model of the FP8 checkpoint in folder (or cached hub repo) `source`, FP8 projections as Fp8Linear, on
     `device`, eval mode. Errors are JobErrors naming model.path."""
