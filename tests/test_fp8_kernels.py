@@ -4,7 +4,8 @@ activations, CUDA-graph capture, the engine end to end).
 The interpreter (Triton 3.6) rounds float32 -> float8e4nv wrongly where the rounding carries into the exponent
 (124.3 becomes 64, not 128), so its check uses activations whose quantisation is exact (each token group: fp8
 grid values with absolute max 448, times a power of two): any error of indexing, scales or accumulation still
-shows; the rounding itself is covered on the GPU."""
+shows; the rounding itself is covered on the GPU. Triton 3.6's interpreter also needs numpy < 2.4 (with 2.4+ it
+fails in its own code: "only 0-dimensional arrays can be converted to Python scalars"): the test is skipped there."""
 
 from __future__ import annotations
 
@@ -12,18 +13,24 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from batchgen.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, rowwise_scaled_mm  # noqa: E402
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_weight  # noqa: E402
+from batchgen.kernels.fp8_gemm import (  # noqa: E402
+    block_scaled_matmul, blockwise_scaled_mm, blockwise_scaled_mm_supported, fp8_linear, rowwise_scaled_mm,
+    w8a8_matmul)
+from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
+
+NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
 
 INTERPRET_SCRIPT = r"""
 import torch
-from batchgen.kernels.fp8_gemm import block_scaled_matmul, rowwise_scaled_mm
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups_ref, quantize_rows, quantize_weight
+from batchgen.kernels.fp8_gemm import GemmConfig, block_scaled_matmul, rowwise_scaled_mm, w8a8_matmul
+from batchgen.kernels.fp8_quant import (FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
+                                        quantize_weight)
 
 torch.manual_seed(0)
 
@@ -38,10 +45,18 @@ for m, n, k, gn, gk in [(5, 200, 320, 128, 128), (3, 96, 256, 1, 128), (17, 64, 
     x = exact_x(m, k, gk or 128)
     w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
     bias = torch.randn(n)
-    out = block_scaled_matmul(x, w, s, gn, gk, bias, config=(16, 32, 4, 1))
     ref = linear_ref(x, w, s, gn, gk, bias, act_group=gk or 128)
-    err = (out - ref).abs().max().item()
-    assert err < 1e-5 * ref.abs().max().item(), (m, n, k, gn, gk, err)
+    # GROUP_M 2 over several M tiles: the grouped program order; BLOCK_M 32 > M 20 / 17: wrapped rows, masked stores
+    for cfg in (GemmConfig(16, 32, 2, 4, 1), GemmConfig(32, 64, 1, 4, 1)):
+        out = block_scaled_matmul(x, w, s, gn, gk, bias, config=cfg)
+        err = (out - ref).abs().max().item()
+        assert err < 1e-5 * ref.abs().max().item(), (m, n, k, gn, gk, cfg, err)
+    q, qs = quantize_groups(x, gk or 128)  # column-major scales
+    q_ref, qs_ref = quantize_groups_ref(x, gk or 128)
+    assert qs.stride(0) == 1 and torch.equal(q.float(), q_ref.float()) and torch.equal(qs, qs_ref), (m, k, gk)
+    out = w8a8_matmul(q, qs.contiguous(), w, s, gn, gk, torch.float32, None, GemmConfig(16, 32, 1, 4, 1))
+    ref = linear_ref(x, w, s, gn, gk, None, act_group=gk or 128)
+    assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item(), (m, n, k, gn, gk)
 x = exact_x(6, 256, 256).bfloat16()
 q, scale = quantize_rows(x)
 q_ref, scale_ref = quantize_groups_ref(x, 256)
@@ -54,6 +69,8 @@ print("ok")
 """
 
 
+@pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs numpy < 2.4 "
+                    "(InterpreterError: only 0-dimensional arrays can be converted to Python scalars)")
 def test_fp8_gemm_kernels_match_reference_under_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton is imported: a fresh interpreter
     result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
@@ -80,6 +97,28 @@ def test_block_scaled_gemm_equals_the_emulated_w8a8_reference_bf16_on_gpu(m, n, 
     out = block_scaled_matmul(x, w, s, 128, 128)
     assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2  # bf16 output rounding
     assert _rel_err(out, linear_ref(x, w, s, 128, 128)) < 6e-2  # activation quantisation's own error
+
+
+@pytest.mark.gpu
+def test_group_quantiser_and_every_default_config_on_gpu():
+    from batchgen.kernels.fp8_gemm import CONFIGS
+    x, w, s = _case(200, 1024, 4096, 128, 128)
+    q, qs = quantize_groups(x, 128)
+    q_ref, qs_ref = quantize_groups_ref(x, 128)
+    assert qs.stride() == (1, 200) and torch.equal(qs, qs_ref)
+    assert (q.float() - q_ref.float()).abs().max() <= 32  # equal up to one fp8 ulp (32 in the top binade)
+    ref = linear_ref(x, w, s, 128, 128, act_group=128)
+    for cfg in CONFIGS.values():
+        assert _rel_err(w8a8_matmul(q, qs, w, s, 128, 128, torch.bfloat16, config=cfg), ref) < 1e-2, cfg
+
+
+@pytest.mark.gpu
+def test_cublas_blockwise_scaled_mm_equals_the_reference_where_supported():
+    if not blockwise_scaled_mm_supported(0):
+        pytest.skip("torch._scaled_mm has no 1x128 x 128x128 block-wise scaling here (needs sm90, cuBLASLt >= 12.9)")
+    for m in (1, 32, 256):
+        x, w, s = _case(m, 6144, 4096, 128, 128)
+        assert _rel_err(blockwise_scaled_mm(x, w, s), linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
 
 
 @pytest.mark.gpu

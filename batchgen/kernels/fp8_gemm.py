@@ -1,24 +1,35 @@
 """FP8 GEMMs: out [M, N] = x [M, K] @ dequant(weight [N, K])^T (+ bias), the one entry point the fused decoders'
-FP8 projections call (`fp8_linear`), with three paths:
+FP8 projections call (`fp8_linear`), with these paths:
 
   - reference (CPU, or weights the checkpoint keeps weight-only): fp8_quant.linear_ref, weights dequantised in
     fp32, activations as they are;
-  - per-channel weight scales on CUDA: x quantised per token (fp8_quant.quantize_rows), then torch._scaled_mm with
-    row-wise scales (cuBLASLt / CUTLASS on sm90; bf16 output only);
-  - block weight scales (and per-channel ones with fp16/fp32 activations): `block_scaled_matmul`, one Triton kernel
-    that quantises each [BLOCK_M, group_k] tile of x per token in registers (the per-token-group scheme of
-    DeepSeek / Qwen3-FP8 checkpoints) and accumulates fp8 dots times both scales in fp32. The kernel re-quantises
-    the same x tile in every column program: x is small in a decode step (M <= 512 rows, read from L2), and
-    fusing saves a kernel and an [M, K] fp8 round trip per GEMM.
+  - per-channel weight scales on CUDA, bf16 activations: x quantised per token (fp8_quant.quantize_rows), then
+    torch._scaled_mm with row-wise scales (cuBLASLt on sm90; bf16 output only);
+  - block weight scales (and per-channel ones with fp16/fp32 activations): `block_scaled_matmul`, two launches as
+    vLLM's w8a8_block_fp8_matmul: x quantised ONCE per GEMM per token and group of group_k columns
+    (fp8_quant.quantize_groups: fp8 [M, K] + scales [M, K / group_k]), then `w8a8_matmul`, a Triton kernel that
+    loads fp8 A and B tiles, tl.dot fp8 x fp8 -> fp32, times a_scale[:, None] * b_scale[None, :] per k block.
+    (The first version fused the quantisation into the GEMM: every column program re-quantised the same
+    [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise work dominated.)
+    Optionally (BATCHGEN_FP8_GEMM=cublas, 128x128 blocks, bf16, where torch's cuBLASLt supports it: sm90, CUDA
+    >= 12.9) the same quantised x goes to torch._scaled_mm with 1x128 x 128x128 block-wise scales instead.
+
+Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), overridden per weight
+shape by SHAPE_CONFIGS, which `python3 bench/fp8_gemm.py --sweep` prints from measured times; a default config
+whose grid would not fill the GPU's SMs narrows its column tile (down to 32).
 
 Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow x's and the weight's only.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import NamedTuple
+
 import torch
 
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_rows
+from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_rows
 
 try:
     import triton
@@ -27,77 +38,185 @@ except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
 CHANNEL_ACT_GROUP = 128  # activation group of the Triton kernel over per-channel weights (group_k None)
+# "triton" (default) or "cublas": the block-scaled GEMM's backend (cublas only where supported, else triton)
+BLOCK_GEMM_BACKEND = os.environ.get("BATCHGEN_FP8_GEMM", "triton")
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    group_m: int  # M tiles walked together over one column of N tiles (weight tile reuse from L2)
+    warps: int
+    stages: int
+
+
+# M bucket (the largest M it covers; the last one: everything above) -> config. Decode (M <= 64) is weight
+# bandwidth bound: small BLOCK_M (16: two M tiles at M 32 double the programs, A is fp8 and tiny) and deep
+# pipelining; prefill / large batches: 64x128 tiles as vLLM's tuned H100/H200 tables pick for K 4096-7168.
+CONFIGS: dict[int, GemmConfig] = {
+    16: GemmConfig(16, 64, 8, 4, 5),
+    32: GemmConfig(16, 64, 8, 4, 5),
+    64: GemmConfig(32, 64, 8, 4, 4),
+    128: GemmConfig(64, 64, 8, 4, 4),
+    256: GemmConfig(64, 128, 8, 4, 3),
+    512: GemmConfig(64, 128, 8, 4, 3),
+    1 << 62: GemmConfig(128, 128, 8, 8, 3),
+}
+# (N, K) -> {M bucket: config}: measured per shape (bench/fp8_gemm.py --sweep prints this dict). Used as is.
+SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:
+    for bound in sorted(table):
+        if m <= bound:
+            return table[bound]
+    return table[max(table)]
+
+
+def gemm_config(m: int, n: int, k: int, num_sms: int | None = None) -> GemmConfig:
+    """The Triton GEMM's launch config for x [m, k] @ w [n, k]^T (see the module docstring)."""
+    tuned = SHAPE_CONFIGS.get((n, k))
+    if tuned:
+        return _bucket(tuned, m)
+    cfg = _bucket(CONFIGS, m)
+    if num_sms:  # fill at least one wave of programs: narrower column tiles
+        block_n = cfg.block_n
+        while block_n > 32 and -(-n // block_n) * -(-m // cfg.block_m) < num_sms:
+            block_n //= 2
+        cfg = cfg._replace(block_n=block_n)
+    return cfg
+
 
 if triton is not None:
     @triton.jit
-    def _block_scaled_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                             stride_wsn, stride_wsk, group_n, scale_ub,
-                             HAS_BIAS: tl.constexpr, HAS_UB: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (n tile, m tile). BLOCK_K is the activation group and the weight's group_k: each k step
-        reads one weight-scale column (stride_wsk 0: per-channel scales, one for every k)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,
+                          stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C [M, N] = sum over k blocks of (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb].
+        One program per (BLOCK_M, BLOCK_N) tile, ordered GROUP_M M tiles at a time down each column of tiles.
+        BLOCK_K is the activation group and the weight's group_k (stride_bsk 0: per-channel weight scales)."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        # rows / columns past the edge wrap (loads stay in bounds, unmasked); their outputs are not stored
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_k = tl.arange(0, BLOCK_K)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
-        ws_cols = ws_ptr + (offs_n // group_n) * stride_wsn  # [BLOCK_N] pointers to each column's scale row
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        as_ptrs = as_ptr + offs_m * stride_asm
+        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k = kb * BLOCK_K + offs_k
-            mask_k = k < K
-            x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]: this token group's absolute max
-            if HAS_UB:
-                amax = tl.minimum(amax, scale_ub)
-            x_scale = tl.maximum(amax, 1e-10) / 448.0
-            xq = tl.clamp(tl.div_rn(x, x_scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
-            w = tl.load(w_cols + k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-            w_scale = tl.load(ws_cols + kb * stride_wsk, mask=mask_n, other=0.0)  # [BLOCK_N]
-            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            a_s = tl.load(as_ptrs + kb * stride_ask)
+            b_s = tl.load(bs_ptrs + kb * stride_bsk)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def default_config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows. Decode steps (M <= 64) are weight-bandwidth bound:
-    narrow column tiles give the ~132 SMs of an H200 enough programs (N 4096 / 32 = 128). Not tuned on the GPU yet:
-    bench/fp8_gemm.py sweeps these and reports the fastest per shape."""
-    if m <= 16:
-        return 16, 32, 4, 4
-    if m <= 64:
-        return (32 if m <= 32 else 64), 64 if n >= 16384 else 32, 4, 4
-    return 64, 128, 4, 3
+def _weight_scale_strides(weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None
+                          ) -> tuple[int, int, int, int]:
+    """(BLOCK_K = activation group, stride of a scale row, stride of a scale column (0: per channel), group_n)."""
+    n, k = weight.shape
+    if group_k is None:  # per-channel [N, 1]: the same scale for every k step
+        assert scale.shape == (n, 1)
+        return CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
+    assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
+    return group_k, scale.stride(0), scale.stride(1), group_n
+
+
+def w8a8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
+                group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                config: GemmConfig | tuple | None = None) -> torch.Tensor:
+    """The Triton GEMM over already-quantised activations: xq [M, K] fp8 with x_scale [M, ceil(K / G)] (any
+    strides; G = group_k, or CHANNEL_ACT_GROUP for per-channel weights) -> [M, N] in out_dtype."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and xq.dtype == FP8_DTYPE and weight.shape[1] == k
+    assert weight.stride(1) == 1 and xq.stride(1) == 1
+    block_k, stride_bsn, stride_bsk, group_n = _weight_scale_strides(weight, scale, group_n, group_k)
+    assert x_scale.shape == (m, -(-k // block_k)), (x_scale.shape, m, k, block_k)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    if config is None:
+        cfg = gemm_config(m, n, k, _num_sms(xq.device.index or 0) if xq.is_cuda else None)
+    else:
+        cfg = GemmConfig(*config)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_gemm_kernel[grid](xq, x_scale, weight, scale, bias if bias is not None else scale, out, m, n, k,
+                            xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
+                            stride_bsk, out.stride(0), group_n, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+                            BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.warps,
+                            num_stages=cfg.stages)
+    return out
 
 
 def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
                         group_k: int | None, bias: torch.Tensor | None = None, scale_ub: float | None = None,
-                        config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                        config: GemmConfig | tuple | None = None) -> torch.Tensor:
     """W8A8 with block (or per-channel: group_k None, activations then quantised per CHANNEL_ACT_GROUP columns)
-    weight scales, one Triton launch: x [M, K] (bf16/fp16/fp32) -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.dtype == FP8_DTYPE and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    if group_k is None:  # per-channel [N, 1]: the same scale for every k step
-        assert scale.shape == (n, 1)
-        block_k, stride_wsn, stride_wsk, group_n = CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
-    else:
-        assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
-        block_k, stride_wsn, stride_wsk = group_k, scale.stride(0), scale.stride(1)
-    block_m, block_n, warps, stages = config or default_config(m, n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _block_scaled_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-                               weight.stride(0), out.stride(0), stride_wsn, stride_wsk, group_n, scale_ub or 0.0,
-                               HAS_BIAS=bias is not None, HAS_UB=scale_ub is not None, BLOCK_M=block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return out
+    weight scales: x [M, K] (bf16/fp16/fp32) quantised per token group (one kernel), then the Triton GEMM
+    (w8a8_matmul) -> [M, N] in x's dtype."""
+    xq, x_scale = quantize_groups(x, group_k or CHANNEL_ACT_GROUP, scale_ub)
+    return w8a8_matmul(xq, x_scale, weight, scale, group_n, group_k, x.dtype, bias, config)
+
+
+@functools.lru_cache(maxsize=None)
+def blockwise_scaled_mm_supported(device_index: int = 0) -> bool:
+    """Whether torch._scaled_mm takes 1x128 x 128x128 block-wise fp32 scales on this GPU (sm90, torch with
+    cuBLASLt >= 12.9): one small call, no sync; any error means no. Call it outside graph capture first."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        dev = torch.device("cuda", device_index)
+        a = torch.zeros(16, 256, device=dev).to(FP8_DTYPE)
+        w = torch.zeros(128, 256, device=dev).to(FP8_DTYPE)
+        sa = torch.ones(2, 16, device=dev).t()  # [M, K / 128], strides (1, M)
+        sw = torch.ones(1, 2, device=dev)  # [N / 128, K / 128]
+        torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def blockwise_scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, group_n: int, group_k: int | None) -> bool:
+    """The shapes and dtypes the cuBLASLt block-wise path takes (checkpoint 128x128 blocks, bf16, K and N
+    multiples of 16 as _scaled_mm needs; the weight scale's columns a multiple of 4 for its 128x128 layout)."""
+    n, k = weight.shape
+    return (group_n == 128 and group_k == 128 and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+            and (-(-k // 128)) % 4 == 0)
+
+
+def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None, scale_ub: float | None = None) -> torch.Tensor:
+    """W8A8 with 128x128 block weight scales through torch._scaled_mm (cuBLASLt): x [M, K] bf16 quantised per
+    token and 128 columns (quantize_groups: its column-major scales are cuBLAS's 1x128 layout), the weight's
+    [N / 128, K / 128] row-major scales transposed as its 128x128 layout. Only where blockwise_scaled_mm_supported."""
+    xq, x_scale = quantize_groups(x, 128, scale_ub)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def rowwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor,
@@ -121,6 +240,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
         out = linear_ref(x2, weight, scale, group_n, group_k, bias)
     elif group_k is None and x.dtype == torch.bfloat16:
         out = rowwise_scaled_mm(x2, weight, scale.view(1, -1), bias, scale_ub)
+    elif (BLOCK_GEMM_BACKEND == "cublas" and blockwise_scaled_mm_fits(x2, weight, group_n, group_k)
+          and blockwise_scaled_mm_supported(x.device.index or 0)):
+        out = blockwise_scaled_mm(x2, weight, scale, bias, scale_ub)
     else:
         out = block_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
     return out.reshape(*x.shape[:-1], weight.shape[0])

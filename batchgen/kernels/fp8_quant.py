@@ -1,5 +1,6 @@
 """FP8 (float8_e4m3fn) quantisation: weights and activations, the torch references of the FP8 GEMMs, and the
-Triton per-token activation quantiser that feeds torch._scaled_mm.
+Triton activation quantisers: per token (feeds torch._scaled_mm row-wise) and per token and group of columns
+(feeds the block-scaled GEMMs, once per GEMM).
 
 Conventions (those of the checkpoints: transformers' FineGrainedFP8 `weight_scale_inv`, compressed-tensors' and
 fbgemm's `weight_scale`): a scale multiplies, value = fp8 * scale. A weight [N, K] has either
@@ -131,4 +132,42 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch
     block = min(4096, triton.next_power_of_2(k))
     _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), scale_ub or 0.0,
                                 HAS_UB=scale_ub is not None, BLOCK=block, num_warps=4)
+    return q, scale
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, stride_sm, stride_sg, scale_ub,
+                                HAS_UB: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
+        """Program (row, GROUPS_PER_PROG groups): each [GROUP] slice of the row quantised with its own absolute max;
+        the scales go to s_ptr + row * stride_sm + group * stride_sg (column-major by default, see below)."""
+        row = tl.program_id(0).to(tl.int64)
+        groups = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)  # [G]
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+        mask = cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)  # [G]
+        if HAS_UB:
+            amax = tl.minimum(amax, scale_ub)
+        scale = tl.maximum(amax, 1e-10) / 448.0
+        q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
+
+
+def quantize_groups(x: torch.Tensor, group: int, scale_ub: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic quantisation, one Triton kernel: x [M, K] -> (fp8 [M, K], scales [M, ceil(K / group)]
+    fp32), as quantize_groups_ref(x, group). The scales are COLUMN-major (strides (1, M): a [G, M] buffer
+    transposed), the layout cuBLAS's 1x128 block scaling requires (torch._scaled_mm) and the one the Triton GEMM
+    reads coalesced (each k step loads BLOCK_M consecutive scales). group: a power of two. Graph-capturable."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and group & (group - 1) == 0, (x.stride(), group)
+    groups = -(-k // group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()  # [M, G], strides (1, M)
+    per_prog = max(1, min(triton.next_power_of_2(groups), 1024 // group))  # ~1024 elements a program
+    _quantize_groups_kernel[(m, triton.cdiv(groups, per_prog))](
+        x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), scale_ub or 0.0,
+        HAS_UB=scale_ub is not None, GROUP=group, GROUPS_PER_PROG=per_prog, num_warps=4)
     return q, scale
