@@ -15,7 +15,8 @@ FP8 projections call (`fp8_linear`), with these paths:
     >= 12.9) the same quantised x goes to torch._scaled_mm with 1x128 x 128x128 block-wise scales instead.
 
 Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), overridden per weight
-shape by SHAPE_CONFIGS, which `python3 bench/fp8_gemm.py --sweep` prints from measured times; a default config
+shape by SHAPE_CONFIGS, which `python3 bench/fp8_gemm.py --sweep` prints from measured times (or loads from its
+--json report: BATCHGEN_FP8_CONFIGS=report.json); a default config
 whose grid would not fill the GPU's SMs narrows its column tile (down to 32).
 
 Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow x's and the weight's only.
@@ -24,6 +25,7 @@ Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import NamedTuple
 
@@ -64,6 +66,18 @@ CONFIGS: dict[int, GemmConfig] = {
 }
 # (N, K) -> {M bucket: config}: measured per shape (bench/fp8_gemm.py --sweep prints this dict). Used as is.
 SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {}
+
+
+def load_shape_configs(path: str) -> None:
+    """Add the best configs of a `bench/fp8_gemm.py --sweep --json PATH` report to SHAPE_CONFIGS (what
+    BATCHGEN_FP8_CONFIGS=PATH does at import): tuned configs for an engine run before they are committed."""
+    with open(path) as f:
+        for s in json.load(f)["sweep"]:
+            SHAPE_CONFIGS.setdefault((s["N"], s["K"]), {})[s["M"]] = GemmConfig(*s["best"])
+
+
+if os.environ.get("BATCHGEN_FP8_CONFIGS"):
+    load_shape_configs(os.environ["BATCHGEN_FP8_CONFIGS"])
 
 
 @functools.lru_cache(maxsize=None)
