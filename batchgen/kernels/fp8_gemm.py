@@ -205,10 +205,11 @@ def blockwise_scaled_mm_supported(device_index: int = 0) -> bool:
         return False
     try:
         dev = torch.device("cuda", device_index)
-        a = torch.zeros(16, 256, device=dev).to(FP8_DTYPE)
-        w = torch.zeros(128, 256, device=dev).to(FP8_DTYPE)
-        sa = torch.ones(2, 16, device=dev).t()  # [M, K / 128], strides (1, M)
-        sw = torch.ones(1, 2, device=dev)  # [N / 128, K / 128]
+        # K / 128 = 4: newer torch wants the 128x128 scale's row stride rounded up to a multiple of 4
+        a = torch.zeros(16, 512, device=dev).to(FP8_DTYPE)
+        w = torch.zeros(128, 512, device=dev).to(FP8_DTYPE)
+        sa = torch.ones(4, 16, device=dev).t()  # [M, K / 128], strides (1, M)
+        sw = torch.ones(1, 4, device=dev)  # [N / 128, K / 128]
         torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
         return True
     except (RuntimeError, TypeError, ValueError):
