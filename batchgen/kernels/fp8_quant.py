@@ -149,7 +149,7 @@ if triton is not None:
         amax = tl.max(tl.abs(x), axis=1)  # [G]
         if HAS_UB:
             amax = tl.minimum(amax, scale_ub)
-        scale = tl.maximum(amax, 1e-10) / 448.0
+        scale = tl.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as the torch reference
         q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
