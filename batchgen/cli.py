@@ -255,6 +255,10 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           model_geometry: Annotated[str, typer.Option(
               help="seed, job: the model's shape, random bf16 weights (llama-8b, mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, mixtral-8x7b).")] = "llama-8b",
+          weights: Annotated[str, typer.Option(
+              help="seed, job: the layers' projections: bf16, fp8 (128x128 blocks, FineGrainedFP8 format) or "
+                   "fp8-channel (per-channel, compressed-tensors format); the floor counts FP8 weights at one "
+                   "byte.")] = "bf16",
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
     """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
     import torch
@@ -268,6 +272,12 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo(f"batchgen: error: --model-geometry must be one of {', '.join(GEOMETRIES)}, got {model_geometry!r}",
                    err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    from batchgen.bench.fp8_weights import WEIGHTS
+
+    if weights not in WEIGHTS or (weights != "bf16" and workload == "mixed"):
+        typer.echo(f"batchgen: error: --weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got "
+                   f"{weights!r}", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
     if workload == "mixed" and model_geometry != "llama-8b":
         typer.echo("batchgen: error: the mixed workload runs the llama-8b geometry only", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
@@ -279,7 +289,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
-                 compare=compare, compare_last=compare_last, geometry=model_geometry, extra_sets=job_set or [])
+                 compare=compare, compare_last=compare_last, geometry=model_geometry, extra_sets=job_set or [],
+                 weights=weights)
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main
@@ -296,7 +307,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
     requests = requests or 32
     bench_main(new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
-               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests, geometry=model_geometry)
+               json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests, geometry=model_geometry,
+               weights=weights)
 
 
 def main() -> None:  # pragma: no cover

@@ -57,3 +57,36 @@ def test_the_seed_floor_of_llama_8b_counts_weights_kv_and_prefill():
     no_window = floor_seconds(model_config("gemma2-9b", sliding_window=None), 32, 8000, 64,
                               Ceilings(4.25e12, 793e12))
     assert long_ctx < no_window
+
+
+def test_the_fp8_floor_counts_projection_weights_at_one_byte_and_the_lm_head_at_two():
+    bf16 = decode_bytes(model_config("llama-8b"))
+    fp8 = decode_bytes(model_config("llama-8b", quantization_config={"quant_method": "fp8",
+                                                                        "weight_block_size": [128, 128]}))
+    head = 128256 * 4096
+    assert bf16.dense_weight_bytes - fp8.dense_weight_bytes == (bf16.dense_weight_bytes - 2 * head) // 2
+    assert fp8.dense_params == bf16.dense_params and fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        decode_bytes(model_config("mixtral-8x7b"), projection_bytes=1)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "fp8-channel"])
+def test_a_bench_fp8_model_saves_as_a_checkpoint_that_loads_back_equal(tmp_path, weights):
+    """`bench --weights fp8`: the job workload's folder is an FP8 checkpoint batchgen's loader reads back to the
+    same weights and logits (a tiny geometry on CPU; partial 128-blocks)."""
+    from batchgen.bench.fp8_weights import build_fp8_model, save_fp8_checkpoint
+    from batchgen.models.fp8 import Fp8Linear
+    from batchgen.runner.loader import load_model
+
+    config = model_config("llama-8b", vocab_size=300, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
+                          num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    model = build_fp8_model(config, weights, device="cpu")
+    save_fp8_checkpoint(model, tmp_path / weights, weights, shard_bytes=200_000)
+    assert len(list((tmp_path / weights).glob("*.safetensors"))) > 1
+    loaded = load_model(str(tmp_path / weights), "bfloat16", "cpu")
+    q = loaded.model.layers[1].self_attn.q_proj
+    built = model.model.layers[1].self_attn.q_proj
+    assert isinstance(q, Fp8Linear) and torch.equal(q.weight.float(), built.weight.float())
+    ids = torch.tensor([[5, 17, 200, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

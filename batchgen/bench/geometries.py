@@ -77,7 +77,9 @@ class DecodeBytes:
     """What one decode step must read, by part, for a geometry."""
 
     dense_weight_bytes: int  # every weight a step reads whatever the routing (experts excluded), embedding excluded
+    dense_params: int  # the parameters behind dense_weight_bytes (they differ from it / 2 with FP8 projections)
     expert_bytes: int  # one expert of one layer (0 for dense models)
+    expert_params: int  # its parameters
     num_moe_layers: int
     num_experts: int  # experts per MoE layer
     kv_bytes_per_token: int  # one token's K and V in one layer
@@ -99,7 +101,7 @@ class DecodeBytes:
 
     def active_params_per_token(self, experts_per_token: int) -> int:
         """Weights one token multiplies (prefill FLOPs / 2): the dense ones and its routed experts."""
-        return (self.dense_weight_bytes + self.num_moe_layers * experts_per_token * self.expert_bytes) // 2
+        return self.dense_params + self.num_moe_layers * experts_per_token * self.expert_params
 
     def weight_bytes(self, distinct_experts: int | None = None) -> int:
         """Weight bytes of a step whose tokens route to `distinct_experts` experts summed over the MoE layers
@@ -108,9 +110,15 @@ class DecodeBytes:
         return self.dense_weight_bytes + experts * self.expert_bytes
 
 
-def decode_bytes(config, dtype_bytes: int = 2) -> DecodeBytes:
-    """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's."""
+def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = None) -> DecodeBytes:
+    """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's.
+    projection_bytes: bytes per weight of the layers' q/k/v/o and MLP projections (1: FP8 weights, `--weights fp8`;
+    their fp32 scales, 4 bytes per 128x128 block or per row, are left out: < 0.1 %); the LM head, norms and K/V
+    stay at dtype_bytes. None: 1 when the config is an FP8 checkpoint's (models/fp8_scheme.py), else dtype_bytes."""
     from batchgen.bench import moe_floor
+    from batchgen.models.fp8_scheme import is_fp8
+
+    proj = projection_bytes or (1 if is_fp8(config) else dtype_bytes)
 
     cfg = config.get_text_config()
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
@@ -118,16 +126,22 @@ def decode_bytes(config, dtype_bytes: int = 2) -> DecodeBytes:
     kv_heads = cfg.num_key_value_heads
     num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     if num_experts:
+        if proj != dtype_bytes:
+            raise ValueError("FP8 weights of mixture-of-experts geometries are not built")
         dense = moe_floor.dense_step_bytes(cfg, dtype_bytes)
+        params = moe_floor.dense_step_bytes(cfg, 1)
         expert, moe_layers = moe_floor.expert_bytes(cfg, dtype_bytes), sum(moe_floor.sparse_layers(cfg))
+        expert_params = moe_floor.expert_bytes(cfg, 1)
     else:
         attention = hidden * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)  # q, o, k, v
         head = cfg.vocab_size * hidden  # the LM head is read every step (tied or not)
-        dense = (layers * (attention + 3 * hidden * cfg.intermediate_size) + head) * dtype_bytes
-        expert, moe_layers = 0, 0
+        projections = layers * (attention + 3 * hidden * cfg.intermediate_size)
+        dense, params = projections * proj + head * dtype_bytes, projections + head
+        expert, moe_layers, expert_params = 0, 0, 0
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     window = getattr(cfg, "sliding_window", None)
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
-    return DecodeBytes(dense_weight_bytes=dense, expert_bytes=expert, num_moe_layers=moe_layers,
+    return DecodeBytes(dense_weight_bytes=dense, dense_params=params, expert_bytes=expert, expert_params=expert_params,
+                       num_moe_layers=moe_layers,
                        num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes,
                        layer_windows=windows)

@@ -52,21 +52,30 @@ def tokenizer_dir(given: str | None, work_dir: Path) -> Path:
     return out
 
 
-def build_model_dir(work_dir: Path, tok_dir: Path, geometry: str = "llama-8b") -> Path:
+def build_model_dir(work_dir: Path, tok_dir: Path, geometry: str = "llama-8b", weights: str = "bf16") -> Path:
     """Save a random bf16 model of `geometry` (bench/geometries.py) with the tokenizer's vocabulary and the
-    tokenizer itself; reused when an earlier bench run in this work dir built it (the same seed-0 weights)."""
+    tokenizer itself; reused when an earlier bench run in this work dir built it (the same seed-0 weights).
+    `weights` fp8 / fp8-channel: an FP8 checkpoint of that format (bench/fp8_weights.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = work_dir / ("model" if geometry == "llama-8b" else f"model-{geometry}")
+    if weights != "bf16":
+        path = path.with_name(f"{path.name}-{weights}")
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return path
     tok = AutoTokenizer.from_pretrained(tok_dir)
     config = model_config(geometry, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    if weights != "bf16":
+        from batchgen.bench.fp8_weights import build_fp8_model, save_fp8_checkpoint
+
+        model = build_fp8_model(config, weights)
+        save_fp8_checkpoint(model, path, weights)
+    else:
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
     tok.save_pretrained(path)
     del model
     torch.cuda.empty_cache()
@@ -237,7 +246,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
          json_path: str | None = None, compare: str | None = None, compare_last: bool = False,
-         geometry: str = "llama-8b", extra_sets: list[str] = ()) -> dict:
+         geometry: str = "llama-8b", extra_sets: list[str] = (), weights: str = "bf16") -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
@@ -246,13 +255,13 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     tok_dir = tokenizer_dir(tokenizer, work)
     from transformers import AutoConfig
 
-    model_dir = build_model_dir(work, tok_dir, geometry)
+    model_dir = build_model_dir(work, tok_dir, geometry, weights)
     config = AutoConfig.from_pretrained(model_dir)
     vocab = config.get_text_config().vocab_size
     job = write_job(work, model_dir, write_source(work, rows), new_tokens)
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
               "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
-              "vocab_size": vocab, "geometry": geometry, "job_sets": list(extra_sets), "runs": [],
+              "vocab_size": vocab, "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
               "profiles": []}
     # Warm-up: a short run of every configuration and checkout first, so that Triton's compilation (a first
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two

@@ -63,11 +63,16 @@ def floor_seconds(config, requests: int, prompt: int, new: int, c: Ceilings,
     return (weights + kv) / c.copy_bytes_s + prefill_flops / c.matmul_flop_s
 
 
-def build_model(num_layers: int | None = None, geometry: str = "llama-8b"):
-    """Random bf16 weights (seed 0) at a real model's geometry (bench/geometries.py), on the GPU."""
+def build_model(num_layers: int | None = None, geometry: str = "llama-8b", weights: str = "bf16"):
+    """Random bf16 weights (seed 0) at a real model's geometry (bench/geometries.py), on the GPU; `weights` fp8 /
+    fp8-channel: the layers' projections FP8 (bench/fp8_weights.py; its floor counts them at one byte)."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(geometry, **({"num_hidden_layers": num_layers} if num_layers else {}))
+    if weights != "bf16":
+        from batchgen.bench.fp8_weights import build_fp8_model
+
+        return build_fp8_model(config, weights)
     torch.manual_seed(0)
     with torch.device("cuda"):
         try:  # sdpa for transformers' own runs where the architecture has it (Gemma2 does not: soft-capping)
@@ -182,13 +187,13 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str
 
 def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
          json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs",
-         geometry: str = "llama-8b") -> dict:
+         geometry: str = "llama-8b", weights: str = "bf16") -> dict:
     ceilings = measure_ceilings()
-    model = build_model(geometry=geometry)
+    model = build_model(geometry=geometry, weights=weights)
     prompts = seed_prompts(requests, prompt_len)
     moe = bool(decode_bytes(model.config).num_experts)  # its floor: the first variant's measured routing
     floor = None if moe else floor_seconds(model.config, requests, prompt_len, new_tokens, ceilings)
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry,
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry, "weights": weights,
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens}
     reference_tokens = None

@@ -85,7 +85,9 @@ class JobLoop:
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
         from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
+        from batchgen.runner.fp8_loader import check_fp8_checkpoint
 
+        check_fp8_checkpoint(config, spec.model.path)  # an FP8 scheme batchgen cannot run: refused before loading
         reason = tensor_parallel_reason(config, spec.engine.tensor_parallel_size)
         if reason is not None:  # before any weight loads
             raise JobError(f"engine.tensor_parallel_size {spec.engine.tensor_parallel_size}: {reason}")

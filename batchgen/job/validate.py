@@ -42,6 +42,11 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
     tokenizer, config = tokenizer_and_config(spec)
+    from batchgen.runner.fp8_loader import check_fp8_checkpoint
+
+    fp8 = check_fp8_checkpoint(config, spec.model.path)
+    if fp8 is not None:
+        lines.append(f"weights: {fp8.describe()}")
     text = config.get_text_config()
     try:
         spec.sampling.check_vocab(text.vocab_size)

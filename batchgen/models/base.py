@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from batchgen.attention.backend import AttentionMetadata
+from batchgen.models.fp8 import Fp8Weight
 
 
 class DecodeForward:
@@ -65,9 +66,12 @@ class DecodeForward:
 
 
 def _matrices(record, depth: int = 2) -> list[torch.Tensor]:
-    """The 2-D tensors among a layer record's fields, and those of the dataclasses it holds (its MLP, norms)."""
+    """The 2-D tensors among a layer record's fields, and those of the dataclasses it holds (its MLP, norms). FP8
+    projections are left out: their GEMMs are our kernels or _scaled_mm, not the BLAS back end being chosen."""
     out = []
     for value in vars(record).values():
+        if isinstance(value, Fp8Weight):
+            continue
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             out.append(value)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth > 0:

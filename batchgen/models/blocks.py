@@ -18,10 +18,12 @@ from batchgen.attention.backend import AttentionMetadata
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
 from batchgen.kernels.gated_act import gated_act
+from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
 
-# a GEMM with F.linear's signature: F.linear itself, or kernels.invariant_matmul.linear_invariant
+# a GEMM with F.linear's signature: models/fp8.linear (F.linear, or the FP8 GEMM for an Fp8Weight), or
+# kernels.invariant_matmul.linear_invariant (engine.deterministic; plain weights only)
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -77,14 +79,14 @@ def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_tri
                    unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out)
 
 
-def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-                   o_weight: torch.Tensor, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
+def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bias: torch.Tensor | None,
+                   o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
                    qk_norm: tuple[torch.Tensor, float] | None = None,
-                   sliding_window: int | None = None, linear: Linear = F.linear) -> torch.Tensor:
+                   sliding_window: int | None = None, linear: Linear = plain_or_fp8_linear) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
-    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: F.linear or batch-invariant)."""
+    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant)."""
     qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
                       sliding_window=sliding_window)
@@ -123,12 +125,13 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 @dataclass
 class GatedMLP:
-    """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh"."""
+    """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh". The weights are
+    plain tensors or FP8 (models/fp8.py), both through `linear`."""
 
-    gate_up_weight: torch.Tensor  # [2 I, E], the gate rows then the up rows
-    down_weight: torch.Tensor  # [E, I]
+    gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
+    down_weight: torch.Tensor | Fp8Weight  # [E, I]
     activation: str = "silu"
-    linear: Linear = F.linear  # the decoder's GEMM
+    linear: Linear = plain_or_fp8_linear  # the decoder's GEMM
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
@@ -142,12 +145,12 @@ class PlainMLP:
     """proj(act(fc(h))), the non-gated MLP with biases (Starcoder2's c_fc/c_proj), in torch's own ops: those of
     the eager module, so every device rounds as it does (the two GEMMs dominate). act: "gelu_tanh" or "gelu"."""
 
-    fc_weight: torch.Tensor  # [I, E]
+    fc_weight: torch.Tensor | Fp8Weight  # [I, E]
     fc_bias: torch.Tensor | None  # [I]
-    proj_weight: torch.Tensor  # [E, I]
+    proj_weight: torch.Tensor | Fp8Weight  # [E, I]
     proj_bias: torch.Tensor | None  # [E]
     activation: str = "gelu_tanh"
-    linear: Linear = F.linear  # the decoder's GEMM
+    linear: Linear = plain_or_fp8_linear  # the decoder's GEMM
 
     def __post_init__(self) -> None:
         assert self.activation in PLAIN_ACTIVATIONS

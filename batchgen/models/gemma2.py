@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
+from batchgen.models.fp8 import Fp8Weight, linear_weight
 from batchgen.models.gemma import ACTIVATIONS
 from batchgen.models.llama import LlamaDecoder, module_reason
 
@@ -81,8 +82,8 @@ class Gemma2Layer:
     """One Gemma2 / Gemma3 layer's weights, views of the model's own (q/k/v rebound into one tensor)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E]
-    o_weight: torch.Tensor  # [E, H D]
+    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]
+    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
     post_attention_norm: Norm  # [E]
     pre_mlp_norm: Norm  # [E]
     mlp: GatedMLP
@@ -112,7 +113,7 @@ class Gemma2Decoder(LlamaDecoder):
         assert qkv_b is None and attn.o_proj.bias is None, "Gemma's projections have no biases"
         layer_type = self._types[attn.layer_idx] if hasattr(attn, "layer_idx") else "full_attention"
         return Gemma2Layer(
-            input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, o_weight=attn.o_proj.weight,
+            input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, o_weight=linear_weight(attn.o_proj),
             post_attention_norm=self._norm(layer.post_attention_layernorm),
             pre_mlp_norm=self._norm(layer.pre_feedforward_layernorm), mlp=self._mlp(layer.mlp),
             post_mlp_norm=self._norm(layer.post_feedforward_layernorm), scale=attn.scaling, layer_type=layer_type,

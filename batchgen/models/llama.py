@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.kernels.invariant_matmul import linear_invariant
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
+from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
 from batchgen.models.weights import SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -58,7 +58,20 @@ def module_reason(model: torch.nn.Module) -> str | None:
     norm = getattr(inner.layers[0], "input_layernorm", None) if len(inner.layers) else None
     if norm is None or not (hasattr(norm, "variance_epsilon") or hasattr(norm, "eps")):
         return "layers without an RMSNorm input_layernorm (variance_epsilon or eps)"
-    return None
+    return fused_groups_reason(inner.layers)
+
+
+def fused_groups_reason(layers) -> str | None:
+    """Why projections the fused layers run as one GEMM (q/k/v, gate/up) cannot be joined: FP8 and plain weights
+    mixed, or FP8 with different schemes (models/fp8.py), or None."""
+    groups = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "q_proj"):
+            groups.append([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(mlp, "gate_proj"):
+            groups.append([mlp.gate_proj, mlp.up_proj])
+    return mixed_reason(groups)
 
 
 def rope_reason(model: torch.nn.Module) -> str | None:
@@ -104,9 +117,9 @@ class Layer:
     """One pre-norm decoder layer's weights, views of the model's own (no copies)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E]: the q rows, then k, then v
+    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]: the q rows, then k, then v (FP8: models/fp8.py)
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D] (Qwen2, Starcoder2)
-    o_weight: torch.Tensor  # [E, H D]
+    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
     o_bias: torch.Tensor | None  # [E]
     post_norm: Norm  # [E], before the MLP
     mlp: GatedMLP | PlainMLP
@@ -136,7 +149,7 @@ class LlamaDecoder(DecodeForward):
         # engine.deterministic: every GEMM (layers and LM head) batch-invariant, every row's attention through
         # the per-query kernel; norms, rotary and activations are per row already (one program or element each)
         self.deterministic = deterministic
-        self.linear = linear_invariant if deterministic else F.linear  # set before the layers read it
+        self.linear = linear_invariant if deterministic else plain_or_fp8_linear  # set before the layers read it
         # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard
@@ -157,7 +170,7 @@ class LlamaDecoder(DecodeForward):
         qkv_w, qkv_b = self._qkv(attn)
         return Layer(
             input_norm=self._norm(layer.input_layernorm), qkv_weight=qkv_w, qkv_bias=qkv_b,
-            o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias, post_norm=self._norm(layer.post_attention_layernorm),
+            o_weight=linear_weight(attn.o_proj), o_bias=attn.o_proj.bias, post_norm=self._norm(layer.post_attention_layernorm),
             mlp=self._mlp(layer.mlp), scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
             # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
             qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
@@ -183,7 +196,7 @@ class LlamaDecoder(DecodeForward):
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | PlainMLP:
         gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        return GatedMLP(gate_up_w, mlp.down_proj.weight, self.activation, self.linear)
+        return GatedMLP(gate_up_w, linear_weight(mlp.down_proj), self.activation, self.linear)
 
     # ---- the step: hooks ---------------------------------------------------------------------------------------
 

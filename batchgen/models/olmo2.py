@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
-from batchgen.models.llama import LlamaDecoder, rope_reason, window_reason
+from batchgen.models.fp8 import Fp8Weight, linear_weight
+from batchgen.models.llama import LlamaDecoder, fused_groups_reason, rope_reason, window_reason
 
 MODEL_TYPES = ("olmo2",)
 
@@ -39,18 +40,18 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
         return "layers without OLMo2's post-norms and q/k norms"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
-    return rope_reason(model) or window_reason(model, max_model_len)
+    return rope_reason(model) or window_reason(model, max_model_len) or fused_groups_reason(model.model.layers)
 
 
 @dataclass
 class Olmo2Layer:
     """One OLMo2 layer's weights, views of the model's own (the q/k/v projections rebound into one tensor)."""
 
-    qkv_weight: torch.Tensor  # [(H + 2 Hkv) D, E]
+    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
     q_norm: Norm  # [H D]: over the whole projected q
     k_norm: Norm  # [Hkv D]
-    o_weight: torch.Tensor  # [E, H D]
+    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
     o_bias: torch.Tensor | None  # [E]
     post_attention_norm: Norm  # [E]
     mlp: GatedMLP
@@ -65,7 +66,7 @@ class Olmo2Decoder(LlamaDecoder):
         attn = layer.self_attn
         qkv_w, qkv_b = self._qkv(attn)
         return Olmo2Layer(qkv_weight=qkv_w, qkv_bias=qkv_b, q_norm=self._norm(attn.q_norm),
-                          k_norm=self._norm(attn.k_norm), o_weight=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+                          k_norm=self._norm(attn.k_norm), o_weight=linear_weight(attn.o_proj), o_bias=attn.o_proj.bias,
                           post_attention_norm=self._norm(layer.post_attention_layernorm), mlp=self._mlp(layer.mlp),
                           post_mlp_norm=self._norm(layer.post_feedforward_layernorm),
                           scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5))

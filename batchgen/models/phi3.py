@@ -21,6 +21,7 @@ import torch
 
 from batchgen.attention.kv_cache import KVCache
 from batchgen.models.blocks import GatedMLP
+from batchgen.models.fp8 import linear_weight
 from batchgen.models.llama import LlamaDecoder, module_reason, partial_rotary_reason, rope_reason
 
 MODEL_TYPES = ("phi3",)
@@ -69,11 +70,11 @@ class Phi3Decoder(LlamaDecoder):
             self.cos_table, self.sin_table = cos[0].contiguous(), sin[0].contiguous()
 
     def _qkv(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return attn.qkv_proj.weight, attn.qkv_proj.bias  # already [(H + 2 Hkv) D, E], q then k then v
+        return linear_weight(attn.qkv_proj), attn.qkv_proj.bias  # already [(H + 2 Hkv) D, E], q then k then v
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP:
         # gate_up_proj: [2 I, E], the gate rows then the up rows
-        return GatedMLP(mlp.gate_up_proj.weight, mlp.down_proj.weight, self.activation, self.linear)
+        return GatedMLP(linear_weight(mlp.gate_up_proj), linear_weight(mlp.down_proj), self.activation, self.linear)
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos_table is None:

@@ -12,6 +12,7 @@ import torch
 from batchgen.attention.kv_cache import KVCache
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
+from batchgen.models.fp8_scheme import is_fp8
 from batchgen.models.transformers_forward import TransformersDecode
 from batchgen.models.weights import Shard, divisibility_reason
 
@@ -73,6 +74,8 @@ def tensor_parallel_reason(config, size: int) -> str | None:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = text.model_type
+    if is_fp8(config):
+        return "tensor parallelism over FP8 checkpoints is not built (their weight scales are not sharded)"
     if any(getattr(text, k, None) for k in _EXPERT_KEYS):
         return f"tensor parallelism of mixture-of-experts models (model type {model_type!r}) is not built"
     if model_type not in DECODERS:
@@ -118,6 +121,8 @@ def deterministic_reason(config) -> str | None:
     model_type = text.model_type
     if any(getattr(text, k, None) for k in _EXPERT_KEYS):
         return f"batch-invariant mixture-of-experts layers (model type {model_type!r}) are not built"
+    if is_fp8(config):  # linear_invariant reads plain weights only
+        return "batch-invariant FP8 GEMMs are not built (the checkpoint's quantization_config is FP8)"
     if model_type not in DETERMINISTIC_TYPES:
         return (f"batch-invariant kernels exist only in the fused decoders ({', '.join(sorted(DETERMINISTIC_TYPES))}); "
                 f"model type {model_type!r} runs transformers' modules")

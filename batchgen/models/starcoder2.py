@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.models.blocks import Norm, PlainMLP
+from batchgen.models.fp8 import linear_weight
 from batchgen.models.llama import LlamaDecoder, module_reason, norm_eps, rope_reason
 
 MODEL_TYPES = ("starcoder2",)
@@ -41,5 +42,5 @@ class Starcoder2Decoder(LlamaDecoder):
         return Norm(module.weight, norm_eps(module), "layer", module.bias)  # [E] each
 
     def _mlp(self, mlp: torch.nn.Module) -> PlainMLP:
-        return PlainMLP(mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+        return PlainMLP(linear_weight(mlp.c_fc), mlp.c_fc.bias, linear_weight(mlp.c_proj), mlp.c_proj.bias,
                         ACTIVATIONS[self.config.hidden_act], self.linear)

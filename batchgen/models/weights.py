@@ -22,15 +22,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchgen.models.fp8 import Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
 
-def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def fuse_linears(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
     """Concatenate the Linears' weights (and biases) along the output dim; rebind each as a view into it.
-    Idempotent: weights already laid out back to back in one tensor are reused, not copied again."""
+    Idempotent: weights already laid out back to back in one tensor are reused, not copied again. FP8 projections
+    (models/fp8.py Fp8Linear, all or none of `linears`) give an Fp8Weight over the fused fp8 weight, with their
+    scales concatenated (`fuse_fp8`)."""
+    reason = mixed_reason([linears])
+    if reason is not None:
+        raise ValueError(reason)
     weights = [lin.weight for lin in linears]
     fused = _adjacent(weights)
     if fused is None:
         fused = torch.cat([w.detach() for w in weights])
         _rebind(linears, "weight", fused)
+    if isinstance(linears[0], Fp8Linear):
+        fused = fuse_fp8(linears, fused)
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return fused, None

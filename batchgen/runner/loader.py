@@ -180,10 +180,22 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
                shard: tuple[int, int] | None = None) -> torch.nn.Module:
     """The weights from `model_source`'s answer, in eval mode on the device. `shard` (rank, size): only that
     tensor-parallel rank's part of the layers and LM head (models/weights.py), cut on the CPU, so moving it to
-    the GPU copies the shard alone. Hazard: every rank still reads the whole checkpoint into host memory first."""
-    from transformers import AutoModelForCausalLM
+    the GPU copies the shard alone. Hazard: every rank still reads the whole checkpoint into host memory first.
+    An FP8 checkpoint (models/fp8_scheme.py) loads through runner/fp8_loader.py: its projections stay FP8, `dtype`
+    is that of everything else (and of the activations)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from batchgen.models.fp8_scheme import is_fp8
 
     dev = resolve_device(device)
+    config = AutoConfig.from_pretrained(source)
+    if is_fp8(config):
+        from batchgen.runner.fp8_loader import load_fp8_model
+
+        if shard is not None:
+            raise JobError(f"model.path {source!r} is an FP8 checkpoint: tensor parallelism over FP8 weights is not "
+                           f"built; set engine.tensor_parallel_size: 1")
+        return load_fp8_model(source, config, resolve_dtype(dtype, dev), dev)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
     if shard is not None:
         from batchgen.models.weights import shard_model_

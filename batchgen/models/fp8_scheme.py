@@ -1,0 +1,143 @@
+"""Which FP8 checkpoint a config's `quantization_config` describes, read from the config alone (before any weight
+loads), or why batchgen cannot run it.
+
+Formats (what transformers loads; each checkpoint stores value = fp8 weight * scale):
+  - `quant_method: fp8` (transformers' FineGrainedFP8Config; Qwen3-FP8, DeepSeek): `weight_scale_inv` per block of
+    `weight_block_size` [rows, cols] ([128, 128]), or one per tensor when it is null; activations dynamic per
+    token and group of `cols` columns;
+  - `quant_method: compressed-tensors`, format `float-quantized` (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK):
+    `weight_scale` per tensor, channel ([N, 1]), block (`block_structure`) or group (`group_size` columns);
+    `input_activations` dynamic per token / group, static per tensor, or null (weight-only);
+  - `quant_method: fbgemm_fp8`: `weight_scale` per channel [N, 1], activations per token with their absolute
+    max capped at `activation_scale_ub`.
+Static activation scales (`input_scale`, `activation_scale`) are read past: activations are quantised dynamically
+per token (group) instead, as transformers' compressed-tensors FP8 layers do; it only adds precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """An FP8 checkpoint's layout, as the loader and Fp8Linear need it."""
+
+    method: str  # quant_method
+    group_n: int  # weight rows per scale block (1: per channel / per group of columns)
+    group_k: int | None  # weight columns per scale block, also the activation group; None: per-channel scales
+    act_quant: bool  # activations quantised dynamically (False: a weight-only checkpoint)
+    scale_key: str  # the scale tensor's name beside each `.weight`: weight_scale_inv | weight_scale
+    scale_ub: float | None = None  # fbgemm: cap on an activation row's absolute max
+
+    def describe(self) -> str:
+        weights = "per-channel/tensor" if self.group_k is None else f"{self.group_n}x{self.group_k} blocks"
+        acts = "dynamic per-token" + ("" if self.group_k is None else f"-group-{self.group_k}") \
+            if self.act_quant else "not quantised (weight-only)"
+        return f"FP8 {self.method}: weight scales {weights}, activations {acts}"
+
+
+class UnsupportedFp8(ValueError):
+    """A quantization_config batchgen recognises as its own to load but cannot run; the message says why."""
+
+
+def quant_method(config) -> str | None:
+    q = _qconfig(config)
+    return None if q is None else str(q.get("quant_method", "")).lower() or None
+
+
+def is_fp8(config) -> bool:
+    """Whether this config's checkpoint is one batchgen's FP8 loader reads (its method is one of FP8_METHODS;
+    other quantisation methods are left to transformers)."""
+    return quant_method(config) in FP8_METHODS
+
+
+def parse(config) -> Fp8Scheme:
+    """The Fp8Scheme of an FP8 config (`is_fp8`), or UnsupportedFp8 naming the key and value it cannot run."""
+    q = _qconfig(config)
+    method = quant_method(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+        raise UnsupportedFp8(f"quantization_config.quant_method {method!r} on a mixture-of-experts model "
+                             f"({text.model_type}): FP8 expert weights are not built (the grouped expert GEMMs read "
+                             f"bf16); use a bf16 checkpoint")
+    if method == "fp8":
+        return _fine_grained(q)
+    if method == "fbgemm_fp8":
+        ub = q.get("activation_scale_ub")
+        return Fp8Scheme(method, 1, None, True, "weight_scale", None if ub is None else float(ub))
+    return _compressed_tensors(q)
+
+
+def _qconfig(config) -> dict | None:
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    return q if isinstance(q, dict) else q.to_dict()
+
+
+def _block(key: str, value, method: str) -> tuple[int, int]:
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+        raise UnsupportedFp8(f"quantization_config.{key} {value!r} ({method}): expected [rows, cols]")
+    _check_group_k(key, value[1], method)
+    return value[0], value[1]
+
+
+def _check_group_k(key: str, cols: int, method: str) -> None:
+    if cols < 16 or cols & (cols - 1):  # the Triton GEMM's k step is one block: a power of two >= 16
+        raise UnsupportedFp8(f"quantization_config.{key} ({method}): blocks of {cols} columns; batchgen's FP8 GEMM "
+                             f"takes a power of two >= 16 (checkpoints use 128)")
+
+
+def _fine_grained(q: dict) -> Fp8Scheme:
+    if q.get("scale_fmt", "float") != "float":
+        raise UnsupportedFp8(f"quantization_config.scale_fmt {q['scale_fmt']!r} (fp8): only float (fp32) scales are "
+                             f"built, not UE8M0 exponents")
+    if q.get("modules_to_convert"):
+        raise UnsupportedFp8(f"quantization_config.modules_to_convert {q['modules_to_convert']!r} (fp8): FP8 "
+                             f"embedding tables are not built")
+    scheme = str(q.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise UnsupportedFp8(f"quantization_config.activation_scheme {scheme!r} (fp8): dynamic or static")
+    block = q.get("weight_block_size")
+    if block is None:  # one scale per tensor, expanded per channel on load
+        return Fp8Scheme("fp8", 1, None, True, "weight_scale_inv")
+    rows, cols = _block("weight_block_size", block, "fp8")
+    return Fp8Scheme("fp8", rows, cols, True, "weight_scale_inv")
+
+
+def _compressed_tensors(q: dict) -> Fp8Scheme:
+    where = "quantization_config"
+    fmt = q.get("format")
+    if fmt != "float-quantized":
+        raise UnsupportedFp8(f"{where}.format {fmt!r} (compressed-tensors): batchgen loads FP8 float-quantized "
+                             f"checkpoints only")
+    if q.get("kv_cache_scheme"):
+        raise UnsupportedFp8(f"{where}.kv_cache_scheme (compressed-tensors): an FP8 KV cache is not built")
+    groups = list((q.get("config_groups") or {}).values())
+    if not groups or any(g != groups[0] for g in groups):
+        raise UnsupportedFp8(f"{where}.config_groups (compressed-tensors): expected one scheme for every layer, "
+                             f"found {len(groups)} different ones")
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    key = f"{where}.config_groups.*.weights"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8 or weights.get("symmetric") is False:
+        raise UnsupportedFp8(f"{key} {{type: {weights.get('type')}, num_bits: {weights.get('num_bits')}, symmetric: "
+                             f"{weights.get('symmetric')}}}: batchgen runs symmetric 8-bit float (FP8) weights only")
+    strategy = weights.get("strategy")
+    if strategy in ("tensor", "channel"):
+        rows, cols = 1, None
+    elif strategy == "block":
+        rows, cols = _block("config_groups.*.weights.block_structure", weights.get("block_structure"),
+                            "compressed-tensors")
+    elif strategy == "group":
+        rows, cols = 1, weights.get("group_size")
+        _check_group_k("config_groups.*.weights.group_size", cols or 0, "compressed-tensors")
+    else:
+        raise UnsupportedFp8(f"{key}.strategy {strategy!r}: tensor, channel, block or group")
+    if acts is not None and (acts.get("type") != "float" or acts.get("num_bits") != 8):
+        raise UnsupportedFp8(f"{where}.config_groups.*.input_activations {{type: {acts.get('type')}, num_bits: "
+                             f"{acts.get('num_bits')}}}: FP8 activations or none")
+    return Fp8Scheme("compressed-tensors", rows, cols, acts is not None, "weight_scale")

@@ -1,0 +1,221 @@
+"""FP8 GEMMs on the GPU: numerics against the torch references and time against bf16, at the Llama-3.1-8B layer
+shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336).
+
+    python3 bench/fp8_gemm.py [--rows 32,256,512] [--json out.json] [--sweep [--sweep-rows 16,32,64,128,256,512]]
+
+Variants per (shape, M): bf16 F.linear (cuBLASLt); `blk`: fp8 block 128x128, the group quantiser + the Triton
+GEMM (block_scaled_matmul, the default block path); `gemm`: the Triton GEMM alone over pre-quantised activations
+(blk - gemm = the quantiser); `cublas`: the same quantiser + torch._scaled_mm with 1x128 x 128x128 block-wise
+scales (only where torch/cuBLASLt supports it: sm90, CUDA >= 12.9); `smm`: fp8 per-channel, per-token quantiser +
+torch._scaled_mm row-wise; `chT`: fp8 per-channel through the Triton path.
+
+Times, ms per call, two ways: `graph`: CALLS calls captured in one CUDA graph, replays timed with CUDA events,
+median / CALLS (how the decoders run: no Python or launch overhead); `eager`: CUDA events around one Python call
+(what the first version of this script reported: at small M it is launch-bound). Each call reads its weight
+from HBM: weight copies are rotated over more than the L2 cache. Errors: max |out - ref| / max |ref|, ref = the
+emulated W8A8 reference (same quantisation in fp32).
+
+--sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
+(shape, M) with graph replays, prints the best per (shape, M), and a SHAPE_CONFIGS literal for
+batchgen/kernels/fp8_gemm.py. ~1-2 minutes on an H200, mostly Triton compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import fp8_gemm
+from batchgen.kernels.fp8_gemm import (GemmConfig, block_scaled_matmul, blockwise_scaled_mm,
+                                       blockwise_scaled_mm_fits, blockwise_scaled_mm_supported, gemm_config,
+                                       rowwise_scaled_mm, w8a8_matmul)
+from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+L2_BYTES = 256 << 20  # rotate weight copies over more than this (H200 L2: 50 MB)
+CALLS = 20  # calls per captured graph
+SMALL = [GemmConfig(*c) for c in ((16, 32, 8, 4, 4), (16, 64, 8, 4, 4), (16, 64, 8, 4, 5), (16, 128, 8, 4, 4),
+                                  (32, 64, 8, 4, 4), (32, 128, 8, 4, 4), (64, 64, 8, 4, 4), (64, 128, 8, 4, 4))]
+LARGE = [GemmConfig(*c) for c in ((64, 64, 8, 4, 3), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4), (128, 64, 8, 4, 3),
+                                  (128, 128, 8, 8, 3), (64, 256, 8, 8, 3), (128, 256, 8, 8, 3))]
+
+
+def sweep_configs(m: int) -> list[GemmConfig]:
+    """The configs --sweep tries at M rows: BLOCK_M at most M's power of two (>= 16)."""
+    cap = max(16, 1 << (m - 1).bit_length())
+    return [c for c in (SMALL if m <= 64 else LARGE) if c.block_m <= cap]
+
+
+def time_eager_ms(fn, copies: int, iters: int = 30) -> float:
+    for i in range(3):
+        fn(i % copies)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        fn(i % copies)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_graph_ms(fn, copies: int, calls: int = CALLS, replays: int = 10) -> float:
+    """Median over replays of one CUDA graph of `calls` calls (weight copies rotated), per call."""
+    for i in range(2):
+        fn(i % copies)  # compiles / autotunes outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int] | None, cublas: bool,
+                sweeps: list[dict]) -> list[dict]:
+    g = torch.Generator("cuda").manual_seed(0)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    copies = max(2, -(-L2_BYTES // (n * k)))  # fp8 bytes per copy: n k
+    block = [quantize_weight(w16, 128, 128) for _ in range(copies)]
+    channel = [quantize_weight(w16, None, None) for _ in range(copies)]
+    bf16 = [w16.clone() for _ in range(max(2, copies // 2))]
+    use_cublas = cublas and blockwise_scaled_mm_fits(w16, block[0][0], 128, 128)
+    out_rows = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        xq, xs = quantize_groups(x, 128)
+        (wb, sb), (wc, sc) = block[0], channel[0]
+        r = {"shape": name, "N": n, "K": k, "M": m, "config": list(gemm_config(m, n, k, fp8_gemm._num_sms(0)))}
+        ref_b = linear_ref(x, wb, sb, 128, 128, act_group=128)
+        r["blk_err"] = rel_err(block_scaled_matmul(x, wb, sb, 128, 128), ref_b)
+        r["blk_err_vs_dequant_ref"] = rel_err(block_scaled_matmul(x, wb, sb, 128, 128), linear_ref(x, wb, sb, 128, 128))
+        r["smm_err"] = rel_err(rowwise_scaled_mm(x, wc, sc.view(1, -1)), linear_ref(x, wc, sc, 1, None, act_group=k))
+        r["chT_err"] = rel_err(block_scaled_matmul(x, wc, sc, 1, None), linear_ref(x, wc, sc, 1, None, act_group=128))
+        variants = {
+            "bf16": (lambda i: F.linear(x, bf16[i % len(bf16)]), len(bf16), 2),
+            "blk": (lambda i: block_scaled_matmul(x, *block[i], 128, 128), copies, 1),
+            "gemm": (lambda i: w8a8_matmul(xq, xs, *block[i], 128, 128, torch.bfloat16), copies, 1),
+            "smm": (lambda i: rowwise_scaled_mm(x, channel[i][0], channel[i][1].view(1, -1)), copies, 1),
+            "chT": (lambda i: block_scaled_matmul(x, *channel[i], 1, None), copies, 1),
+        }
+        if use_cublas:
+            r["cublas_err"] = rel_err(blockwise_scaled_mm(x, wb, sb), ref_b)
+            variants["cublas"] = (lambda i: blockwise_scaled_mm(x, *block[i]), copies, 1)
+        for key, (fn, ncopies, bytes_per) in variants.items():
+            try:
+                r[f"{key}_graph_ms"] = time_graph_ms(fn, ncopies)
+                r[f"{key}_eager_ms"] = time_eager_ms(fn, ncopies)
+            except Exception as e:  # reported, not fatal: the other variants still run
+                print(f"  {name} M={m} {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                r[f"{key}_graph_ms"] = r[f"{key}_eager_ms"] = float("nan")
+            r[f"{key}_TBps"] = n * k * bytes_per / (r[f"{key}_graph_ms"] / 1e3) / 1e12
+            r[f"{key}_TFLOPs"] = 2 * m * n * k / (r[f"{key}_graph_ms"] / 1e3) / 1e12
+        out_rows.append(r)
+        print(json.dumps(r), flush=True)
+    for m in sweep_rows or []:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        xq, xs = quantize_groups(x, 128)
+        ref = linear_ref(x, block[0][0], block[0][1], 128, 128, act_group=128)
+        default = gemm_config(m, n, k, fp8_gemm._num_sms(0))
+        timed = {}
+        for cfg in dict.fromkeys(sweep_configs(m) + [default]):
+            try:
+                err = rel_err(w8a8_matmul(xq, xs, *block[0], 128, 128, torch.bfloat16, config=cfg), ref)
+                assert err < 1e-2, err
+                timed[cfg] = time_graph_ms(lambda i: w8a8_matmul(xq, xs, *block[i], 128, 128, torch.bfloat16,
+                                                                 config=cfg), copies, calls=10, replays=5)
+            except Exception as e:  # a config the GPU cannot hold (shared memory), or wrong: skipped
+                print(f"  {name} M={m} config {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        s = {"shape": name, "N": n, "K": k, "M": m, "best": list(best), "best_ms": timed[best],
+             "default": list(default), "default_ms": timed.get(default, float("nan")),
+             "best_TBps": n * k / (timed[best] / 1e3) / 1e12,
+             "all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
+        sweeps.append(s)
+        print(json.dumps(s), flush=True)
+    del block, channel, bf16
+    torch.cuda.empty_cache()
+    return out_rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rows", default="32,256,512", help="M values of the variant table ('' for none)")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-rows", default="16,32,64,128,256,512")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t0 = time.time()
+    rows_m = [int(v) for v in args.rows.split(",") if v]
+    sweep_m = [int(v) for v in args.sweep_rows.split(",") if v] if args.sweep else None
+    cublas = blockwise_scaled_mm_supported(0)
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"cuBLASLt block-wise _scaled_mm: {'yes' if cublas else 'no'}", flush=True)
+    rows, sweeps = [], []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        rows += bench_shape(name, n, k, rows_m, sweep_m, cublas, sweeps)
+    keys = ["bf16", "blk", "gemm", "cublas", "smm", "chT"]
+    if rows:
+        for mode in ("graph", "eager"):
+            print(f"\nms per call, {mode}" + (" (CUDA-graph replay of 20 calls)" if mode == "graph" else
+                                              " (events around one Python call)"))
+            print(f"{'shape':<8}{'M':>5}" + "".join(f"{k:>9}" for k in keys) + f"{'blk/bf16':>9}{'blk TB/s':>9}"
+                  f"{'blk TF/s':>9}{'blk err':>9}{'cub err':>9}{'smm err':>9}")
+            for r in rows:
+                cells = "".join(f"{r[f'{k}_{mode}_ms']:>9.4f}" if f"{k}_{mode}_ms" in r else f"{'-':>9}" for k in keys)
+                print(f"{r['shape']:<8}{r['M']:>5}{cells}{r[f'blk_{mode}_ms'] / r[f'bf16_{mode}_ms']:>9.2f}"
+                      f"{r['blk_TBps']:>9.2f}{r['blk_TFLOPs']:>9.0f}{r['blk_err']:>9.1e}"
+                      f"{r.get('cublas_err', float('nan')):>9.1e}{r['smm_err']:>9.1e}")
+    if sweeps:
+        print("\nsweep (Triton GEMM alone, graph replay): best config (BLOCK_M, BLOCK_N, GROUP_M, warps, stages)")
+        print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}  best / default")
+        table: dict[tuple[int, int], dict[int, tuple]] = {}
+        for s in sweeps:
+            print(f"{s['shape']:<8}{s['M']:>5}{s['best_ms']:>9.4f}{s['best_TBps']:>7.2f}{s['default_ms']:>11.4f}  "
+                  f"{tuple(s['best'])} / {tuple(s['default'])}")
+            table.setdefault((s["N"], s["K"]), {})[s["M"]] = tuple(s["best"])
+        print("\nSHAPE_CONFIGS = {")
+        for (n, k), per_m in table.items():
+            last = max(per_m)
+            inner = ", ".join(f"{m if m != last else '1 << 62'}: GemmConfig{cfg}" for m, cfg in sorted(per_m.items()))
+            print(f"    ({n}, {k}): {{{inner}}},")
+        print("}")
+    print(f"\n({time.time() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "sweep": sweeps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
