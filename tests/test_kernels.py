@@ -452,3 +452,167 @@ def test_moe_grouped_gemm_experts_replay_from_a_cuda_graph_with_new_routing():
             dst.copy_(src)
         graph.replay()
         torch.testing.assert_close(out, fused_experts(h2, gate_up, down, ids2, w2), atol=0, rtol=0)
+
+
+# ---- MoE step kernels: router (softmax, top-k, renormalise, round), alignment, combine -----------------------
+
+MOE_STEP_KERNELS_INTERPRET_SCRIPT = """
+import torch, sys
+from batchgen.kernels.moe import (align_by_expert, align_by_expert_triton, combine_topk, combine_topk_ref,
+                                  route_topk, route_topk_ref)
+g = torch.Generator().manual_seed(0)
+# Qwen3-MoE (128 experts, top-8, renormalised), Mixtral (8, top-2, fp32 weights), Qwen2-MoE (60, top-4, not
+# renormalised), a K not a power of 2; bf16 weights within one bf16 ulp: the interpreter rounds toward zero
+for E, K, renorm, dtype in [(128, 8, True, torch.float32), (128, 8, True, torch.bfloat16), (8, 2, True, torch.float32),
+                            (60, 4, False, torch.bfloat16), (6, 3, True, torch.float32)]:
+    logits = torch.randn(5, E, generator=g) * 3
+    ref_ids, ref_w = route_topk_ref(logits, K, renorm, dtype)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    for x, softmax in ((logits, True), (torch.softmax(logits, -1, dtype=torch.float32), False)):
+        ids, w = route_topk(x, K, renorm, dtype, softmax=softmax)
+        assert torch.equal(ids, ref_ids) and w.dtype == dtype, (E, K, ids, ref_ids)
+        torch.testing.assert_close(w, ref_w, atol=tol, rtol=tol)
+# alignment: identical tensors to the torch ops (unused experts 0 and 3; block_m 16, 32, 64), counts added
+for T, K, E, bm in [(7, 2, 16, 16), (1, 8, 16, 16), (300, 8, 16, 64), (33, 2, 32, 32), (40, 8, 128, 16)]:
+    ids = torch.randint(1, E, (T, K), generator=g)
+    ids[ids == 3] = 4
+    a, counts = align_by_expert(ids, E, bm), torch.full((E,), 5, dtype=torch.int64)
+    b = align_by_expert_triton(ids, E, bm, counts)
+    for f in ("sorted_pairs", "block_expert", "num_padded", "tokens_per_expert"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), (T, K, E, bm, f)
+    assert torch.equal(counts, 5 + a.tokens_per_expert)
+# combine: fp32 sums in the given order (1: k in order; 4: torch's 4 accumulators), rounded once
+for K, dtype, out_dtype in [(8, torch.bfloat16, torch.bfloat16), (2, torch.float32, torch.bfloat16),
+                            (8, torch.float32, torch.float32)]:
+    x = torch.randn(4 * K, 40, generator=g).to(dtype)
+    torch.testing.assert_close(combine_topk(x, K, out_dtype, 4), combine_topk_ref(x, K, out_dtype), atol=8e-3,
+                               rtol=8e-3)
+    xs = x.float().view(4, K, 40)
+    seq, inter = xs[:, 0].clone(), [xs[:, i::4].sum(1) if K > 4 else xs[:, i] for i in range(min(K, 4))]
+    for k in range(1, K):
+        seq = seq + xs[:, k]
+    if out_dtype == torch.float32:
+        assert torch.equal(combine_topk(x, K, out_dtype, 1), seq)
+        four = inter[0]
+        for t in inter[1:]:
+            four = four + t
+        assert torch.equal(combine_topk(x, K, out_dtype, 4), four)
+print("ok")
+"""
+
+
+def test_moe_router_alignment_and_combine_kernels_match_the_torch_ops_under_triton_interpreter():
+    _run_under_interpreter(MOE_STEP_KERNELS_INTERPRET_SCRIPT)
+
+
+def _route_case(num_tokens, hidden, num_experts, top_k, dtype=torch.bfloat16, seed=0, router=None):
+    """h [T, H] and a router weight (given, or drawn) whose logits have no ties among each row's top k + 1
+    (torch.topk's order of equal values is unspecified): rows with ties are drawn again."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if router is None:
+        router = (torch.randn(num_experts, hidden, device="cuda", generator=g) * hidden ** -0.5 * 4).to(dtype)
+    rows = []
+    while sum(len(r) for r in rows) < num_tokens:
+        h = torch.randn(2 * num_tokens, hidden, device="cuda", generator=g).to(dtype)
+        top = torch.nn.functional.linear(h, router).float().topk(top_k + 1, dim=-1).values
+        rows.append(h[(top[:, :-1] != top[:, 1:]).all(dim=1)])
+    return torch.cat(rows)[:num_tokens].contiguous(), router
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k,renormalize,weights_fp32",
+                         [(128, 8, True, False), (8, 2, True, True), (60, 4, False, False)])
+def test_moe_router_kernel_equals_torch_router_bit_for_bit_on_gpu(num_experts, top_k, renormalize, weights_fp32):
+    """Qwen3-30B-A3B, Mixtral, Qwen2-MoE routers: ids and weights equal to softmax/topk/sum/div/to bit for bit."""
+    from batchgen.kernels.moe import exact_on, route_topk, route_topk_ref
+
+    out_dtype = torch.float32 if weights_fp32 else torch.bfloat16
+    assert exact_on("router", torch.device("cuda"), num_experts, top_k, renormalize, torch.bfloat16, out_dtype)
+    for num_tokens in (1, 32, 256, 4096):
+        h, router = _route_case(num_tokens, 2048, num_experts, top_k, seed=num_tokens)
+        logits = torch.nn.functional.linear(h, router)
+        ids, w = route_topk(logits, top_k, renormalize, out_dtype)
+        ref_ids, ref_w = route_topk_ref(logits, top_k, renormalize, out_dtype)
+        assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w), num_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k,dtype", [(8, torch.bfloat16), (2, torch.float32), (4, torch.bfloat16)])
+def test_moe_combine_kernel_sums_over_k_in_torchs_order_on_gpu(top_k, dtype):
+    from batchgen.kernels.moe import combine_topk, combine_topk_ref, exact_on
+
+    nacc = exact_on("combine", torch.device("cuda"), top_k, dtype, torch.bfloat16)
+    x = torch.randn(256 * top_k, 2048, device="cuda").to(dtype)
+    ref = combine_topk_ref(x, top_k, torch.bfloat16)
+    matches = [n for n in (4, 1, 2, 8) if torch.equal(combine_topk(x, top_k, torch.bfloat16, n), ref)]
+    assert nacc, f"no accumulator count reproduces torch's sum over k; equal on this data: {matches}"
+    assert nacc in matches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 256, 512])
+def test_moe_alignment_kernel_equals_the_torch_ops_on_gpu(num_tokens):
+    from batchgen.kernels.moe import align_by_expert, align_by_expert_triton, choose_block_m
+
+    _, _, _, ids, _ = _moe_case("cuda", torch.bfloat16, num_tokens, 8, 8, 128, 8, dead_experts=(3, 77))
+    block_m = choose_block_m(ids.numel(), 128)
+    a, counts = align_by_expert(ids, 128, block_m), torch.zeros(128, dtype=torch.int64, device="cuda")
+    b = align_by_expert_triton(ids, 128, block_m, counts)
+    for f in ("sorted_pairs", "block_expert", "num_padded", "tokens_per_expert"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert torch.equal(counts, a.tokens_per_expert)
+
+
+def _qwen3_30b_layer(seed=0):
+    """A SparseMoE at Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts, top-8, intermediate 768), bf16."""
+    from batchgen.models.moe import SparseMoE
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = (torch.randn(128, 2 * 768, 2048, device="cuda", generator=g) * 2048 ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(128, 2048, 768, device="cuda", generator=g) * 768 ** -0.5).to(torch.bfloat16)
+    _, router = _route_case(1, 2048, 128, 8, seed=seed)
+    block = SparseMoE(router, gate_up, down, 8, renormalize=True, weights_fp32=False)
+    block.check_kernels(torch.bfloat16)
+    return block
+
+
+def _torch_glue_layer(block, h):
+    """The layer with the torch ops around the grouped GEMMs (router, alignment, combine): the reference the
+    step kernels must equal bit for bit."""
+    from batchgen.kernels import moe as K
+
+    ids, w = block.route(h, use_triton=False)
+    align = K.align_by_expert(ids, 128, K.choose_block_m(ids.numel(), 128))
+    act = K.gated_act(K.grouped_gemm(h, block.gate_up, align, a_row_div=8), "silu", use_triton=True)
+    weighted = K.grouped_gemm(act, block.down, align, a_row_div=1, routing_weights=w.reshape(-1))
+    return K.combine_topk_ref(weighted, 8, h.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+def test_moe_layer_step_kernels_equal_the_torch_glue_bit_for_bit_at_qwen3_30b_a3b_shape(num_tokens):
+    block = _qwen3_30b_layer()
+    h, _ = _route_case(num_tokens, 2048, 128, 8, seed=num_tokens, router=block.router_weight)
+    out = block(h, True)
+    assert torch.equal(out, _torch_glue_layer(block, h))
+    torch.testing.assert_close(out, block(h, False), atol=2e-2, rtol=2e-2)  # cuBLAS per-expert reference
+
+
+@pytest.mark.gpu
+def test_moe_layer_replays_from_a_cuda_graph_with_counting_at_qwen3_30b_a3b_shape():
+    block = _qwen3_30b_layer()
+    block.routed_counts = torch.zeros(128, dtype=torch.int64, device="cuda")
+    static = torch.randn(32, 2048, device="cuda").to(torch.bfloat16)
+    block(static, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(static, True)
+    for seed in (6, 7):
+        static.copy_(torch.randn(32, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        before = block.routed_counts.clone()
+        graph.replay()
+        ids, _ = block.route(static, use_triton=True)
+        assert torch.equal(block.routed_counts - before, torch.bincount(ids.reshape(-1), minlength=128))
+        counts = block.routed_counts.clone()
+        torch.testing.assert_close(out, block(static, True), atol=0, rtol=0)
+        block.routed_counts.copy_(counts)
