@@ -408,7 +408,7 @@ def test_moe_grouped_gemm_experts_match_the_reference_under_triton_interpreter()
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(7, 2, 16), (1, 8, 16), (300, 8, 64), (33, 2, 32)])
 def test_moe_alignment_holds_every_pair_once_in_its_experts_padded_blocks(num_tokens, top_k, block_m):
-    from batchgen.kernels.moe import align_by_expert, max_blocks
+    from batchgen.kernels.moe_routing import align_by_expert, max_blocks
 
     num_experts = 16
     _, _, _, ids, _ = _moe_case("cpu", torch.float32, num_tokens, 8, 8, num_experts, top_k, dead_experts=(0, 5))
@@ -454,24 +454,12 @@ def test_moe_grouped_gemm_experts_replay_from_a_cuda_graph_with_new_routing():
         torch.testing.assert_close(out, fused_experts(h2, gate_up, down, ids2, w2), atol=0, rtol=0)
 
 
-# ---- MoE step kernels: router (softmax, top-k, renormalise, round), alignment, combine -----------------------
+# ---- MoE step kernels around the grouped GEMMs: alignment by expert, combine over k --------------------------
 
 MOE_STEP_KERNELS_INTERPRET_SCRIPT = """
 import torch, sys
-from batchgen.kernels.moe import (align_by_expert, align_by_expert_triton, combine_topk, combine_topk_ref,
-                                  route_topk, route_topk_ref)
+from batchgen.kernels.moe_routing import align_by_expert, align_by_expert_triton, combine_topk, combine_topk_ref
 g = torch.Generator().manual_seed(0)
-# Qwen3-MoE (128 experts, top-8, renormalised), Mixtral (8, top-2, fp32 weights), Qwen2-MoE (60, top-4, not
-# renormalised), a K not a power of 2; bf16 weights within one bf16 ulp: the interpreter rounds toward zero
-for E, K, renorm, dtype in [(128, 8, True, torch.float32), (128, 8, True, torch.bfloat16), (8, 2, True, torch.float32),
-                            (60, 4, False, torch.bfloat16), (6, 3, True, torch.float32)]:
-    logits = torch.randn(5, E, generator=g) * 3
-    ref_ids, ref_w = route_topk_ref(logits, K, renorm, dtype)
-    tol = 1e-6 if dtype == torch.float32 else 8e-3
-    for x, softmax in ((logits, True), (torch.softmax(logits, -1, dtype=torch.float32), False)):
-        ids, w = route_topk(x, K, renorm, dtype, softmax=softmax)
-        assert torch.equal(ids, ref_ids) and w.dtype == dtype, (E, K, ids, ref_ids)
-        torch.testing.assert_close(w, ref_w, atol=tol, rtol=tol)
 # alignment: identical tensors to the torch ops (unused experts 0 and 3; block_m 16, 32, 64), counts added
 for T, K, E, bm in [(7, 2, 16, 16), (1, 8, 16, 16), (300, 8, 16, 64), (33, 2, 32, 32), (40, 8, 128, 16)]:
     ids = torch.randint(1, E, (T, K), generator=g)
@@ -501,7 +489,7 @@ print("ok")
 """
 
 
-def test_moe_router_alignment_and_combine_kernels_match_the_torch_ops_under_triton_interpreter():
+def test_moe_alignment_and_combine_kernels_match_the_torch_ops_under_triton_interpreter():
     _run_under_interpreter(MOE_STEP_KERNELS_INTERPRET_SCRIPT)
 
 
@@ -520,28 +508,11 @@ def _route_case(num_tokens, hidden, num_experts, top_k, dtype=torch.bfloat16, se
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_experts,top_k,renormalize,weights_fp32",
-                         [(128, 8, True, False), (8, 2, True, True), (60, 4, False, False)])
-def test_moe_router_kernel_equals_torch_router_bit_for_bit_on_gpu(num_experts, top_k, renormalize, weights_fp32):
-    """Qwen3-30B-A3B, Mixtral, Qwen2-MoE routers: ids and weights equal to softmax/topk/sum/div/to bit for bit."""
-    from batchgen.kernels.moe import exact_on, route_topk, route_topk_ref
-
-    out_dtype = torch.float32 if weights_fp32 else torch.bfloat16
-    assert exact_on("router", torch.device("cuda"), num_experts, top_k, renormalize, torch.bfloat16, out_dtype)
-    for num_tokens in (1, 32, 256, 4096):
-        h, router = _route_case(num_tokens, 2048, num_experts, top_k, seed=num_tokens)
-        logits = torch.nn.functional.linear(h, router)
-        ids, w = route_topk(logits, top_k, renormalize, out_dtype)
-        ref_ids, ref_w = route_topk_ref(logits, top_k, renormalize, out_dtype)
-        assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w), num_tokens
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("top_k,dtype", [(8, torch.bfloat16), (2, torch.float32), (4, torch.bfloat16)])
 def test_moe_combine_kernel_sums_over_k_in_torchs_order_on_gpu(top_k, dtype):
-    from batchgen.kernels.moe import combine_topk, combine_topk_ref, exact_on
+    from batchgen.kernels.moe_routing import combine_accumulators, combine_topk, combine_topk_ref
 
-    nacc = exact_on("combine", torch.device("cuda"), top_k, dtype, torch.bfloat16)
+    nacc = combine_accumulators(torch.device("cuda"), top_k, dtype, torch.bfloat16)
     x = torch.randn(256 * top_k, 2048, device="cuda").to(dtype)
     ref = combine_topk_ref(x, top_k, torch.bfloat16)
     matches = [n for n in (4, 1, 2, 8) if torch.equal(combine_topk(x, top_k, torch.bfloat16, n), ref)]
@@ -552,7 +523,8 @@ def test_moe_combine_kernel_sums_over_k_in_torchs_order_on_gpu(top_k, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 32, 256, 512])
 def test_moe_alignment_kernel_equals_the_torch_ops_on_gpu(num_tokens):
-    from batchgen.kernels.moe import align_by_expert, align_by_expert_triton, choose_block_m
+    from batchgen.kernels.moe import choose_block_m
+    from batchgen.kernels.moe_routing import align_by_expert, align_by_expert_triton
 
     _, _, _, ids, _ = _moe_case("cuda", torch.bfloat16, num_tokens, 8, 8, 128, 8, dead_experts=(3, 77))
     block_m = choose_block_m(ids.numel(), 128)
@@ -577,15 +549,16 @@ def _qwen3_30b_layer(seed=0):
 
 
 def _torch_glue_layer(block, h):
-    """The layer with the torch ops around the grouped GEMMs (router, alignment, combine): the reference the
-    step kernels must equal bit for bit."""
+    """The layer with the torch ops around the grouped GEMMs (alignment, combine): the reference the step
+    kernels must equal bit for bit."""
     from batchgen.kernels import moe as K
+    from batchgen.kernels import moe_routing as R
 
-    ids, w = block.route(h, use_triton=False)
-    align = K.align_by_expert(ids, 128, K.choose_block_m(ids.numel(), 128))
+    ids, w = block.route(h)
+    align = R.align_by_expert(ids, 128, K.choose_block_m(ids.numel(), 128))
     act = K.gated_act(K.grouped_gemm(h, block.gate_up, align, a_row_div=8), "silu", use_triton=True)
     weighted = K.grouped_gemm(act, block.down, align, a_row_div=1, routing_weights=w.reshape(-1))
-    return K.combine_topk_ref(weighted, 8, h.dtype)
+    return R.combine_topk_ref(weighted, 8, h.dtype)
 
 
 @pytest.mark.gpu
@@ -611,7 +584,7 @@ def test_moe_layer_replays_from_a_cuda_graph_with_counting_at_qwen3_30b_a3b_shap
         static.copy_(torch.randn(32, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
         before = block.routed_counts.clone()
         graph.replay()
-        ids, _ = block.route(static, use_triton=True)
+        ids, _ = block.route(static)
         assert torch.equal(block.routed_counts - before, torch.bincount(ids.reshape(-1), minlength=128))
         counts = block.routed_counts.clone()
         torch.testing.assert_close(out, block(static, True), atol=0, rtol=0)

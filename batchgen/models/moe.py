@@ -5,15 +5,15 @@ blocks run it (Qwen3-MoE's per-head q/k norm, Qwen2-MoE's q/k/v biases, Mixtral'
 place of the dense MLP a sparse block:
 
     router GEMM [B, E] -> softmax (fp32) -> top-k -> (renormalise) -> routing weights (rounded per family)
-    -> experts: grouped gate_up GEMM -> SiLU*up -> grouped down GEMM * weight -> sum over k  (kernels/moe.py)
+    -> experts: grouped gate_up GEMM -> SiLU*up -> grouped down GEMM * weight -> sum over k
+       (kernels/moe.py; pairs aligned by expert and the sum over k: kernels/moe_routing.py)
     (+ Qwen2-MoE's shared expert: a dense gated MLP scaled by sigmoid(shared_expert_gate(h)))
 
 Layers that the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) hold an ordinary GatedMLP: the
 decoder reads whichever module transformers built for each layer. Expert weights are transformers 5.x's 3-D
 parameters (`experts.gate_up_proj` [E, 2 I, H], `experts.down_proj` [E, H, I]; `is_transposed` layouts as
-transposed views), held as they are: no copies. The router is transformers' ops (softmax, topk) on CPU; on the
-GPU one Triton kernel after the router GEMM that computes them in torch's order (bit for bit, checked once per
-configuration), so routing choices and weights are those of the eager model; every op is of fixed shape
+transposed views), held as they are: no copies. The router is transformers' ops (GEMM, softmax, topk, renormalise,
+round) on every device, so routing choices and weights are those of the eager model; every op is of fixed shape
 (CUDA-graph capturable).
 """
 
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP
 from batchgen.models.llama import LlamaDecoder, layout_reason
-from batchgen.kernels.moe import exact_on, fused_experts, route_topk, route_topk_ref
+from batchgen.kernels.moe import fused_experts
+from batchgen.kernels.moe_routing import combine_accumulators
 
 
 @dataclass
@@ -45,29 +46,26 @@ class SparseMoE:
     routed_counts: torch.Tensor | None = None  # [E] int64: pairs routed to each expert, summed over steps;
     # None: not counted. Graph padding rows are counted too (they route like any row).
 
-    def route(self, h: torch.Tensor, use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, H] -> (topk_ids [B, K] int64, topk_weights [B, K]) with transformers' routers' roundings:
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, H] -> (topk_ids [B, K] int64, topk_weights [B, K]) with transformers' routers' ops and roundings:
         logits in the activation dtype (cuBLAS, as transformers), softmax in fp32, top-k of the probabilities,
-        renormalised in fp32; with use_triton all but the GEMM in one kernel (kernels/moe.py route_topk), where it
-        reproduces the torch ops bit for bit on the device (checked once: `exact_on`)."""
+        renormalised in fp32, rounded to the activation dtype unless weights_fp32."""
         logits = F.linear(h, self.router_weight)  # [B, E]
-        out_dtype = torch.float32 if self.weights_fp32 else logits.dtype
-        if use_triton and exact_on("router", logits.device, logits.shape[1], self.top_k, self.renormalize,
-                                   logits.dtype, out_dtype):
-            return route_topk(logits, self.top_k, self.renormalize, out_dtype)
-        return route_topk_ref(logits, self.top_k, self.renormalize, out_dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, E]
+        top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)  # [B, K] each
+        if self.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_ids, top_w.to(torch.float32 if self.weights_fp32 else logits.dtype)
 
     def check_kernels(self, dtype: torch.dtype) -> None:
-        """Run the once-per-configuration checks of the router and combine kernels (exact_on) for activations
-        of `dtype` now, outside any graph capture (they synchronise with the host)."""
+        """Run the once-per-configuration check of the combine kernel (combine_accumulators) for activations of
+        `dtype` now, outside any graph capture (it synchronises with the host)."""
         w_dtype = torch.float32 if self.weights_fp32 else dtype
-        exact_on("router", self.router_weight.device, self.router_weight.shape[0], self.top_k, self.renormalize,
-                 dtype, w_dtype)
-        exact_on("combine", self.router_weight.device, self.top_k, torch.promote_types(dtype, w_dtype), dtype)
+        combine_accumulators(self.router_weight.device, self.top_k, torch.promote_types(dtype, w_dtype), dtype)
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, H] -> [B, H]."""
-        top_ids, top_w = self.route(h, use_triton)
+        top_ids, top_w = self.route(h)
         out = fused_experts(h, self.gate_up, self.down, top_ids, top_w, self.activation, use_triton,
                             self.routed_counts)  # [B, H]
         if self.shared is None:
