@@ -142,3 +142,49 @@ def test_sampled_tokens_on_gpu_are_the_same_at_max_num_seqs_4_and_64_with_graphs
             assert engine.runner.graphs is not None and engine.async_pipeline
             runs[seqs] = [r.samples[0].token_ids for r in engine.generate(prompts, params)]
     assert runs[4] == runs[64]
+
+
+DETERMINISTIC_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+                       "granite", "starcoder2")
+
+
+@pytest.mark.parametrize("arch", DETERMINISTIC_ARCHS)
+def test_deterministic_decoders_never_reach_torchs_batch_dependent_linear(arch, monkeypatch):
+    """Every GEMM of a deterministic step (packed prefill and decode, LM head included) goes through the
+    batch-invariant kernel: F.linear is never called but by that kernel's own one-row CPU path, while the default
+    mode does call it (the probe is live)."""
+    import sys
+
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.linear
+
+    def counting(*args, **kwargs):
+        if not sys._getframe(1).f_code.co_filename.endswith("invariant_matmul.py"):
+            calls.append(sys._getframe(1).f_code.co_filename)
+        return real(*args, **kwargs)
+
+    model = make_model(arch, vocab_size=512)
+    prompts = random_prompts([7, 12], seed=3)
+    params = SamplingParams(max_new_tokens=3, temperature=0.7, seed=1, ignore_eos=True)
+    for deterministic in (False, True):
+        with Engine(model, None, EngineConfig(deterministic=deterministic, max_num_seqs=2, num_kv_blocks=32,
+                                              block_size=8)) as engine:
+            monkeypatch.setattr(F, "linear", counting)
+            calls.clear()
+            engine.generate(prompts, params)
+            monkeypatch.setattr(F, "linear", real)
+        assert (len(calls) == 0) == deterministic, (arch, deterministic, len(calls))
+
+
+def test_deterministic_mode_refuses_an_fp8_checkpoint_before_loading():
+    from transformers import LlamaConfig
+
+    from batchgen.models.registry import deterministic_reason
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    assert deterministic_reason(config) is None
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    assert "FP8" in deterministic_reason(config)

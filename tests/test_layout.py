@@ -23,7 +23,7 @@ ALLOWED = {
                          "errors"},
 }
 HOST_ONLY = ("engine/batch.py", "engine/block_manager.py", "engine/config.py", "engine/detokenizer.py",
-             "engine/list_mirror.py", "engine/request.py", "engine/scheduler.py", "sampling_params.py")
+             "engine/list_mirror.py", "engine/request.py", "engine/results.py", "engine/scheduler.py", "sampling_params.py")
 
 
 def _imports(path: Path) -> set[str]:

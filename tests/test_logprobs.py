@@ -158,3 +158,17 @@ def test_logprobs_exact_through_transformers_modules_when_the_fused_decoder_is_o
     for prompt, result in zip(prompts, results):
         _check_prompt(model, prompt, result)
         _check_sample(model, prompt, result.samples[0], 2)
+
+
+def test_samples_compare_by_value_with_their_top_logprob_arrays():
+    import numpy as np
+
+    from batchgen.engine.results import Sample
+
+    def sample(value: float) -> Sample:
+        return Sample(0, [1, 2], "ab", "length", 7, 0, logprobs=[-0.5, -1.0],
+                      top_logprob_ids=np.array([[1, 3], [2, 4]], np.int32),
+                      top_logprob_values=np.array([[-0.5, -2.0], [-1.0, value]], np.float32))
+
+    assert sample(-3.0) == sample(-3.0) and sample(-3.0) != sample(-4.0)
+    assert sample(-3.0).top_logprobs == [[(1, -0.5), (3, -2.0)], [(2, -1.0), (4, -3.0)]]

@@ -14,9 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from batchgen.attention.kv_cache import KVCache, KVGeometry, plan_num_blocks
@@ -27,53 +25,12 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import StopStringWatcher, final_text
 from batchgen.engine.reasoning import ReasoningMarkers, ThinkingBudget
 from batchgen.engine.request import FinishReason, Request
+from batchgen.engine.results import PromptResult, Sample, top_logprob_arrays
 from batchgen.engine.scheduler import Scheduler
 from batchgen.runner.model_runner import ModelRunner
 from batchgen.sample.grammar import GrammarCache
 from batchgen.sampling_params import SamplingParams
 from batchgen.seeding import derive_seed
-
-
-@dataclass
-class Sample:
-    sample_idx: int
-    token_ids: list[int]
-    text: str | None  # None when the engine has no tokenizer
-    finish_reason: str  # "stop" | "length" | "stop_string" | "error"
-    seed: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    error: str | None = None
-    # issue 14: logprobs / reasoning (SamplingParams.logprobs set; raw-logit log_softmax, fp32)
-    logprobs: list[float] | None = None  # one per token_ids entry: that token's log-prob
-    # SamplingParams.logprobs K > 0: per token, the K most likely tokens, best first (None when K is 0 or unset)
-    top_logprob_ids: np.ndarray | None = None  # [T, K] int32
-    top_logprob_values: np.ndarray | None = None  # [T, K] float32
-
-    @property
-    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
-        """Per token: K (token id, log-prob) pairs, best first; None when K is 0 or unset."""
-        if self.top_logprob_ids is None:
-            return None
-        return [list(zip(i, v)) for i, v in zip(self.top_logprob_ids.tolist(), self.top_logprob_values.tolist())]
-
-
-@dataclass
-class PromptResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    samples: list[Sample] = field(default_factory=list)
-    # SamplingParams.prompt_logprobs: one per prompt token, entry 0 None (nothing scores the first token)
-    prompt_logprobs: list[float | None] | None = None
-
-
-def _top_logprob_arrays(req: Request, k: int | None) -> dict[str, np.ndarray]:
-    """Sample's top-K fields from the request's per-token row views (empty: K unset or 0)."""
-    if not k:
-        return {}
-    n = len(req.output_top_ids)
-    ids = np.stack(req.output_top_ids).astype(np.int32) if n else np.zeros((0, k), np.int32)
-    values = np.stack(req.output_top_values).astype(np.float32) if n else np.zeros((0, k), np.float32)
-    return {"top_logprob_ids": ids, "top_logprob_values": values}
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -324,7 +281,7 @@ class Engine:
                 sample_idx=req.sample_idx, token_ids=list(req.output_token_ids), text=text,
                 finish_reason=req.finish_reason.value, seed=req.seed, num_cached_tokens=req.num_cached_tokens,
                 error=req.error, logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
-                **_top_logprob_arrays(req, params.logprobs)))
+                **top_logprob_arrays(req, params.logprobs)))
             if req.scores_prompt:
                 result.prompt_logprobs = req.prompt_logprobs
             if remaining == 1:

@@ -128,6 +128,7 @@ class JobLoop:
             return self.engine
         t0 = time.monotonic()
         from batchgen.engine.engine import Engine
+        from batchgen.models.registry import DeterministicUnsupported
 
         spec = self.spec
         tp = self.tp
@@ -141,9 +142,7 @@ class JobLoop:
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
         try:
             self.engine = Engine(model, self.tokenizer, spec.engine, tensor_parallel=tp)
-        except ValueError as e:
-            if not str(e).startswith("engine.deterministic"):  # a model the batch-invariant decoders cannot run
-                raise
+        except DeterministicUnsupported as e:  # a model the batch-invariant decoders cannot run
             raise JobError(str(e)) from None
         except (torch.OutOfMemoryError, MemoryError) as e:
             cpu = self.device.type == "cpu"

@@ -8,7 +8,7 @@ decodes), hidden size E, H query heads, Hkv KV heads, head dim D.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +18,12 @@ from batchgen.attention.backend import AttentionMetadata
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import rope_kv
 from batchgen.kernels.gated_act import gated_act
-from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear
+from batchgen.models.fp8 import Fp8Weight
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
 
-# a GEMM with F.linear's signature: models/fp8.linear (F.linear, or the FP8 GEMM for an Fp8Weight), or
-# kernels.invariant_matmul.linear_invariant (engine.deterministic; plain weights only)
+# a GEMM with F.linear's signature, the decoder's choice: models/fp8.linear (F.linear, or the FP8 GEMM for an
+# Fp8Weight), or kernels.invariant_matmul.linear_invariant (engine.deterministic; plain weights only)
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -83,7 +83,7 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bi
                    o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
                    qk_norm: tuple[torch.Tensor, float] | None = None,
-                   sliding_window: int | None = None, linear: Linear = plain_or_fp8_linear) -> torch.Tensor:
+                   sliding_window: int | None = None, *, linear: Linear) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
     layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant)."""
@@ -131,7 +131,7 @@ class GatedMLP:
     gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
     down_weight: torch.Tensor | Fp8Weight  # [E, I]
     activation: str = "silu"
-    linear: Linear = plain_or_fp8_linear  # the decoder's GEMM
+    linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)
 
     def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
         """h: [B, E] -> [B, E]."""
@@ -150,7 +150,7 @@ class PlainMLP:
     proj_weight: torch.Tensor | Fp8Weight  # [E, I]
     proj_bias: torch.Tensor | None  # [E]
     activation: str = "gelu_tanh"
-    linear: Linear = plain_or_fp8_linear  # the decoder's GEMM
+    linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)
 
     def __post_init__(self) -> None:
         assert self.activation in PLAIN_ACTIVATIONS

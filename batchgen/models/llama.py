@@ -196,7 +196,7 @@ class LlamaDecoder(DecodeForward):
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | PlainMLP:
         gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        return GatedMLP(gate_up_w, linear_weight(mlp.down_proj), self.activation, self.linear)
+        return GatedMLP(gate_up_w, linear_weight(mlp.down_proj), self.activation, linear=self.linear)
 
     # ---- the step: hooks ---------------------------------------------------------------------------------------
 

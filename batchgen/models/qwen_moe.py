@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.models.blocks import GatedMLP
+from batchgen.models.fp8 import linear_weight
 from batchgen.models.moe import MoEDecoder, SparseMoE, moe_reason
 from batchgen.models.weights import fuse_linears
 
@@ -40,5 +41,5 @@ class QwenMoEDecoder(MoEDecoder):
             return  # Qwen3-MoE
         shared = mlp.shared_expert
         gate_up_w, _ = fuse_linears([shared.gate_proj, shared.up_proj])  # [2 Is, H], views of the model's own
-        block.shared = GatedMLP(gate_up_w, shared.down_proj.weight, self.activation)
+        block.shared = GatedMLP(gate_up_w, linear_weight(shared.down_proj), self.activation, linear=self.linear)
         block.shared_gate_weight = mlp.shared_expert_gate.weight  # [1, H]

@@ -114,6 +114,10 @@ DETERMINISTIC_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYP
                        *olmo2.MODEL_TYPES, *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
 
 
+class DeterministicUnsupported(ValueError):
+    """engine.deterministic asked of a model the batch-invariant decoders cannot run; the message names the key."""
+
+
 def deterministic_reason(config) -> str | None:
     """Why a model of this config cannot run engine.deterministic, from its config alone (before any weight
     loads), or None. Phrased to follow "engine.deterministic: "."""
@@ -132,13 +136,14 @@ def deterministic_reason(config) -> str | None:
 def build_deterministic(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                         max_model_len: int) -> DecodeForward:
     """The fused decoder with batch-invariant GEMMs and attention. No fallback: a model the fused layers cannot
-    run raises ValueError, one whose first step fails on the device RuntimeError (both name the key)."""
+    run, or whose first step fails on the device, raises DeterministicUnsupported (naming the key)."""
     reason = deterministic_reason(model.config) or unsupported_reason(model, max_model_len)
     if reason is not None:
-        raise ValueError(f"engine.deterministic: {reason}; run without engine.deterministic (no reproducibility "
+        raise DeterministicUnsupported(f"engine.deterministic: {reason}; run without engine.deterministic (no reproducibility "
                          f"guarantee across batch sizes), or use a model the fused decoders serve")
     fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton, deterministic=True)
     reason = fused.check(kv_cache)
     if reason is not None:
-        raise RuntimeError(f"engine.deterministic: {reason}")
+        raise DeterministicUnsupported(f"engine.deterministic: the batch-invariant decoder failed its first step on "
+                                       f"the device: {reason}")
     return fused

@@ -43,4 +43,4 @@ class Starcoder2Decoder(LlamaDecoder):
 
     def _mlp(self, mlp: torch.nn.Module) -> PlainMLP:
         return PlainMLP(linear_weight(mlp.c_fc), mlp.c_fc.bias, linear_weight(mlp.c_proj), mlp.c_proj.bias,
-                        ACTIVATIONS[self.config.hidden_act], self.linear)
+                        ACTIVATIONS[self.config.hidden_act], linear=self.linear)

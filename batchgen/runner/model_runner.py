@@ -303,7 +303,10 @@ class ModelRunner:
             self.gpu_busy_s += step.busy[0].elapsed_time(step.busy[1]) / 1e3
         if step.logprobs_host is None:
             return StepOutput(token_ids=step.tokens_host.tolist())
-        arrays = {k: v.numpy() for k, v in step.logprobs_host.items()}
+        # copies: requests keep row views of these arrays until they finish (engine/scheduler.py), which must not
+        # pin a fresh pinned buffer per step for the whole run. Hazard: were lp_host ever reused like _out_host's
+        # A/B slots, views without this copy would be overwritten two steps later.
+        arrays = {k: v.numpy().copy() for k, v in step.logprobs_host.items()}
         return StepOutput(token_ids=step.tokens_host.tolist(), **arrays)
 
     def execute(self, batch: ScheduledBatch, bitmask: torch.Tensor | None = None) -> StepOutput:

@@ -84,25 +84,27 @@ class LogprobResult:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits [R, V] raw, tokens [R] int64 -> (log-prob of each token [R] fp32, top-K ids [R, K] int64 and
-    log-probs [R, K] fp32, most likely first; None, None when top_k is 0)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [R, 1]
-    chosen = (x.gather(1, tokens[:, None]) - lse)[:, 0]
+    log-probs [R, K] fp32, most likely first; None, None when top_k is 0).
+    log_softmax, not logsumexp: torch's softmax kernels reduce each row in one block whose shape depends on V
+    only, so a row's values do not depend on how many rows the step has (engine.deterministic needs that);
+    logsumexp goes through the generic reduction, which may split a row differently as R changes."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
     if top_k == 0:
         return chosen, None, None
-    values, ids = x.topk(top_k, dim=-1)  # topk of the logits == topk of their log_softmax (monotone)
-    return chosen, ids, values - lse
+    values, ids = lp.topk(top_k, dim=-1)
+    return chosen, ids, values
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                           rows_per_chunk: int = PROMPT_ROWS_PER_CHUNK) -> torch.Tensor:
     """logits [P, V] raw (any dtype), targets [P] int64 -> [P] fp32 log-prob of each target, in chunks of
-    rows so that no [P, V] fp32 copy exists (a long prompt's logits are large already)."""
+    rows so that no [P, V] fp32 copy exists (a long prompt's logits are large already). Per-row log_softmax as
+    in token_logprobs: a position's value does not depend on the chunking."""
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     for lo in range(0, logits.shape[0], rows_per_chunk):
-        x = logits[lo:lo + rows_per_chunk].float()
-        t = targets[lo:lo + rows_per_chunk, None]
-        out[lo:lo + rows_per_chunk] = (x.gather(1, t) - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0]
+        lp = torch.log_softmax(logits[lo:lo + rows_per_chunk].float(), dim=-1)
+        out[lo:lo + rows_per_chunk] = lp.gather(1, targets[lo:lo + rows_per_chunk, None])[:, 0]
     return out
 
 
