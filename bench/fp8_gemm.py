@@ -4,10 +4,12 @@ shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336).
     python3 bench/fp8_gemm.py [--rows 32,256,512] [--json out.json] [--sweep [--sweep-rows 16,32,64,128,256,512]]
 
 Variants per (shape, M): bf16 F.linear (cuBLASLt); `blk`: fp8 block 128x128, the group quantiser + the Triton
-GEMM (block_scaled_matmul, the default block path); `gemm`: the Triton GEMM alone over pre-quantised activations
-(blk - gemm = the quantiser); `cublas`: the same quantiser + torch._scaled_mm with 1x128 x 128x128 block-wise
-scales (only where torch/cuBLASLt supports it: sm90, CUDA >= 12.9); `smm`: fp8 per-channel, per-token quantiser +
-torch._scaled_mm row-wise; `chT`: fp8 per-channel through the Triton path.
+GEMM (block_scaled_matmul: the block path where cuBLASLt has no block-wise scaling); `gemm`: the Triton GEMM alone
+over pre-quantised activations (blk - gemm = the quantiser); `cublas`: the same quantiser + torch._scaled_mm with
+1x128 x 128x128 block-wise scales (the default block path where torch/cuBLASLt supports it: sm90, CUDA >= 12.9);
+`smm`: fp8 per-channel, per-token quantiser + torch._scaled_mm row-wise (the default per-channel path); `chT`: fp8
+per-channel through the Triton path (per-channel weights with fp16/fp32 activations). Each variant calls its
+kernel functions directly, whatever kernels/fp8_gemm.gemm_path would pick.
 
 Times, ms per call, two ways: `graph`: CALLS calls captured in one CUDA graph, replays timed with CUDA events,
 median / CALLS (how the decoders run: no Python or launch overhead); `eager`: CUDA events around one Python call
@@ -16,8 +18,9 @@ from HBM: weight copies are rotated over more than the L2 cache. Errors: max |ou
 emulated W8A8 reference (same quantisation in fp32).
 
 --sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
-(shape, M) with graph replays, prints the best per (shape, M), and a SHAPE_CONFIGS literal for
-batchgen/kernels/fp8_gemm.py. ~1-2 minutes on an H200, mostly Triton compiles.
+(shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
+literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
+shape's largest listed bucket takes the default configs). ~1-2 minutes on an H200, mostly Triton compiles.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
     block = [quantize_weight(w16, 128, 128) for _ in range(copies)]
     channel = [quantize_weight(w16, None, None) for _ in range(copies)]
     bf16 = [w16.clone() for _ in range(max(2, copies // 2))]
-    use_cublas = cublas and blockwise_scaled_mm_fits(w16, block[0][0], 128, 128)
+    use_cublas = cublas and blockwise_scaled_mm_fits(torch.bfloat16, n, k, 128, 128)
     out_rows = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -61,9 +61,10 @@ def compressed_tensors_config(strategy: str, dynamic_activations: bool = True) -
 def save_fp8_checkpoint(model, tokenizer, folder: Path, fmt: str) -> Path:
     """Save `model` (a tiny fp32 transformers model) as an FP8 checkpoint of format `fmt`: "block" (FineGrained
     fp8, 32x32 blocks: tiny dims are multiples of 32, and transformers' quantiser leaves partial blocks bf16),
-    "channel" / "tensor" (compressed-tensors), "fbgemm" (per channel)."""
-    if fmt == "block":
-        qconfig, quantize = _block_quantize((32, 32))
+    "block128" (the same with real checkpoints' 128x128 blocks: dims multiples of 128), "channel" / "tensor"
+    (compressed-tensors), "fbgemm" (per channel)."""
+    if fmt in ("block", "block128"):
+        qconfig, quantize = _block_quantize((32, 32) if fmt == "block" else (128, 128))
     elif fmt in ("channel", "tensor"):
         qconfig, quantize = compressed_tensors_config(fmt), _channel_quantize(fmt == "tensor")
     elif fmt == "fbgemm":

@@ -1,5 +1,5 @@
 """The FP8 GEMM kernels against their torch references: under TRITON_INTERPRET=1 on CPU, on a GPU in bf16 (random
-activations, CUDA-graph capture, the engine end to end).
+activations, CUDA-graph capture, the engine end to end); which path fp8_linear takes (CPU, the probe monkeypatched).
 
 The interpreter (Triton 3.6) rounds float32 -> float8e4nv wrongly where the rounding carries into the exponent
 (124.3 becomes 64, not 128), so its check uses activations whose quantisation is exact (each token group: fp8
@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 from batchgen.kernels.fp8_gemm import (  # noqa: E402
-    block_scaled_matmul, blockwise_scaled_mm, blockwise_scaled_mm_supported, fp8_linear, rowwise_scaled_mm,
-    w8a8_matmul)
+    block_scaled_matmul, blockwise_scaled_mm, blockwise_scaled_mm_supported, fp8_linear, gemm_path,
+    rowwise_scaled_mm)
 from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
 
 NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
@@ -78,6 +78,66 @@ def test_fp8_gemm_kernels_match_reference_under_triton_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index only: no GPU needed
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_gemm_path_picks_cublas_blockwise_where_supported_and_triton_otherwise(monkeypatch, supported):
+    from batchgen.kernels import fp8_gemm
+
+    probed = []
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: probed.append(index) or supported)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    # 128x128 blocks, bf16, K / 128 a multiple of 4 (the 8B layer shapes): cuBLASLt where the probe says so
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        assert gemm_path(CUDA0, bf16, n, k, 128, 128, True) == ("blockwise" if supported else "triton")
+    assert probed and set(probed) == {0}
+    # what cuBLASLt's block-wise scaling does not take: the Triton GEMM, whatever the probe says
+    assert gemm_path(CUDA0, bf16, 6144, 4096, 32, 32, True) == "triton"  # other block sizes
+    assert gemm_path(CUDA0, bf16, 6144, 4096, 1, 128, True) == "triton"  # per-row blocks (fused parts off the grid)
+    assert gemm_path(CUDA0, fp16, 6144, 4096, 128, 128, True) == "triton"
+    assert gemm_path(CUDA0, bf16, 6144, 384, 128, 128, True) == "triton"  # K / 128 = 3
+    # per channel: row-wise _scaled_mm in bf16 (K, N multiples of 16), else Triton
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 1, None, True) == "rowwise"
+    assert gemm_path(CUDA0, fp16, 4096, 4096, 1, None, True) == "triton"
+    assert gemm_path(CUDA0, bf16, 1000, 4096, 1, None, True) == "triton"
+    # CPU and weight-only checkpoints: the dequantising reference, the probe not asked
+    probed.clear()
+    for group_n, group_k in ((128, 128), (1, None)):
+        assert gemm_path(torch.device("cpu"), bf16, 6144, 4096, group_n, group_k, True) == "reference"
+        assert gemm_path(CUDA0, bf16, 6144, 4096, group_n, group_k, False) == "reference"
+    assert probed == []
+
+
+@pytest.mark.parametrize("group_n,group_k", [(128, 128), (1, None)])
+def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says(monkeypatch, group_n, group_k):
+    from batchgen.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: pytest.fail("probed on CPU"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 512, generator=g)
+    w, s = quantize_weight(torch.randn(256, 512, generator=g) * 0.02, group_n if group_k else None, group_k)
+    bias = torch.randn(256, generator=g)
+    out = fp8_linear(x, w, s, group_n, group_k, bias)
+    assert out.shape == (3, 5, 256)
+    assert torch.equal(out, linear_ref(x.reshape(15, 512), w, s, group_n, group_k, bias).reshape(3, 5, 256))
+
+
+def test_triton_launch_configs_tuned_per_shape_only_where_the_sweep_measured_them():
+    from batchgen.kernels.fp8_gemm import CONFIGS, GemmConfig, gemm_config
+
+    assert gemm_config(32, 6144, 4096, 132) == GemmConfig(16, 32, 8, 4, 4)  # qkv
+    assert gemm_config(1, 6144, 4096, 132) == GemmConfig(16, 32, 8, 4, 4)
+    assert gemm_config(32, 28672, 4096, 132) == GemmConfig(32, 64, 8, 4, 4)  # gate_up
+    # above the tuned buckets and other shapes: the per-M defaults (the sweep found them best at M 256)
+    assert gemm_config(256, 6144, 4096, 132) == CONFIGS[256]
+    assert gemm_config(256, 28672, 4096, 132) == CONFIGS[256]
+    assert gemm_config(64, 6144, 4096, 132) == CONFIGS[64]
+    assert gemm_config(32, 4096, 4096) == CONFIGS[32]
+
+
+# GPU tests below: few distinct launch configs and shapes, as each is one Triton compile on a cold GPU. Every config
+# the tables hold ran on the GPU in bench/fp8_gemm.py --sweep, which checks its error before timing it.
 def _case(m: int, n: int, k: int, group_n: int | None, group_k: int | None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=g) * 2).to("cuda", torch.bfloat16)
@@ -90,9 +150,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 32, 256, 512])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (1000, 896)])
-def test_block_scaled_gemm_equals_the_emulated_w8a8_reference_bf16_on_gpu(m, n, k):
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (256, 1000, 896)])  # the tuned qkv config; a default one over
+def test_block_scaled_gemm_equals_the_emulated_w8a8_reference_bf16_on_gpu(m, n, k):  # partial N and K tiles
     x, w, s = _case(m, n, k, 128, 128)
     out = block_scaled_matmul(x, w, s, 128, 128)
     assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2  # bf16 output rounding
@@ -100,59 +159,78 @@ def test_block_scaled_gemm_equals_the_emulated_w8a8_reference_bf16_on_gpu(m, n, 
 
 
 @pytest.mark.gpu
-def test_group_quantiser_and_every_default_config_on_gpu():
-    from batchgen.kernels.fp8_gemm import CONFIGS
-    x, w, s = _case(200, 1024, 4096, 128, 128)
+def test_group_quantiser_on_gpu():
+    x, _, _ = _case(200, 128, 4096, 128, 128)
     q, qs = quantize_groups(x, 128)
     q_ref, qs_ref = quantize_groups_ref(x, 128)
     assert qs.stride() == (1, 200) and torch.allclose(qs, qs_ref, rtol=1e-6, atol=0)
     assert (q.float() - q_ref.float()).abs().max() <= 32  # equal up to one fp8 ulp (32 in the top binade)
-    ref = linear_ref(x, w, s, 128, 128, act_group=128)
-    for cfg in CONFIGS.values():
-        assert _rel_err(w8a8_matmul(q, qs, w, s, 128, 128, torch.bfloat16, config=cfg), ref) < 1e-2, cfg
 
 
 @pytest.mark.gpu
-def test_cublas_blockwise_scaled_mm_equals_the_reference_where_supported():
+def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_where_supported():
     if not blockwise_scaled_mm_supported(0):
         pytest.skip("torch._scaled_mm has no 1x128 x 128x128 block-wise scaling here (needs sm90, cuBLASLt >= 12.9)")
-    for m in (1, 32, 256):
+    for m in (1, 3, 256):
         x, w, s = _case(m, 6144, 4096, 128, 128)
-        assert _rel_err(blockwise_scaled_mm(x, w, s), linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
+        out = blockwise_scaled_mm(x, w, s)
+        assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
+        assert torch.equal(fp8_linear(x, w, s, 128, 128), out), m  # the entry point's choice
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 32, 256])
-def test_per_channel_paths_equal_the_emulated_reference_bf16_on_gpu(m):
-    x, w, s = _case(m, 4096, 4096, None, None)
-    scaled_mm = rowwise_scaled_mm(x, w, s.view(1, -1))  # per token
-    assert _rel_err(scaled_mm, linear_ref(x, w, s, 1, None, act_group=4096)) < 1e-2
-    triton_out = block_scaled_matmul(x, w, s, 1, None)  # per token and group of 128
-    assert _rel_err(triton_out, linear_ref(x, w, s, 1, None, act_group=128)) < 1e-2
-    assert torch.equal(fp8_linear(x, w, s, 1, None), scaled_mm)  # the entry point's choice for bf16
+def test_blockwise_probe_refuses_to_run_inside_a_graph_capture(monkeypatch):
+    from batchgen.kernels import fp8_gemm
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the probe runs on sm90 only (elsewhere: no, without a GEMM)")
+    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_SUPPORTED", {})  # not probed yet on this device
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            fp8_gemm.blockwise_scaled_mm_supported(0)
+    assert fp8_gemm._BLOCKWISE_SUPPORTED == {}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group_k", [128, None])
-def test_fp8_linear_replays_from_a_cuda_graph(group_k):
-    x, w, s = _case(32, 2048, 1024, 128 if group_k else None, group_k)
+def test_per_channel_paths_equal_the_emulated_reference_bf16_on_gpu():
+    for m in (1, 256):
+        x, w, s = _case(m, 4096, 4096, None, None)
+        scaled_mm = rowwise_scaled_mm(x, w, s.view(1, -1))  # per token
+        assert _rel_err(scaled_mm, linear_ref(x, w, s, 1, None, act_group=4096)) < 1e-2
+        assert torch.equal(fp8_linear(x, w, s, 1, None), scaled_mm)  # the entry point's choice for bf16
+    triton_out = block_scaled_matmul(x[:32], w, s, 1, None)  # per token and group of 128 (fp16/fp32 activations)
+    assert _rel_err(triton_out, linear_ref(x[:32], w, s, 1, None, act_group=128)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["default", "triton", "channel"])
+def test_fp8_linear_replays_from_a_cuda_graph(monkeypatch, path):
+    from batchgen.kernels import fp8_gemm
+
+    if path == "triton":  # the block path where cuBLASLt has no block-wise scaling
+        monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
+    group_n, group_k = (1, None) if path == "channel" else (128, 128)
+    x, w, s = _case(32, 2048, 1024, None if path == "channel" else 128, group_k)
     bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
     static_x = x.clone()
-    fp8_linear(static_x, w, s, 128 if group_k else 1, group_k, bias)  # compile outside the capture
+    fp8_linear(static_x, w, s, group_n, group_k, bias)  # compile and probe outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = fp8_linear(static_x, w, s, 128 if group_k else 1, group_k, bias)
+        static_out = fp8_linear(static_x, w, s, group_n, group_k, bias)
     static_x.copy_(x * 3)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(static_out, fp8_linear(x * 3, w, s, 128 if group_k else 1, group_k, bias))
+    assert torch.equal(static_out, fp8_linear(x * 3, w, s, group_n, group_k, bias))
     assert w.dtype == FP8_DTYPE
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["block", "channel"])
+@pytest.mark.parametrize("fmt", ["block", "block128", "channel"])
 def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp_path, fmt):
+    """32x32 blocks: the Triton GEMM; 128x128 blocks (hidden 512, MLP 1024): cuBLASLt's block-wise _scaled_mm
+    where supported; per channel: row-wise _scaled_mm. max_num_seqs 8: four graph buckets, few Triton compiles."""
     from conftest import make_model, make_tokenizer, random_prompts
     from fp8_checkpoints import save_fp8_checkpoint
 
@@ -162,15 +240,20 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
     from batchgen.sampling_params import SamplingParams
 
     tok = make_tokenizer()
-    folder = save_fp8_checkpoint(make_model("llama", vocab_size=len(tok)), tok, tmp_path / fmt, fmt)
+    dims = dict(hidden_size=512, intermediate_size=1024) if fmt == "block128" else {}
+    folder = save_fp8_checkpoint(make_model("llama", vocab_size=len(tok), **dims), tok, tmp_path / fmt, fmt)
     model = load_model(str(folder), "bfloat16", "cuda")
     assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
     prompts = random_prompts([5, 9, 13, 17, 40], vocab_size=len(tok), seed=3)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     outs = []
     for graphs, async_pipeline in ((False, False), (True, True)):
-        engine = Engine(model, tok, EngineConfig(cuda_graphs=graphs, async_pipeline=async_pipeline))
+        engine = Engine(model, tok, EngineConfig(cuda_graphs=graphs, async_pipeline=async_pipeline, max_num_seqs=8))
         assert engine.decode_path == "fused"
+        qkv = engine.runner.decode_forward.layers[0].qkv_weight
+        want = {"block": "triton", "channel": "rowwise",
+                "block128": "blockwise" if blockwise_scaled_mm_supported(0) else "triton"}[fmt]
+        assert gemm_path(CUDA0, torch.bfloat16, *qkv.shape, qkv.group_n, qkv.group_k, qkv.act_quant) == want
         outs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
         engine.close()
     assert outs[0] == outs[1]

@@ -1,37 +1,43 @@
 """FP8 GEMMs: out [M, N] = x [M, K] @ dequant(weight [N, K])^T (+ bias), the one entry point the fused decoders'
-FP8 projections call (`fp8_linear`), with these paths:
+FP8 projections call (`fp8_linear`). `gemm_path` picks the path, the fastest measured on an H200 (bench/fp8_gemm.py,
+README "FP8 checkpoints"):
 
-  - reference (CPU, or weights the checkpoint keeps weight-only): fp8_quant.linear_ref, weights dequantised in
+  - "reference" (CPU, or weights the checkpoint keeps weight-only): fp8_quant.linear_ref, weights dequantised in
     fp32, activations as they are;
-  - per-channel weight scales on CUDA, bf16 activations: x quantised per token (fp8_quant.quantize_rows), then
-    torch._scaled_mm with row-wise scales (cuBLASLt on sm90; bf16 output only);
-  - block weight scales (and per-channel ones with fp16/fp32 activations): `block_scaled_matmul`, two launches as
-    vLLM's w8a8_block_fp8_matmul: x quantised ONCE per GEMM per token and group of group_k columns
-    (fp8_quant.quantize_groups: fp8 [M, K] + scales [M, K / group_k]), then `w8a8_matmul`, a Triton kernel that
-    loads fp8 A and B tiles, tl.dot fp8 x fp8 -> fp32, times a_scale[:, None] * b_scale[None, :] per k block.
-    (The first version fused the quantisation into the GEMM: every column program re-quantised the same
-    [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise work dominated.)
-    Optionally (BATCHGEN_FP8_GEMM=cublas, 128x128 blocks, bf16, where torch's cuBLASLt supports it: sm90, CUDA
-    >= 12.9) the same quantised x goes to torch._scaled_mm with 1x128 x 128x128 block-wise scales instead.
+  - "rowwise": per-channel weight scales on CUDA, bf16 activations, K and N multiples of 16: x quantised per token
+    (fp8_quant.quantize_rows), then torch._scaled_mm with row-wise scales (cuBLASLt on sm90; bf16 output only);
+  - "blockwise": 128x128 block weight scales, bf16, where torch's cuBLASLt takes 1x128 x 128x128 block-wise scales
+    (blockwise_scaled_mm_fits and blockwise_scaled_mm_supported: sm90, CUDA >= 12.9): x quantised once per token
+    and group of 128 columns (fp8_quant.quantize_groups: its column-major scales are cuBLAS's 1x128 layout), then
+    torch._scaled_mm with the weight's block scales. Fastest at every layer shape and M measured;
+  - "triton" (every other block scale: other block sizes, per-row blocks of fused parts, fp16/fp32 activations,
+    GPUs or torch builds without block-wise _scaled_mm; and per-channel scales with fp16/fp32 activations):
+    `block_scaled_matmul`, two launches as vLLM's w8a8_block_fp8_matmul: x quantised ONCE per GEMM per token and
+    group of group_k columns (quantize_groups: fp8 [M, K] + scales [M, K / group_k]), then `w8a8_matmul`, a
+    Triton kernel that loads fp8 A and B tiles, tl.dot fp8 x fp8 -> fp32, times a_scale[:, None] *
+    b_scale[None, :] per k block. (The first version fused the quantisation into the GEMM: every column program
+    re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
+    work dominated.)
 
-Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), overridden per weight
-shape by SHAPE_CONFIGS, which `python3 bench/fp8_gemm.py --sweep` prints from measured times (or loads from its
---json report: BATCHGEN_FP8_CONFIGS=report.json); a default config
-whose grid would not fill the GPU's SMs narrows its column tile (down to 32).
+Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), replaced for the weight
+shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (committed here: no
+environment variable or file read at import); a default config whose grid would not fill the GPU's SMs narrows
+its column tile (down to 32). bench/fp8_gemm.py passes explicit configs to the functions it times.
 
-Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow x's and the weight's only.
+Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow x's and the weight's only. The
+one probe (blockwise_scaled_mm_supported) runs a few tiny GEMMs and syncs once per device; it refuses to run
+inside a capture, and the decoders' build runs it first (models/registry.build_decode_forward).
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_rows
+from batchgen.kernels.fp8_quant import (FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
+                                        quantize_weight)
 
 try:
     import triton
@@ -40,8 +46,6 @@ except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
 CHANNEL_ACT_GROUP = 128  # activation group of the Triton kernel over per-channel weights (group_k None)
-# "triton" (default) or "cublas": the block-scaled GEMM's backend (cublas only where supported, else triton)
-BLOCK_GEMM_BACKEND = os.environ.get("BATCHGEN_FP8_GEMM", "triton")
 
 
 class GemmConfig(NamedTuple):
@@ -64,20 +68,13 @@ CONFIGS: dict[int, GemmConfig] = {
     512: GemmConfig(64, 128, 8, 4, 3),
     1 << 62: GemmConfig(128, 128, 8, 8, 3),
 }
-# (N, K) -> {M bucket: config}: measured per shape (bench/fp8_gemm.py --sweep prints this dict). Used as is.
-SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {}
-
-
-def load_shape_configs(path: str) -> None:
-    """Add the best configs of a `bench/fp8_gemm.py --sweep --json PATH` report to SHAPE_CONFIGS (what
-    BATCHGEN_FP8_CONFIGS=PATH does at import): tuned configs for an engine run before they are committed."""
-    with open(path) as f:
-        for s in json.load(f)["sweep"]:
-            SHAPE_CONFIGS.setdefault((s["N"], s["K"]), {})[s["M"]] = GemmConfig(*s["best"])
-
-
-if os.environ.get("BATCHGEN_FP8_CONFIGS"):
-    load_shape_configs(os.environ["BATCHGEN_FP8_CONFIGS"])
+# (N, K) -> {M bucket: config}: where bench/fp8_gemm.py --sweep measured a config faster than the default (one
+# H200, CUDA-graph replays of the GEMM alone). Only the buckets listed: an M above the largest
+# takes CONFIGS (the sweep found the defaults best for these shapes at M = 256). Llama-3.1-8B-sized layers:
+SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
+    (6144, 4096): {32: GemmConfig(16, 32, 8, 4, 4)},  # q/k/v fused: 0.0182 ms vs the default's 0.0220 at M 32
+    (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,8 +91,8 @@ def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:
 
 def gemm_config(m: int, n: int, k: int, num_sms: int | None = None) -> GemmConfig:
     """The Triton GEMM's launch config for x [m, k] @ w [n, k]^T (see the module docstring)."""
-    tuned = SHAPE_CONFIGS.get((n, k))
-    if tuned:
+    tuned = SHAPE_CONFIGS.get((n, k), {})
+    if m <= max(tuned, default=0):
         return _bucket(tuned, m)
     cfg = _bucket(CONFIGS, m)
     if num_sms:  # fill at least one wave of programs: narrower column tiles
@@ -197,30 +194,60 @@ def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return w8a8_matmul(xq, x_scale, weight, scale, group_n, group_k, x.dtype, bias, config)
 
 
-@functools.lru_cache(maxsize=None)
-def blockwise_scaled_mm_supported(device_index: int = 0) -> bool:
-    """Whether torch._scaled_mm takes 1x128 x 128x128 block-wise fp32 scales on this GPU (sm90, torch with
-    cuBLASLt >= 12.9): one small call, no sync; any error means no. Call it outside graph capture first."""
+# The probe's answer per CUDA device index: the one piece of mutable module state here, on purpose. The probe
+# runs tiny GEMMs and syncs, so it must run once per device, outside any CUDA-graph capture, and the answer
+# cannot change while the process lives (it depends on the GPU and the torch / cuBLASLt build only). Tests
+# monkeypatch blockwise_scaled_mm_supported itself rather than writing here.
+_BLOCKWISE_SUPPORTED: dict[int, bool] = {}
+
+
+def blockwise_scaled_mm_supported(device_index: int) -> bool:
+    """Whether torch._scaled_mm computes W8A8 with 1x128 x 128x128 block-wise fp32 scales correctly on CUDA device
+    `device_index` (sm90, torch with cuBLASLt >= 12.9). Probed on first use for that device, then cached: tiny
+    GEMMs at M = 1, 3 and 16 (one row, an odd row count and an aligned one: decode and prefill row counts),
+    compared with the fp32 reference (a host sync). Any error, or a wrong result, means no.
+    Raises RuntimeError if first called during CUDA-graph capture (a sync there would break the capture): the
+    decoders' build calls it before any capture (models/registry.build_decode_forward), and the fused decoder's
+    first-step check and the graphs' warm-up steps run every GEMM eagerly before capturing it."""
+    if device_index in _BLOCKWISE_SUPPORTED:
+        return _BLOCKWISE_SUPPORTED[device_index]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
+        supported = False
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("batchgen: the block-wise _scaled_mm probe ran inside a CUDA-graph capture; call "
+                               "kernels.fp8_gemm.blockwise_scaled_mm_supported(device) before capturing")
+        supported = _probe_blockwise(torch.device("cuda", device_index))
+    _BLOCKWISE_SUPPORTED[device_index] = supported
+    return supported
+
+
+def _probe_blockwise(dev: torch.device) -> bool:
+    """One tiny blockwise_scaled_mm per row count, checked against the emulated W8A8 reference (torch ops only:
+    no Triton, the activations quantised by the torch reference into the layout quantize_groups writes)."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 128, 512  # K / 128 = 4: the weight scale's row stride, a multiple of 4 as cuBLASLt's 128x128 layout needs
+    w, w_scale = quantize_weight(torch.randn(n, k, generator=g), 128, 128)
     try:
-        dev = torch.device("cuda", device_index)
-        # K / 128 = 4: newer torch wants the 128x128 scale's row stride rounded up to a multiple of 4
-        a = torch.zeros(16, 512, device=dev).to(FP8_DTYPE)
-        w = torch.zeros(128, 512, device=dev).to(FP8_DTYPE)
-        sa = torch.ones(4, 16, device=dev).t()  # [M, K / 128], strides (1, M)
-        sw = torch.ones(1, 4, device=dev)  # [N / 128, K / 128]
-        torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+        w, w_scale = w.to(dev), w_scale.to(dev)
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
+            xq, x_scale = quantize_groups_ref(x, 128)
+            x_scale = x_scale.t().contiguous().t()  # [M, K / 128], strides (1, M): cuBLAS's 1x128 layout
+            out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+            ref = linear_ref(x, w, w_scale, 128, 128, act_group=128).float()
+            if not ((out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()).item():
+                return False
         return True
     except (RuntimeError, TypeError, ValueError):
         return False
 
 
-def blockwise_scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, group_n: int, group_k: int | None) -> bool:
-    """The shapes and dtypes the cuBLASLt block-wise path takes (checkpoint 128x128 blocks, bf16, K and N
-    multiples of 16 as _scaled_mm needs; the weight scale's columns a multiple of 4 for its 128x128 layout)."""
-    n, k = weight.shape
-    return (group_n == 128 and group_k == 128 and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+def blockwise_scaled_mm_fits(dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None) -> bool:
+    """The shapes and dtypes the cuBLASLt block-wise path takes for a weight [n, k]: checkpoint 128x128 blocks,
+    bf16 activations, K and N multiples of 16 as _scaled_mm needs, and the weight scale's columns (K / 128) a
+    multiple of 4 for its 128x128 layout."""
+    return (group_n == 128 and group_k == 128 and dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
             and (-(-k // 128)) % 4 == 0)
 
 
@@ -244,20 +271,38 @@ def rowwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Te
     return out if bias is None else out.add_(bias)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None,
+              act_quant: bool) -> str:
+    """Which path fp8_linear takes for activations of `dtype` on `device` times a weight [n, k] with these scales:
+    "reference", "rowwise", "blockwise" or "triton" (the module docstring says what each is)."""
+    if device.type != "cuda" or not act_quant or triton is None:
+        return "reference"
+    if group_k is None and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        return "rowwise"
+    if blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k) and blockwise_scaled_mm_supported(_device_index(device)):
+        return "blockwise"
+    return "triton"
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None,
                bias: torch.Tensor | None = None, act_quant: bool = True, scale_ub: float | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype: the path for the device (see the
-    module docstring). act_quant False: a weight-only checkpoint, the reference path everywhere."""
+    """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype, by gemm_path's choice. act_quant
+    False: a weight-only checkpoint, the reference path everywhere."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if not x.is_cuda or not act_quant or triton is None:
+    n, k = weight.shape
+    path = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant)
+    if path == "reference":
         out = linear_ref(x2, weight, scale, group_n, group_k, bias)
-    elif group_k is None and x.dtype == torch.bfloat16:
+    elif path == "rowwise":
         out = rowwise_scaled_mm(x2, weight, scale.view(1, -1), bias, scale_ub)
-    elif (BLOCK_GEMM_BACKEND == "cublas" and blockwise_scaled_mm_fits(x2, weight, group_n, group_k)
-          and blockwise_scaled_mm_supported(x.device.index or 0)):
+    elif path == "blockwise":
         out = blockwise_scaled_mm(x2, weight, scale, bias, scale_ub)
     else:
         out = block_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*x.shape[:-1], n)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
+from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.fp8_scheme import is_fp8
@@ -44,6 +45,10 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
     """The decode forward for this model. A fused decoder that fails its first step on the device warns and
     falls back to transformers' modules (with a `shard` or `deterministic`: raises instead, see build_sharded
     and build_deterministic)."""
+    dev = kv_cache.k_cache.device
+    if is_fp8(model.config) and dev.type == "cuda":
+        # the FP8 GEMMs' one probe (a sync) runs here, before any CUDA-graph capture: fp8_gemm.gemm_path reads it
+        blockwise_scaled_mm_supported(dev.index if dev.index is not None else torch.cuda.current_device())
     if shard is not None:
         return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
     if deterministic:
