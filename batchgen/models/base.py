@@ -46,7 +46,8 @@ class DecodeForward:
         layers = getattr(self, "layers", None)
         found = [(w, len(layers)) for w in _matrices(layers[0])] if layers else []
         head = getattr(getattr(self, "lm_head", None), "weight", None)
-        return found + ([(head, 1)] if isinstance(head, torch.Tensor) else [])
+        plain_head = isinstance(head, torch.Tensor) and head.element_size() > 1  # an FP8 head is not BLAS's
+        return found + ([(head, 1)] if plain_head else [])
 
     def check(self, kv_cache) -> str | None:
         """Run one token through the forward (compiling its kernels): None when it works, else why not. The

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# config keys that give a model's expert count (any mixture-of-experts family); registry.py reads them too
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def parse(config) -> Fp8Scheme:
     q = _qconfig(config)
     method = quant_method(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+    if any(getattr(text, k, None) for k in EXPERT_KEYS):
         raise UnsupportedFp8(f"quantization_config.quant_method {method!r} on a mixture-of-experts model "
                              f"({text.model_type}): FP8 expert weights are not built (the grouped expert GEMMs read "
                              f"bf16); use a bf16 checkpoint")

@@ -13,7 +13,7 @@ from batchgen.attention.kv_cache import KVCache
 from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
-from batchgen.models.fp8_scheme import is_fp8
+from batchgen.models.fp8_scheme import EXPERT_KEYS, is_fp8
 from batchgen.models.transformers_forward import TransformersDecode
 from batchgen.models.weights import Shard, divisibility_reason
 
@@ -69,7 +69,6 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
 # OLMo2 (its q/k RMSNorm spans all heads: a sharded norm needs its own sum over ranks) and MoE models.
 TENSOR_PARALLEL_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
                          *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def tensor_parallel_reason(config, size: int) -> str | None:
@@ -81,7 +80,7 @@ def tensor_parallel_reason(config, size: int) -> str | None:
     model_type = text.model_type
     if is_fp8(config):
         return "tensor parallelism over FP8 checkpoints is not built (their weight scales are not sharded)"
-    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+    if any(getattr(text, k, None) for k in EXPERT_KEYS):
         return f"tensor parallelism of mixture-of-experts models (model type {model_type!r}) is not built"
     if model_type not in DECODERS:
         return (f"tensor parallelism needs a fused decoder; model type {model_type!r} runs transformers' modules "
@@ -128,7 +127,7 @@ def deterministic_reason(config) -> str | None:
     loads), or None. Phrased to follow "engine.deterministic: "."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = text.model_type
-    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
+    if any(getattr(text, k, None) for k in EXPERT_KEYS):
         return f"batch-invariant mixture-of-experts layers (model type {model_type!r}) are not built"
     if is_fp8(config):  # linear_invariant reads plain weights only
         return "batch-invariant FP8 GEMMs are not built (the checkpoint's quantization_config is FP8)"
