@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.paged_prefill import softcapped
+    from batchgen.kernels.paged_decode import attend_tiles
 except ImportError:  # installs without Triton (CPU) use query_attention_rows
     triton = None
 
@@ -60,27 +60,9 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + t * stride_qt + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_P, D_P]
-        m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_P], dtype=tl.float32)
-        acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
-        for n0 in tl.range(lo, kv_len, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < kv_len
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
-            kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
-            if HAS_SOFTCAP:
-                scores = softcapped(scores, softcap)
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        acc, m_i, l_i = attend_tiles(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, lo, kv_len, h,
+                                     scale, softcap, stride_kn, stride_kb, stride_kh, d, d_ok, GROUP_P, D_P,
+                                     BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t * stride_ot + (h * GROUP + g)[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

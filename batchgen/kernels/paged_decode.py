@@ -36,6 +36,38 @@ def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
 
 
 @triton.jit
+def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, softcap, stride_kn, stride_kb,
+                 stride_kh, d, d_mask, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
+    increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
+    max m [GROUP_P], running sum l [GROUP_P]). Shared by the decode kernel (per split) and the batch-invariant one
+    (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
+    for n0 in tl.range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            scores = softcapped(scores, softcap)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
@@ -87,27 +119,9 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [GROUP_P, D_P]
 
-    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
-    for n0 in tl.range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
-        if HAS_SOFTCAP:
-            scores = softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = attend_tiles(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, start, end, h,
+                                 scale, softcap, stride_kn, stride_kb, stride_kh, d, d_mask, GROUP_P, D_P,
+                                 BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP)
 
     if FUSE_ROPE:
         if has_new:
