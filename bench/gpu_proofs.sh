@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU proofs still open (issues 14, 15, 19, 20), one section per argument, each bounded by `timeout` and
+# logging to $OUT (or /tmp/gpu_proofs). Sized for the 10-minute device commands: give one or two sections a call.
+#   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~4 min; two files need `datasets`: skipped)
+#   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain vs sampling.logprobs=5, ABBA (~7 min)
+#   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new) and job at 256 seqs
+#   bash bench/gpu_proofs.sh families   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini
+#   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
+#   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh (identity checks and cost)
+# Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH (see bench/RESULTS.md) and a
+# tokenizer folder in $TOK (default .bench-assets/tokenizer: SmolLM2's, `batchgen.bench.job.tokenizer_dir`).
+set -u
+OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
+TOK=${TOK:-.bench-assets/tokenizer}
+BG=(python3 -m batchgen.cli bench)
+JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
+     --penalties 1.0)
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s"; tail -4 "$OUT/$name.log"; }
+for section in "$@"; do
+  case $section in
+    tests) step gpu_tests 300 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
+             --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
+    logprobs) i=0
+      for cfg in plain lp5 lp5 plain; do i=$((i + 1)); extra=(); [ $cfg = lp5 ] && extra=(--job-set sampling.logprobs=5)
+        step "job$i-$cfg" 170 "${JOB[@]}" --rows 1000 "${extra[@]}" --json "$OUT/job$i-$cfg.json"; done ;;
+    moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
+           --json "$OUT/moe_seed.json"
+         step moe_job 200 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json" ;;
+    families) for g in gemma2-9b phi3-mini; do
+        step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
+          --context 768 --json "$OUT/profile-$g.json"; done ;;
+    fp8) step fp8_tests 120 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
+         step w1_fp8 120 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
+         step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$OUT/job_bf16.json"
+         step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$OUT/job_fp8.json" ;;
+    det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
+    *) echo "unknown section $section (tests logprobs moe families fp8 det)"; exit 2 ;;
+  esac
+done
