@@ -8,8 +8,10 @@ GEMM (block_scaled_matmul: the block path where cuBLASLt has no block-wise scali
 over pre-quantised activations (blk - gemm = the quantiser); `cublas`: the same quantiser + torch._scaled_mm with
 1x128 x 128x128 block-wise scales (the default block path where torch/cuBLASLt supports it: sm90, CUDA >= 12.9);
 `smm`: fp8 per-channel, per-token quantiser + torch._scaled_mm row-wise (the default per-channel path); `chT`: fp8
-per-channel through the Triton path (per-channel weights with fp16/fp32 activations). Each variant calls its
-kernel functions directly, whatever kernels/fp8_gemm.gemm_path would pick.
+per-channel through the Triton path (per-channel weights with fp16/fp32 activations); `splitk`: fp8 block 128x128,
+the group quantiser + the split-K GEMM of kernels/fp8_splitk.py with its default config (+ its reduction kernel
+where it splits; not a default path yet). Each variant calls its kernel functions directly, whatever
+kernels/fp8_gemm.gemm_path would pick.
 
 Times, ms per call, two ways: `graph`: CALLS calls captured in one CUDA graph, replays timed with CUDA events,
 median / CALLS (how the decoders run: no Python or launch overhead); `eager`: CUDA events around one Python call
@@ -20,7 +22,9 @@ emulated W8A8 reference (same quantisation in fp32).
 --sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
 (shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
 literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
-shape's largest listed bucket takes the default configs). ~1-2 minutes on an H200, mostly Triton compiles.
+shape's largest listed bucket takes the default configs); at M <= 64 also the split-K GEMM over (BLOCK_N, splits,
+warps, stages) (SPLITK_TILES x split counts; splits do not recompile), its best per (shape, M) printed beside the
+Triton GEMM's and the cuBLAS block-wise GEMM alone. ~2-3 minutes on an H200, mostly Triton compiles.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from batchgen.kernels.fp8_gemm import (GemmConfig, block_scaled_matmul, blockwis
                                        blockwise_scaled_mm_fits, blockwise_scaled_mm_supported, gemm_config,
                                        rowwise_scaled_mm, w8a8_matmul)
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
+from batchgen.kernels.fp8_splitk import SplitKConfig, split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 L2_BYTES = 256 << 20  # rotate weight copies over more than this (H200 L2: 50 MB)
@@ -46,6 +51,23 @@ SMALL = [GemmConfig(*c) for c in ((16, 32, 8, 4, 4), (16, 64, 8, 4, 4), (16, 64,
                                   (32, 64, 8, 4, 4), (32, 128, 8, 4, 4), (64, 64, 8, 4, 4), (64, 128, 8, 4, 4))]
 LARGE = [GemmConfig(*c) for c in ((64, 64, 8, 4, 3), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4), (128, 64, 8, 4, 3),
                                   (128, 128, 8, 8, 3), (64, 256, 8, 8, 3), (128, 256, 8, 8, 3))]
+
+# split-K sweep: (BLOCK_N, warps, stages) tiles x every split count that divides K's scale blocks into 132 to 1600
+# programs (at most SPLITK_MAX_SPLITS; splits are a runtime argument: one compile per tile, BLOCK_M, SPLITS of the
+# reduction)
+SPLITK_TILES = ((32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4))
+SPLITK_MAX_SPLITS = 16
+
+
+def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
+    blocks = -(-k // 128)
+    out = []
+    for block_n, warps, stages in SPLITK_TILES:
+        for splits in range(1, min(blocks, SPLITK_MAX_SPLITS) + 1):
+            programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // 64)
+            if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
+                out.append(SplitKConfig(block_n, splits, warps, stages))
+    return out
 
 
 def sweep_configs(m: int) -> list[GemmConfig]:
@@ -130,6 +152,10 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
         if use_cublas:
             r["cublas_err"] = rel_err(blockwise_scaled_mm(x, wb, sb), ref_b)
             variants["cublas"] = (lambda i: blockwise_scaled_mm(x, *block[i]), copies, 1)
+        if m <= 64:
+            r["splitk_config"] = list(splitk_config(m, n, k, 128, fp8_gemm._num_sms(0)))
+            r["splitk_err"] = rel_err(splitk_scaled_matmul(x, wb, sb, 128, 128), ref_b)
+            variants["splitk"] = (lambda i: splitk_scaled_matmul(x, *block[i], 128, 128), copies, 1)
         for key, (fn, ncopies, bytes_per) in variants.items():
             try:
                 r[f"{key}_graph_ms"] = time_graph_ms(fn, ncopies)
@@ -162,11 +188,39 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
              "default": list(default), "default_ms": timed.get(default, float("nan")),
              "best_TBps": n * k / (timed[best] / 1e3) / 1e12,
              "all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
+        if m <= 64:
+            s.update(sweep_splitk(name, n, k, m, xq, xs, block, copies, ref))
         sweeps.append(s)
         print(json.dumps(s), flush=True)
     del block, channel, bf16
     torch.cuda.empty_cache()
     return out_rows
+
+
+def sweep_splitk(name: str, n: int, k: int, m: int, xq, xs, block, copies: int, ref) -> dict:
+    """The split-K GEMM alone over splitk_sweep_configs (and its default), graph replays; then cuBLAS block-wise
+    _scaled_mm alone over the same quantised activations (where supported), for comparison."""
+    default = splitk_config(m, n, k, 128, fp8_gemm._num_sms(0))
+    timed = {}
+    for cfg in dict.fromkeys(splitk_sweep_configs(m, n, k) + [default]):
+        try:
+            err = rel_err(splitk_matmul(xq, xs, *block[0], 128, 128, torch.bfloat16, config=cfg), ref)
+            assert err < 1e-2, err
+            timed[cfg] = time_graph_ms(lambda i: splitk_matmul(xq, xs, *block[i], 128, 128, torch.bfloat16,
+                                                               config=cfg), copies, calls=10, replays=5)
+        except Exception as e:
+            print(f"  {name} M={m} splitk {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    if not timed:
+        return {}
+    best = min(timed, key=timed.get)
+    out = {"splitk_best": list(best), "splitk_best_ms": timed[best], "splitk_default": list(default),
+           "splitk_default_ms": timed.get(default, float("nan")),
+           "splitk_best_TBps": n * k / (timed[best] / 1e3) / 1e12,
+           "splitk_all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
+    if blockwise_scaled_mm_fits(torch.bfloat16, n, k, 128, 128) and blockwise_scaled_mm_supported(0):
+        out["cublas_alone_ms"] = time_graph_ms(lambda i: torch._scaled_mm(
+            xq, block[i][0].t(), scale_a=xs, scale_b=block[i][1].t(), out_dtype=torch.bfloat16), copies, 10, 5)
+    return out
 
 
 def main() -> None:
@@ -188,18 +242,19 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         rows += bench_shape(name, n, k, rows_m, sweep_m, cublas, sweeps)
-    keys = ["bf16", "blk", "gemm", "cublas", "smm", "chT"]
+    keys = ["bf16", "blk", "gemm", "cublas", "splitk", "smm", "chT"]
     if rows:
         for mode in ("graph", "eager"):
             print(f"\nms per call, {mode}" + (" (CUDA-graph replay of 20 calls)" if mode == "graph" else
                                               " (events around one Python call)"))
             print(f"{'shape':<8}{'M':>5}" + "".join(f"{k:>9}" for k in keys) + f"{'blk/bf16':>9}{'blk TB/s':>9}"
-                  f"{'blk TF/s':>9}{'blk err':>9}{'cub err':>9}{'smm err':>9}")
+                  f"{'blk TF/s':>9}{'blk err':>9}{'cub err':>9}{'smm err':>9}{'sk err':>9}")
             for r in rows:
                 cells = "".join(f"{r[f'{k}_{mode}_ms']:>9.4f}" if f"{k}_{mode}_ms" in r else f"{'-':>9}" for k in keys)
                 print(f"{r['shape']:<8}{r['M']:>5}{cells}{r[f'blk_{mode}_ms'] / r[f'bf16_{mode}_ms']:>9.2f}"
                       f"{r['blk_TBps']:>9.2f}{r['blk_TFLOPs']:>9.0f}{r['blk_err']:>9.1e}"
-                      f"{r.get('cublas_err', float('nan')):>9.1e}{r['smm_err']:>9.1e}")
+                      f"{r.get('cublas_err', float('nan')):>9.1e}{r['smm_err']:>9.1e}"
+                      f"{r.get('splitk_err', float('nan')):>9.1e}")
     if sweeps:
         print("\nsweep (Triton GEMM alone, graph replay): best config (BLOCK_M, BLOCK_N, GROUP_M, warps, stages)")
         print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}  best / default")
@@ -208,6 +263,17 @@ def main() -> None:
             print(f"{s['shape']:<8}{s['M']:>5}{s['best_ms']:>9.4f}{s['best_TBps']:>7.2f}{s['default_ms']:>11.4f}  "
                   f"{tuple(s['best'])} / {tuple(s['default'])}")
             table.setdefault((s["N"], s["K"]), {})[s["M"]] = tuple(s["best"])
+        skw = [s for s in sweeps if "splitk_best" in s]
+        if skw:
+            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages) vs its default, the "
+                  "Triton GEMM's best and cuBLAS block-wise alone")
+            print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}{'triton ms':>10}{'cublas ms':>10}"
+                  "  best / default")
+            for s in skw:
+                print(f"{s['shape']:<8}{s['M']:>5}{s['splitk_best_ms']:>9.4f}{s['splitk_best_TBps']:>7.2f}"
+                      f"{s['splitk_default_ms']:>11.4f}{s['best_ms']:>10.4f}"
+                      f"{s.get('cublas_alone_ms', float('nan')):>10.4f}"
+                      f"  {tuple(s['splitk_best'])} / {tuple(s['splitk_default'])}")
         print("\nSHAPE_CONFIGS = {")
         for (n, k), per_m in table.items():
             last = max(per_m)

@@ -6,6 +6,7 @@
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new) and job at 256 seqs
 #   bash bench/gpu_proofs.sh families   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
+#   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh (identity checks and cost)
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH (see bench/RESULTS.md) and a
 # tokenizer folder in $TOK (default .bench-assets/tokenizer: SmolLM2's, `batchgen.bench.job.tokenizer_dir`).
@@ -34,7 +35,10 @@ for section in "$@"; do
          step w1_fp8 120 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$OUT/job_bf16.json"
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$OUT/job_fp8.json" ;;
+    fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
+             step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
+               --json "$OUT/fp8_gemm.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe families fp8 det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe families fp8 fp8gemm det)"; exit 2 ;;
   esac
 done

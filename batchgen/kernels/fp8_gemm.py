@@ -18,6 +18,10 @@ README "FP8 checkpoints"):
     b_scale[None, :] per k block. (The first version fused the quantisation into the GEMM: every column program
     re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
     work dominated.)
+  - "splitk" (block scales, M <= SPLITK_MAX_ROWS; NOT a default yet: SPLITK_MAX_ROWS is 0 until a GPU run shows
+    it faster): the same quantiser, then kernels/fp8_splitk.py's split-K GEMM (programs over column tiles x K
+    ranges of whole scale blocks, >= 2 per SM, fp32 partials summed in a fixed order by a second kernel), for
+    decode, where the one-program-per-column-tile GEMMs stream the weight at 1.0-1.4 TB/s.
 
 Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), replaced for the weight
 shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (committed here: no
@@ -31,21 +35,19 @@ inside a capture, and the decoders' build runs it first (models/registry.build_d
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels.fp8_quant import (FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
-                                        quantize_weight)
+from batchgen.kernels.fp8_quant import (CHANNEL_ACT_GROUP, FP8_DTYPE, linear_ref, quantize_groups,
+                                        quantize_groups_ref, quantize_rows, quantize_weight, weight_scale_strides)
+from batchgen.kernels.fp8_splitk import num_sms as _num_sms, splitk_scaled_matmul
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
-
-CHANNEL_ACT_GROUP = 128  # activation group of the Triton kernel over per-channel weights (group_k None)
 
 
 class GemmConfig(NamedTuple):
@@ -75,11 +77,9 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
     (6144, 4096): {32: GemmConfig(16, 32, 8, 4, 4)},  # q/k/v fused: 0.0182 ms vs the default's 0.0220 at M 32
     (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+# The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: 0, off, until a GPU
+# run (bench/fp8_gemm.py: column splitk) shows it faster than the block-wise _scaled_mm / the Triton GEMM.
+SPLITK_MAX_ROWS = 0
 
 
 def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:
@@ -146,17 +146,6 @@ if triton is not None:
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def _weight_scale_strides(weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None
-                          ) -> tuple[int, int, int, int]:
-    """(BLOCK_K = activation group, stride of a scale row, stride of a scale column (0: per channel), group_n)."""
-    n, k = weight.shape
-    if group_k is None:  # per-channel [N, 1]: the same scale for every k step
-        assert scale.shape == (n, 1)
-        return CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
-    assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
-    return group_k, scale.stride(0), scale.stride(1), group_n
-
-
 def w8a8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
                 group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                 config: GemmConfig | tuple | None = None) -> torch.Tensor:
@@ -166,7 +155,7 @@ def w8a8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, s
     n = weight.shape[0]
     assert weight.dtype == FP8_DTYPE and xq.dtype == FP8_DTYPE and weight.shape[1] == k
     assert weight.stride(1) == 1 and xq.stride(1) == 1
-    block_k, stride_bsn, stride_bsk, group_n = _weight_scale_strides(weight, scale, group_n, group_k)
+    block_k, stride_bsn, stride_bsk, group_n = weight_scale_strides(weight, scale, group_n, group_k)
     assert x_scale.shape == (m, -(-k // block_k)), (x_scale.shape, m, k, block_k)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
@@ -276,13 +265,15 @@ def _device_index(device: torch.device) -> int:
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None,
-              act_quant: bool) -> str:
-    """Which path fp8_linear takes for activations of `dtype` on `device` times a weight [n, k] with these scales:
-    "reference", "rowwise", "blockwise" or "triton" (the module docstring says what each is)."""
+              act_quant: bool, rows: int | None = None) -> str:
+    """Which path fp8_linear takes for `rows` (None: any count) activations of `dtype` on `device` times a weight
+    [n, k] with these scales: "reference", "rowwise", "splitk", "blockwise" or "triton" (see the module docstring)."""
     if device.type != "cuda" or not act_quant or triton is None:
         return "reference"
     if group_k is None and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
         return "rowwise"
+    if group_k is not None and rows is not None and rows <= SPLITK_MAX_ROWS:
+        return "splitk"
     if blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k) and blockwise_scaled_mm_supported(_device_index(device)):
         return "blockwise"
     return "triton"
@@ -296,13 +287,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     n, k = weight.shape
-    path = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant)
+    path = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant, x2.shape[0])
     if path == "reference":
         out = linear_ref(x2, weight, scale, group_n, group_k, bias)
     elif path == "rowwise":
         out = rowwise_scaled_mm(x2, weight, scale.view(1, -1), bias, scale_ub)
     elif path == "blockwise":
         out = blockwise_scaled_mm(x2, weight, scale, bias, scale_ub)
+    elif path == "splitk":
+        out = splitk_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
     else:
         out = block_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
     return out.reshape(*x.shape[:-1], n)

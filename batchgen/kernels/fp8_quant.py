@@ -26,6 +26,7 @@ except ImportError:  # installs without Triton (CPU) use the references
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+CHANNEL_ACT_GROUP = 128  # activation group of the Triton GEMMs over per-channel weights (group_k None)
 AMAX_EPS = 1e-10  # floor of a row's (group's) absolute max: an all-zero row gets a tiny scale, not a 0 / 0
 
 
@@ -63,6 +64,18 @@ def quantize_weight(weight: torch.Tensor, group_n: int | None = 128, group_k: in
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w / _expand_block_scale(scale, (n, k), group_n, group_k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def weight_scale_strides(weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None
+                         ) -> tuple[int, int, int, int]:
+    """The block GEMMs' k step and weight scale strides for weight [N, K] and its scales: (BLOCK_K = the
+    activation group, stride of a scale row, stride of a scale column (0: per channel), group_n)."""
+    n, k = weight.shape
+    if group_k is None:  # per-channel [N, 1]: the same scale for every k step
+        assert scale.shape == (n, 1)
+        return CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
+    assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
+    return group_k, scale.stride(0), scale.stride(1), group_n
 
 
 def quantize_groups_ref(x: torch.Tensor, group: int, scale_ub: float | None = None

@@ -1,0 +1,168 @@
+"""Split-K FP8 GEMM for decode-sized M (<= 64): out [M, N] = xq [M, K] @ dequant(weight [N, K])^T (+ bias), the
+activations already quantised per token and group (fp8_quant.quantize_groups), as fp8_gemm.w8a8_matmul computes.
+
+Why: at M <= 64 a GEMM is a stream of the weight. w8a8_matmul runs one program per column tile, each over all
+of K: for o / down / qkv that is <= 128-192 programs on 132 SMs, too few loads in flight to reach HBM bandwidth
+(1.0-1.4 TB/s measured of the H200's ~4.3). Here program (column tile, split, row tile) takes only the k blocks
+[split * per_split, (split + 1) * per_split) -- whole scale blocks of BLOCK_K = group_k columns, so every block's
+fp8 x fp8 -> fp32 dot is scaled once by a_scale[m, kb] * w_scale[n // group_n, kb] exactly as in w8a8_matmul --
+and SPLITS is chosen per (N, K) so that the grid holds >= 2 programs per SM, each deeply pipelined (num_stages).
+
+Epilogue, deterministic: with SPLITS > 1 each program writes its fp32 partial to a workspace [SPLITS, M, N]
+(torch.empty, its shape follows M: no memset, no host sync, CUDA-graph capturable), then a second small kernel
+sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32 and rounds once to the output dtype
+(as linear_ref rounds its fp32 result once). No atomics: the result does not depend on program order, and the
+bf16 output equals the fp32 output rounded. With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
+
+Not fp8_gemm's default path: `gemm_path` picks it only for M <= fp8_gemm.SPLITK_MAX_ROWS (0 until a GPU run shows
+it faster than cuBLAS block-wise); bench/fp8_gemm.py times it (column `splitk`) and sweeps its configs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, FP8_DTYPE, quantize_groups, weight_scale_strides
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without Triton (CPU) use the reference
+    triton = None
+
+MAX_BLOCK_M = 64  # row tile: M's power of two (>= 16, tl.dot's least); larger M runs several row tiles
+REDUCE_BLOCK = 1024  # elements of [M, N] per program of the reduction kernel
+
+
+class SplitKConfig(NamedTuple):
+    block_n: int
+    splits: int  # requested K splits; the launch uses ceil(blocks / ceil(blocks / splits)): none empty
+    warps: int
+    stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_m_for(m: int) -> int:
+    return min(MAX_BLOCK_M, max(16, 1 << (m - 1).bit_length()))
+
+
+def split_sizes(k_blocks: int, splits: int) -> tuple[int, int]:
+    """(k blocks per split, splits launched) for `splits` requested over k_blocks scale blocks."""
+    per_split = -(-k_blocks // max(1, min(splits, k_blocks)))
+    return per_split, -(-k_blocks // per_split)
+
+
+def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
+    """Default launch config: 64-column tiles; the fewest splits that divide K's scale blocks evenly and give
+    >= 2 programs per SM (1 where the column tiles alone do: gate_up); 5 stages (4 at BLOCK_M 64)."""
+    block_n = 64
+    k_blocks = -(-k // block_k)
+    tiles = -(-n // block_n) * -(-m // block_m_for(m))
+    splits = 1
+    if tiles < 2 * sms:
+        even = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and tiles * d >= 2 * sms]
+        splits = even[0] if even else k_blocks
+    return SplitKConfig(block_n, splits, 4, 5 if block_m_for(m) <= 32 else 4)
+
+
+if triton is not None:
+    @triton.jit
+    def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
+                       stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (column tile, split, row tile): the sum over its k blocks kb of
+        (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
+        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        kb_first = split * per_split
+        kb_end = tl.minimum(kb_first + per_split, tl.cdiv(K, BLOCK_K))
+        offs_k = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        as_ptrs = as_ptr + offs_m * stride_asm
+        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_first, kb_end):
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=tl.arange(0, BLOCK_K)[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
+            a_s = tl.load(as_ptrs + kb * stride_ask)
+            b_s = tl.load(bs_ptrs + kb * stride_bsk)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = c_ptr + split.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @triton.jit
+    def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, N, MN, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """c [M, N] = (sum over s = 0, 1, ... of partial [s, M, N], in that order, fp32) + bias, rounded once."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
+                  group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                  config: SplitKConfig | tuple | None = None) -> torch.Tensor:
+    """The split-K GEMM over already-quantised activations: xq [M, K] fp8 with x_scale [M, ceil(K / G)] (any
+    strides; G = group_k, or CHANNEL_ACT_GROUP per channel) -> [M, N] in out_dtype. Arguments as w8a8_matmul's."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and xq.dtype == FP8_DTYPE and weight.shape[1] == k
+    assert weight.stride(1) == 1 and xq.stride(1) == 1
+    block_k, stride_bsn, stride_bsk, group_n = weight_scale_strides(weight, scale, group_n, group_k)
+    assert x_scale.shape == (m, -(-k // block_k)), (x_scale.shape, m, k, block_k)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    if config is None:
+        sms = num_sms(xq.device.index or 0) if xq.is_cuda else 132
+        config = splitk_config(m, n, k, block_k, sms)
+    cfg = SplitKConfig(*config)
+    block_m = block_m_for(m)
+    per_split, splits = split_sizes(-(-k // block_k), cfg.splits)
+    # one split: the GEMM kernel writes the output; else fp32 partials [splits, M, N], reduced in split order
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
+    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
+    gemm_bias = bias is not None and splits == 1
+    _splitk_kernel[grid](xq, x_scale, weight, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
+                         xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
+                         stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
+                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.warps,
+                         num_stages=cfg.stages)
+    if splits > 1:
+        _splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            part, bias if bias is not None else part, out, n, m * n, SPLITS=splits, HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK, num_warps=4)
+    return out
+
+
+def splitk_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
+                         group_k: int | None, bias: torch.Tensor | None = None, scale_ub: float | None = None,
+                         config: SplitKConfig | tuple | None = None) -> torch.Tensor:
+    """W8A8 as fp8_gemm.block_scaled_matmul (x quantised per token and group, one kernel) with the split-K GEMM:
+    x [M, K] -> [M, N] in x's dtype."""
+    xq, x_scale = quantize_groups(x, group_k or CHANNEL_ACT_GROUP, scale_ub)
+    return splitk_matmul(xq, x_scale, weight, scale, group_n, group_k, x.dtype, bias, config)

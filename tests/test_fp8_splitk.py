@@ -1,0 +1,130 @@
+"""The split-K FP8 GEMM (kernels/fp8_splitk.py): against the emulated W8A8 reference under TRITON_INTERPRET=1 on CPU
+(exact-grid activations, as tests/test_fp8_kernels.py explains) and on a GPU at the Llama-3.1-8B layer shapes, eager
+and replayed from CUDA graphs; its launch configs; and that fp8_gemm.gemm_path takes it only where SPLITK_MAX_ROWS
+(0: off, not the default until measured) says.
+
+Triton 3.6's interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): under it the bf16 output
+is checked to one bf16 ulp of the fp32 output; on the GPU it must equal the fp32 output rounded (one rounding)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchgen.kernels import fp8_gemm  # noqa: E402
+from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
+from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
+from batchgen.kernels.fp8_splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
+
+NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+INTERPRET_SCRIPT = r"""
+import torch
+from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_weight
+from batchgen.kernels.fp8_splitk import SplitKConfig, splitk_matmul, splitk_scaled_matmul
+
+torch.manual_seed(0)
+
+def exact_x(m, k, group):
+    q = torch.randn(m, k).mul(100).clamp(-440, 440).to(FP8_DTYPE).float()
+    groups = -(-k // group)
+    q[:, ::group] = 448.0
+    return q * (2.0 ** torch.randint(-12, -4, (m, groups)).float()).repeat_interleave(group, 1)[:, :k]
+
+# K 576: 5 scale blocks, the last partial; N 200: no multiple of BLOCK_N. Splits 3 -> 2+2+1 blocks (reduction
+# kernel), 2 -> 3+2, 1 -> the GEMM kernel's own epilogue. Then 32x32 blocks with per-row scales (group_n 1), and
+# per-channel scales.
+cases = [(5, 200, 576, 128, 128, cfg) for cfg in (SplitKConfig(32, 3, 4, 1), SplitKConfig(64, 2, 4, 1))]
+cases += [(1, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1)), (1, 200, 576, 128, 128, SplitKConfig(32, 1, 4, 1))]
+cases += [(5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1))]
+for m, n, k, gn, gk, cfg in cases:
+    x = exact_x(m, k, gk or 128)
+    w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
+    bias = torch.randn(n)
+    ref = linear_ref(x, w, s, gn, gk, bias, act_group=gk or 128)
+    xq, xs = quantize_groups(x, gk or 128)
+    out = splitk_matmul(xq, xs, w, s, gn, gk, torch.float32, bias, cfg)
+    assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item(), (m, n, k, gn, gk, cfg)
+    out16 = splitk_matmul(xq, xs, w, s, gn, gk, torch.bfloat16, bias, cfg)
+    assert ((out16.float() - out).abs() <= out.abs() * 2.0 ** -7).all(), (m, n, k, cfg)
+out = splitk_scaled_matmul(x, w, s, gn, gk, bias, config=SplitKConfig(32, 2, 4, 1))  # the quantiser in front
+assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs "
+                    "numpy < 2.4")
+def test_splitk_gemm_matches_the_w8a8_reference_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton is imported: a fresh interpreter
+    result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_whole_scale_blocks():
+    want = {"qkv": 4, "o": 8, "gate_up": 1, "down": 7}  # 384, 512, 448, 448 programs at M <= 64 on 132 SMs
+    for name, (n, k) in SHAPES_8B.items():
+        for m in (1, 32, 64):
+            cfg = splitk_config(m, n, k, 128, 132)
+            assert cfg.splits == want[name] and (k // 128) % cfg.splits == 0, (name, m, cfg)
+            assert -(-n // cfg.block_n) * cfg.splits >= 2 * 132 and cfg.stages >= 4
+    assert split_sizes(5, 3) == (2, 3) and split_sizes(5, 4) == (2, 3) and split_sizes(4, 9) == (1, 4)
+
+
+CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index only: no GPU needed
+
+
+def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows_and_not_by_default(monkeypatch):
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
+    bf16 = torch.bfloat16
+    assert fp8_gemm.SPLITK_MAX_ROWS == 0  # not the default until a GPU run shows it faster
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 1) == "blockwise"
+    monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 64)
+    for rows in (1, 32, 64):
+        assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, rows) == "splitk"
+        assert gemm_path(CUDA0, torch.float16, 4096, 4096, 1, 32, True, rows) == "splitk"
+        assert gemm_path(CUDA0, bf16, 4096, 4096, 1, None, True, rows) == "rowwise"  # per channel: as before
+        assert gemm_path(torch.device("cpu"), bf16, 4096, 4096, 128, 128, True, rows) == "reference"
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 65) == "blockwise"
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True) == "blockwise"  # row count unknown
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_splitk_gemm_at_the_8b_shapes_equals_the_reference_and_replays_from_a_cuda_graph(monkeypatch, name):
+    n, k = SHAPES_8B[name]
+    g = torch.Generator("cuda").manual_seed(0)
+    w, s = quantize_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02, 128, 128)
+    bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 64)  # fp8_linear takes the split-K path
+    for m in (1, 32, 64):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        out = splitk_scaled_matmul(x, w, s, 128, 128, bias)
+        assert _rel_err(out, linear_ref(x, w, s, 128, 128, bias, act_group=128)) < 1e-2, (name, m)
+        xq, xs = quantize_groups(x, 128)
+        out32 = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, bias)
+        assert torch.equal(out, out32.to(torch.bfloat16)), (name, m)  # the epilogue rounds once
+        assert _rel_err(out32, w8a8_matmul(xq, xs, w, s, 128, 128, torch.float32, bias)) < 1e-5, (name, m)
+        assert torch.equal(fp8_linear(x, w, s, 128, 128, bias), out), (name, m)  # the entry point; deterministic
+        static_x = x.clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fp8_linear(static_x, w, s, 128, 128, bias)
+        static_x.copy_(x * 3)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, splitk_scaled_matmul(x * 3, w, s, 128, 128, bias)), (name, m)
