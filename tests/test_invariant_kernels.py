@@ -62,19 +62,24 @@ INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_invariant_kernels import _cache
-from batchgen.kernels.invariant_matmul import matmul_invariant
+from batchgen.kernels.invariant_matmul import gemm_plan, matmul_invariant
+import batchgen.kernels.invariant_attention as ia
 from batchgen.kernels.invariant_attention import query_attention
 from batchgen.kernels.paged_attention_ref import paged_attention_ref
 g = torch.Generator().manual_seed(0)
 # the GEMM: odd shapes (K not a multiple of BLOCK_K, N not of BLOCK_N), bias, fp32 and fp16 (the interpreter's
-# bf16 tl.dot is wrong: bf16 runs in the GPU test); rows computed at M = 1, 5 and 70 are bitwise the same
-for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-    x, w, b = torch.randn(70, 96, generator=g), torch.randn(130, 96, generator=g), torch.randn(130, generator=g)
+# bf16 tl.dot is wrong: bf16 runs in the GPU test), with a fixed split-K (3 K ranges in fp32, 2 in fp16, the last
+# one ragged); rows computed at M = 1, 5 and 70, with and without the partials' workspace, are bitwise the same
+for dtype, tol, splits in ((torch.float32, 1e-5, 3), (torch.float16, 2e-3, 2)):
+    x, w, b = torch.randn(70, 260, generator=g), torch.randn(130, 260, generator=g), torch.randn(130, generator=g)
     x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    assert gemm_plan(130, 260, dtype)[1] == splits
     y = matmul_invariant(x, w, b)
     ref = x.double() @ w.double().T + b.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < tol
-    assert torch.equal(matmul_invariant(x[3:4].contiguous(), w, b), y[3:4])
+    for workspace in (True, False):
+        assert torch.equal(matmul_invariant(x, w, b, workspace=workspace), y)
+        assert torch.equal(matmul_invariant(x[3:4].contiguous(), w, b, workspace=workspace), y[3:4])
     assert torch.equal(matmul_invariant(x[:5].contiguous(), w, None), matmul_invariant(x, w, None)[:5])
 # the attention: a packed step (a 9-token chunk, 2 tokens of another sequence) against the reference, with a
 # window and soft-capping; the same tokens as decode rows give the same bits
@@ -95,6 +100,29 @@ for window, cap in ((None, None), (7, None), (None, 1.5)):
 padded = query_attention(q[:2].contiguous(), k_cache, v_cache, tables, torch.tensor([5, 0], dtype=torch.int32),
                          None, 0.25)
 assert torch.equal(padded[1], torch.zeros_like(padded[1]))  # a graph's padding row (kv_len 0): zeros
+# context splits: 300 keys at the real constants (two 256-key splits, merged), then splits of 32 keys, at most 4
+# (contexts over 128 keys: 64- and 96-key splits), 2 rows a launch: tokens of one packed step against the
+# reference, and each token as a decode row whose block table is only as wide as it needs (fewer workspace
+# splits, or none): the same bits
+def rows_ref(q, kc, vc, tab, lens, window=None, cap=None):
+    return torch.cat([paged_attention_ref(q[i:i + 1], kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+                                          lens[i:i + 1], tab, 1, int(lens[i]), 0.25, sliding_window=window,
+                                          softcap=cap) for i in range(len(lens))])
+real_constants = ia.SPLIT_KEYS, ia.MAX_SPLITS, ia.ROW_SPLITS
+kc, vc = _cache(g, num_blocks=48)
+tab = torch.randperm(48, generator=g)[:40].view(1, 40).to(torch.int32)
+assert ia.SPLIT_KEYS < 300 <= 2 * ia.SPLIT_KEYS
+for lens, window, cap, constants in (([256, 300], None, None, real_constants), ([1, 32, 33, 129, 320], None, 1.5,
+                                     (32, 4, 8)), ([100, 320], 70, None, (32, 4, 8))):
+    ia.SPLIT_KEYS, ia.MAX_SPLITS, ia.ROW_SPLITS = constants
+    lens = torch.tensor(lens, dtype=torch.int32)
+    qq = torch.randn(len(lens), 4, 16, generator=g)
+    out = query_attention(qq, kc, vc, tab, lens, torch.zeros(len(lens), dtype=torch.int32), 0.25, window, cap)
+    torch.testing.assert_close(out, rows_ref(qq, kc, vc, tab, lens, window, cap), atol=1e-5, rtol=1e-5)
+    for i, n in enumerate(lens.tolist()):
+        one = query_attention(qq[i:i + 1], kc, vc, tab[:, :-(-n // 8)], lens[i:i + 1], None, 0.25, window, cap)
+        assert torch.equal(one[0], out[i]), (n, window, cap)
+ia.SPLIT_KEYS, ia.MAX_SPLITS, ia.ROW_SPLITS = real_constants  # the decoders below run the real ones
 """
 
 
@@ -127,7 +155,8 @@ print("ok")
 
 
 def test_invariant_kernels_and_decoders_match_their_references_under_triton_interpreter():
-    """The kernels against their references; then the Triton wiring of the batch-invariant decoders (the GEMM,
+    """The kernels against their references (the GEMM's split-K in both modes, the attention's context splits and
+    their merge); then the Triton wiring of the batch-invariant decoders (the GEMM,
     the per-query attention's row lengths and sequences in a packed step): a token's logits are the same bits in
     a prefill and in a decode step, Triton path and CPU path alike. One process (the interpreter's start-up
     costs ~6 s)."""
@@ -146,7 +175,7 @@ LLAMA_8B_GEMMS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", LLAMA_8B_GEMMS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gpu_gemm_rows_are_bitwise_the_same_at_m_1_16_and_256_bf16(shape):
-    from batchgen.kernels.invariant_matmul import matmul_invariant
+    from batchgen.kernels.invariant_matmul import _use_workspace, gemm_plan, matmul_invariant
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) * 0.02
@@ -157,6 +186,13 @@ def test_gpu_gemm_rows_are_bitwise_the_same_at_m_1_16_and_256_bf16(shape):
         lo = i - i % 16
         assert torch.equal(matmul_invariant(x[lo:lo + 16].contiguous(), w)[i - lo], full[i])
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), atol=0.05, rtol=0.02)
+    # the split-K GEMMs (all but the LM head) run M = 1 and 16 with the partials' workspace and M = 256 without:
+    # the same arithmetic by construction; both modes at one M besides
+    if gemm_plan(*shape, torch.bfloat16)[1] > 1:
+        assert _use_workspace(16, *shape, *gemm_plan(*shape, torch.bfloat16)[:2])
+        assert not _use_workspace(256, *shape, *gemm_plan(*shape, torch.bfloat16)[:2])
+        for m in (16, 256):
+            assert torch.equal(matmul_invariant(x[:m], w, workspace=True), matmul_invariant(x[:m], w, workspace=False))
 
 
 @pytest.mark.gpu
@@ -183,3 +219,47 @@ def test_gpu_attention_of_prefill_chunks_equals_decode_rows_bitwise_bf16():
             seqs = torch.tensor([0] * (end - start) + [1] * 3, device="cuda", dtype=torch.int32)
             out = query_attention(rows.contiguous(), k_cache, v_cache, tables, lens, seqs, 0.088)
             assert torch.equal(out[:end - start], decode[start:end])
+
+
+@pytest.mark.gpu
+def test_gpu_attention_over_3000_keys_chunked_equals_decode_rows_across_split_and_table_widths_bf16():
+    """A 3,000-token sequence (12 context splits of 256 keys, merged) beside a 1,000-token one: tokens of packed
+    steps (chunks of 512 and 37, the step's block table just wide enough) and the same tokens as decode rows of a
+    graph-wide block table (max_model_len 8,192: the workspace's 16 split slots), at batches of 1 and 64: bitwise
+    the same (8B heads)."""
+    from batchgen.kernels.invariant_attention import query_attention
+    from batchgen.kernels.paged_attention_ref import paged_attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    block_size = 16
+    k_cache = torch.randn(512, block_size, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    v_cache = torch.randn(512, block_size, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    wide = torch.zeros(2, 512, dtype=torch.int32, device="cuda")  # 8,192 keys a row
+    wide[:, :188] = torch.randperm(512, generator=g, device="cuda")[:376].view(2, 188).to(torch.int32)
+    q = torch.randn(3000, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
+    i32 = dict(device="cuda", dtype=torch.int32)
+    picks = torch.tensor([0, 255, 256, 511, 999, 1000, 2047, 2560, 2999], device="cuda")
+    decode = {}
+    for batch in (1, 64):  # the picked tokens as decode rows, with 63 rows of the other sequence beside them
+        for p in picks.tolist():
+            rows = torch.cat([q[p:p + 1], q[:batch - 1]])
+            lens = torch.cat([torch.tensor([p + 1], **i32), torch.arange(batch - 1, **i32) * 15 + 1])
+            seqs = torch.tensor([0] + [1] * (batch - 1), **i32)
+            out = query_attention(rows.contiguous(), k_cache, v_cache, wide, lens, seqs, 0.088)
+            assert decode.setdefault(p, out[0]).equal(out[0]), (batch, p)
+    for chunk in (512, 37):
+        for start in range(0, 3000, chunk):
+            end = min(start + chunk, 3000)
+            hit = picks[(picks >= start) & (picks < end)]
+            if len(hit) == 0:
+                continue
+            rows = torch.cat([q[start:end], q[:2]])
+            lens = torch.cat([torch.arange(start + 1, end + 1, **i32), torch.tensor([1000, 999], **i32)])
+            seqs = torch.tensor([0] * (end - start) + [1] * 2, **i32)
+            narrow = wide[:, :-(-max(end, 1000) // block_size)].contiguous()  # both sequences' keys, no more
+            out = query_attention(rows.contiguous(), k_cache, v_cache, narrow, lens, seqs, 0.088)
+            for p in hit.tolist():
+                assert torch.equal(out[p - start], decode[p]), (chunk, p)
+    ref = paged_attention_ref(q[2999:3000].float(), k_cache.float(), v_cache.float(), torch.tensor([0, 1], **i32),
+                              torch.tensor([3000], **i32), wide[:1], 1, 3000, 0.088)
+    torch.testing.assert_close(decode[2999].float(), ref[0], atol=2e-2, rtol=2e-2)

@@ -68,6 +68,30 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
 
 
 @triton.jit
+def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
+    """A split's (acc [GROUP_P, D_P], m [GROUP_P], l [GROUP_P]) from attend_tiles to the fp32 workspace: query head
+    g's at workspace row rows[g] (acc: D_P values a row), where rows_ok (the padding heads of the tl.dot tile are
+    not stored)."""
+    tl.store(m_ptr + rows, m_i, mask=rows_ok)
+    tl.store(l_ptr + rows, l_i, mask=rows_ok)
+    tl.store(acc_ptr + rows[:, None] * D_P + d[None, :], acc, mask=rows_ok[:, None])
+
+
+@triton.jit
+def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
+    """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
+    order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
+    the same bits across launches keep S fixed."""
+    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"))
+    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0)
+    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0)  # [S, D_P]
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
@@ -145,9 +169,7 @@ def _decode_split_kernel(
     # Only the GROUP real query rows are stored (tl.dot pads the group to >= 16 rows; storing the padding
     # would write up to 4x the partials the merge reads).
     part = (b * tl.num_programs(1) + h) * NUM_SPLITS + s  # index of this (seq, kv head, split)
-    tl.store(m_ptr + part * GROUP_P + g, m_i, mask=g_mask)
-    tl.store(l_ptr + part * GROUP_P + g, l_i, mask=g_mask)
-    tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc, mask=g_mask[:, None])
+    store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, g_mask, d, D_P)
 
 
 @triton.jit
@@ -164,13 +186,7 @@ def _decode_merge_kernel(
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_P)
     part = (b * NUM_KV_HEADS + h) * NUM_SPLITS + s  # [S]
-    m = tl.load(m_ptr + part * GROUP_P + g)
-    l = tl.load(l_ptr + part * GROUP_P + g)
-    acc = tl.load(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :])  # [S, D_P]
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    denom = tl.sum(w * l, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, s < NUM_SPLITS, d, D_P)
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
