@@ -242,6 +242,9 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         rows += bench_shape(name, n, k, rows_m, sweep_m, cublas, sweeps)
+        if args.json:  # after every shape: a run cut by its time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "sweep": sweeps}, f, indent=1)
     keys = ["bf16", "blk", "gemm", "cublas", "splitk", "smm", "chT"]
     if rows:
         for mode in ("graph", "eager"):

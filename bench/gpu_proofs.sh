@@ -24,15 +24,15 @@ for section in "$@"; do
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
     logprobs) i=0
       for cfg in plain lp5 lp5 plain; do i=$((i + 1)); extra=(); [ $cfg = lp5 ] && extra=(--job-set sampling.logprobs=5)
-        step "job$i-$cfg" 170 "${JOB[@]}" --rows 1000 "${extra[@]}" --json "$OUT/job$i-$cfg.json"; done ;;
+        step "job$i-$cfg" 140 "${JOB[@]}" --rows 1000 "${extra[@]}" --json "$OUT/job$i-$cfg.json"; done ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$OUT/moe_seed.json"
          step moe_job 200 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json" ;;
     families) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$OUT/profile-$g.json"; done ;;
-    fp8) step fp8_tests 120 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
-         step w1_fp8 120 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
+    fp8) step fp8_tests 90 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
+         step w1_fp8 100 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$OUT/job_bf16.json"
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$OUT/job_fp8.json" ;;
     fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider

@@ -272,7 +272,7 @@ def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n:
         return "reference"
     if group_k is None and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
         return "rowwise"
-    if group_k is not None and rows is not None and rows <= SPLITK_MAX_ROWS:
+    if group_k is not None and rows is not None and 0 < rows <= SPLITK_MAX_ROWS:
         return "splitk"
     if blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k) and blockwise_scaled_mm_supported(_device_index(device)):
         return "blockwise"
