@@ -5,9 +5,6 @@ model falls back, the routing counts the bench reads, and the Triton wiring unde
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -106,13 +103,9 @@ def test_routing_counts_add_every_tokens_top_k_choices_of_every_sparse_layer():
 def test_moe_fused_steps_with_triton_kernels_match_the_reference_path_under_triton_interpreter():
     """The MoE decoders' wiring of the grouped-GEMM kernels inside a decode step and a packed (mixed) step."""
     pytest.importorskip("triton")
-    from test_fused_decoder import FUSED_STEP_INTERPRET_SCRIPT
+    from test_fused_decoder import run_fused_steps_under_interpreter
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", FUSED_STEP_INTERPRET_SCRIPT, *MOE_ARCHS], env=env,
-                            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
-                            timeout=900)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_fused_steps_under_interpreter(list(MOE_ARCHS))
 
 
 @pytest.mark.gpu
