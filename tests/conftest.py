@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,3 +164,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from jobutil import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def run_under_interpreter(script: str, *args: str, timeout: int = 900) -> None:
+    """Run `script` (python -c, with `args`) under TRITON_INTERPRET=1 from the repository root; it must print ok.
+    The variable is read when triton is imported: hence a fresh interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=timeout)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

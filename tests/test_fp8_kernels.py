@@ -9,15 +9,14 @@ fails in its own code: "only 0-dimensional arrays can be converted to Python sca
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from conftest import run_under_interpreter  # noqa: E402
 
 from batchgen.kernels.fp8_gemm import (  # noqa: E402
     block_scaled_matmul, blockwise_scaled_mm, blockwise_scaled_mm_supported, fp8_linear, gemm_path,
@@ -72,10 +71,7 @@ print("ok")
 @pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs numpy < 2.4 "
                     "(InterpreterError: only 0-dimensional arrays can be converted to Python scalars)")
 def test_fp8_gemm_kernels_match_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton is imported: a fresh interpreter
-    result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_under_interpreter(INTERPRET_SCRIPT, timeout=600)
 
 
 CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index only: no GPU needed

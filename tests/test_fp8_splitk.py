@@ -8,15 +8,14 @@ is checked to one bf16 ulp of the fp32 output; on the GPU it must equal the fp32
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from conftest import run_under_interpreter  # noqa: E402
 
 from batchgen.kernels import fp8_gemm  # noqa: E402
 from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
@@ -64,10 +63,7 @@ print("ok")
 @pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs "
                     "numpy < 2.4")
 def test_splitk_gemm_matches_the_w8a8_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton is imported: a fresh interpreter
-    result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_under_interpreter(INTERPRET_SCRIPT, timeout=300)
 
 
 def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_whole_scale_blocks():

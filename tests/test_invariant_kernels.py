@@ -4,9 +4,6 @@ bitwise invariance at the 8B model's shapes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import torch.nn.functional as F
 from batchgen.kernels.invariant_attention import query_attention_rows
 from batchgen.kernels.invariant_matmul import linear_rows
 from batchgen.kernels.paged_attention_ref import paged_attention_ref
+from conftest import run_under_interpreter
 
 
 def test_the_default_cpu_gemm_depends_on_the_batch_and_linear_rows_does_not():
@@ -161,11 +159,8 @@ def test_invariant_kernels_and_decoders_match_their_references_under_triton_inte
     a prefill and in a decode step, Triton path and CPU path alike. One process (the interpreter's start-up
     costs ~6 s)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT + DECODER_INTERPRET_SCRIPT, "llama", "qwen3",
-                             "gemma2", "olmo2", "starcoder2"], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_under_interpreter(INTERPRET_SCRIPT + DECODER_INTERPRET_SCRIPT, "llama", "qwen3", "gemma2", "olmo2",
+                          "starcoder2", timeout=600)
 
 
 # the 8B model's GEMMs: fused q/k/v, o_proj, fused gate/up, down_proj, the LM head ([N, K] weights)

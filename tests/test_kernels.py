@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from batchgen.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from conftest import run_under_interpreter
 
 
 def _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, device, seed=0):
@@ -74,16 +73,8 @@ print("ok")
 """
 
 
-def _run_under_interpreter(script: str) -> None:
-    # TRITON_INTERPRET must be set before triton is imported: run in a fresh interpreter.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(__file__)), timeout=900)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
-
-
 def test_paged_decode_kernel_matches_reference_under_triton_interpreter():
-    _run_under_interpreter(INTERPRET_SCRIPT)
+    run_under_interpreter(INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -157,7 +148,7 @@ print("ok")
 
 
 def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_triton_interpreter():
-    _run_under_interpreter(ROPE_ATTENTION_INTERPRET_SCRIPT)
+    run_under_interpreter(ROPE_ATTENTION_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -238,7 +229,7 @@ print("ok")
 
 
 def test_fused_decode_kernels_match_reference_under_triton_interpreter():
-    _run_under_interpreter(FUSED_INTERPRET_SCRIPT)
+    run_under_interpreter(FUSED_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -298,7 +289,7 @@ print("ok")
 
 
 def test_paged_prefill_kernel_matches_reference_under_triton_interpreter():
-    _run_under_interpreter(PREFILL_INTERPRET_SCRIPT)
+    run_under_interpreter(PREFILL_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -329,7 +320,7 @@ print("ok")
 
 
 def test_greedy_argmax_kernel_equals_torch_argmax_ties_included_under_triton_interpreter():
-    _run_under_interpreter(ARGMAX_INTERPRET_SCRIPT)
+    run_under_interpreter(ARGMAX_INTERPRET_SCRIPT)
 
 
 def test_argmax_self_check_reports_a_kernel_that_cannot_run_instead_of_raising():
@@ -403,7 +394,7 @@ print("ok")
 
 
 def test_moe_grouped_gemm_experts_match_the_reference_under_triton_interpreter():
-    _run_under_interpreter(MOE_INTERPRET_SCRIPT)
+    run_under_interpreter(MOE_INTERPRET_SCRIPT)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(7, 2, 16), (1, 8, 16), (300, 8, 64), (33, 2, 32)])
@@ -490,7 +481,7 @@ print("ok")
 
 
 def test_moe_alignment_and_combine_kernels_match_the_torch_ops_under_triton_interpreter():
-    _run_under_interpreter(MOE_STEP_KERNELS_INTERPRET_SCRIPT)
+    run_under_interpreter(MOE_STEP_KERNELS_INTERPRET_SCRIPT)
 
 
 def _route_case(num_tokens, hidden, num_experts, top_k, dtype=torch.bfloat16, seed=0, router=None):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_kernels import _run_under_interpreter
+from conftest import run_under_interpreter
 
 SAME_DRAWS_SCRIPT = """
 import torch
@@ -79,12 +79,12 @@ print("ok")
 
 def test_triton_sampler_draws_the_reference_token_for_the_same_noise_under_the_interpreter():
     pytest.importorskip("triton")
-    _run_under_interpreter(SAME_DRAWS_SCRIPT)
+    run_under_interpreter(SAME_DRAWS_SCRIPT)
 
 
 def test_triton_sampler_draws_from_the_reference_distribution_chi_square_under_the_interpreter():
     pytest.importorskip("triton")
-    _run_under_interpreter(CHI_SQUARE_SCRIPT)
+    run_under_interpreter(CHI_SQUARE_SCRIPT)
 
 
 @pytest.mark.gpu

@@ -66,16 +66,23 @@ def quantize_weight(weight: torch.Tensor, group_n: int | None = 128, group_k: in
     return q, scale
 
 
-def weight_scale_strides(weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None
-                         ) -> tuple[int, int, int, int]:
-    """The block GEMMs' k step and weight scale strides for weight [N, K] and its scales: (BLOCK_K = the
-    activation group, stride of a scale row, stride of a scale column (0: per channel), group_n)."""
-    n, k = weight.shape
+def gemm_operands(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
+                  group_k: int | None) -> tuple[int, int, int, int, int, int, int]:
+    """Checks the block GEMMs' operands (xq [M, K] fp8 with x_scale [M, ceil(K / BLOCK_K)]; weight [N, K] fp8 with
+    its scales; unit column strides) and returns (M, N, K, BLOCK_K = the activation group, stride of a scale row,
+    stride of a scale column (0: per channel), group_n)."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and xq.dtype == FP8_DTYPE and weight.shape[1] == k
+    assert weight.stride(1) == 1 and xq.stride(1) == 1
     if group_k is None:  # per-channel [N, 1]: the same scale for every k step
         assert scale.shape == (n, 1)
-        return CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
-    assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
-    return group_k, scale.stride(0), scale.stride(1), group_n
+        block_k, stride_bsn, stride_bsk, group_n = CHANNEL_ACT_GROUP, scale.stride(0), 0, 1
+    else:
+        assert scale.shape == (-(-n // group_n), -(-k // group_k)), (scale.shape, n, k, group_n, group_k)
+        block_k, stride_bsn, stride_bsk = group_k, scale.stride(0), scale.stride(1)
+    assert x_scale.shape == (m, -(-k // block_k)), (x_scale.shape, m, k, block_k)
+    return m, n, k, block_k, stride_bsn, stride_bsk, group_n
 
 
 def quantize_groups_ref(x: torch.Tensor, group: int, scale_ub: float | None = None

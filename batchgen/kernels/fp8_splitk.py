@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, FP8_DTYPE, quantize_groups, weight_scale_strides
+from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
 
 try:
     import triton
@@ -128,12 +128,7 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                   config: SplitKConfig | tuple | None = None) -> torch.Tensor:
     """The split-K GEMM over already-quantised activations: xq [M, K] fp8 with x_scale [M, ceil(K / G)] (any
     strides; G = group_k, or CHANNEL_ACT_GROUP per channel) -> [M, N] in out_dtype. Arguments as w8a8_matmul's."""
-    m, k = xq.shape
-    n = weight.shape[0]
-    assert weight.dtype == FP8_DTYPE and xq.dtype == FP8_DTYPE and weight.shape[1] == k
-    assert weight.stride(1) == 1 and xq.stride(1) == 1
-    block_k, stride_bsn, stride_bsk, group_n = weight_scale_strides(weight, scale, group_n, group_k)
-    assert x_scale.shape == (m, -(-k // block_k)), (x_scale.shape, m, k, block_k)
+    m, n, k, block_k, stride_bsn, stride_bsk, group_n = gemm_operands(xq, x_scale, weight, scale, group_n, group_k)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
