@@ -252,6 +252,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           job_set: Annotated[Optional[list[str]], typer.Option(
               "--job-set", help="job: also --set this key=value in every run, e.g. "
                                 "sampling.logprobs=5 (repeatable).")] = None,
+          ab_set: Annotated[Optional[list[str]], typer.Option(
+              "--ab-set", help="job: an A/B of these sets: each configuration runs as A (without) and B (with "
+                               "them) in the order A B B A, and the report gives B/A (repeatable).")] = None,
           model_geometry: Annotated[str, typer.Option(
               help="seed, job: the model's shape, random bf16 weights (llama-8b, mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, mixtral-8x7b).")] = "llama-8b",
@@ -290,7 +293,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
                  compare=compare, compare_last=compare_last, geometry=model_geometry, extra_sets=job_set or [],
-                 weights=weights)
+                 weights=weights, ab_sets=ab_set or [])
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main

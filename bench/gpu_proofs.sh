@@ -2,7 +2,7 @@
 # The GPU proofs still open (issues 14, 15, 19, 20), one section per argument, each bounded by `timeout` and
 # logging to $OUT (or /tmp/gpu_proofs). Sized for the 10-minute device commands: give one or two sections a call.
 #   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~4 min; two files need `datasets`: skipped)
-#   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain vs sampling.logprobs=5, ABBA (~7 min)
+#   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new) and job at 256 seqs
 #   bash bench/gpu_proofs.sh families   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
@@ -22,9 +22,7 @@ for section in "$@"; do
   case $section in
     tests) step gpu_tests 300 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
-    logprobs) i=0
-      for cfg in plain lp5 lp5 plain; do i=$((i + 1)); extra=(); [ $cfg = lp5 ] && extra=(--job-set sampling.logprobs=5)
-        step "job$i-$cfg" 140 "${JOB[@]}" --rows 1000 "${extra[@]}" --json "$OUT/job$i-$cfg.json"; done ;;
+    logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$OUT/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$OUT/moe_seed.json"
          step moe_job 200 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json" ;;

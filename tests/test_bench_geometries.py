@@ -90,3 +90,16 @@ def test_a_bench_fp8_model_saves_as_a_checkpoint_that_loads_back_equal(tmp_path,
     ids = torch.tensor([[5, 17, 200, 3]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
+    from batchgen.bench.job import ab_summary
+
+    runs = [{"code": "this", "max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v, "tok_s_end_to_end": t}
+            for v, t in (("A", 100.0), ("B", 80.0), ("B", 90.0), ("A", 110.0))]
+    runs.append({"code": "this", "max_num_seqs": 512, "repetition_penalty": 1.0, "variant": "A",
+                 "tok_s_end_to_end": 50.0})
+    by_seqs = {row["max_num_seqs"]: row for row in ab_summary(runs)}
+    assert by_seqs[256]["A_tok_s"] == 105.0 and by_seqs[256]["B_tok_s"] == 85.0
+    assert by_seqs[256]["B_over_A"] == round(85 / 105, 4)
+    assert by_seqs[512]["B_tok_s"] != by_seqs[512]["B_tok_s"]  # no B run: NaN, not a made-up figure

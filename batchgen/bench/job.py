@@ -177,6 +177,20 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     }
 
 
+def ab_summary(runs: list[dict]) -> list[dict]:
+    """Per (checkout, max_num_seqs, penalty): the mean end-to-end tok/s of the A runs and of the B runs, and B/A."""
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for r in runs:
+        key = (r["code"], r["max_num_seqs"], r["repetition_penalty"])
+        groups.setdefault(key, {"A": [], "B": []})[r["variant"]].append(r["tok_s_end_to_end"])
+    out = []
+    for (code, seqs, penalty), tok_s in groups.items():
+        a, b = (sum(v) / len(v) if v else float("nan") for v in (tok_s["A"], tok_s["B"]))
+        out.append({"code": code, "max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": round(a, 1),
+                    "B_tok_s": round(b, 1), "B_over_A": round(b / a, 4)})
+    return out
+
+
 def _kind(name: str) -> str:
     n = name.lower()
     if "decode_split" in n or "decode_merge" in n or "prefill" in n:
@@ -246,7 +260,8 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
          json_path: str | None = None, compare: str | None = None, compare_last: bool = False,
-         geometry: str = "llama-8b", extra_sets: list[str] = (), weights: str = "bf16") -> dict:
+         geometry: str = "llama-8b", extra_sets: list[str] = (), weights: str = "bf16",
+         ab_sets: list[str] = ()) -> dict:
     import tempfile
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
@@ -262,7 +277,13 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
               "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
               "vocab_size": vocab, "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
-              "profiles": []}
+              "ab_sets": list(ab_sets), "profiles": []}
+    # With `ab_sets`, every configuration runs twice as A (the job) and twice as B (the job plus those sets), in
+    # the order A B B A, so that a drift linear in time (the first run of a process tree is slower) cancels in
+    # the pair means.
+    variants = [("A", list(extra_sets))]
+    if ab_sets:
+        variants.append(("B", list(extra_sets) + list(ab_sets)))
     # Warm-up: a short run of every configuration and checkout first, so that Triton's compilation (a first
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two
     # otherwise equal runs 25 % slower.
@@ -272,14 +293,17 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         warm = write_job(work, model_dir, write_source(work, s + 64), 32, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
             for code in [compare, None] if compare else [None]:
-                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, extra_sets)
+                for _, sets in variants:
+                    run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, sets)
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
             order = ([compare] if compare else []) + [None]  # the other checkout first, then this one
             for code in reversed(order) if compare_last else order:
-                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, extra_sets)
-                report["runs"].append(r)
-                print("run", json.dumps(r), flush=True)
+                for name, sets in (variants + variants[::-1]) if ab_sets else variants:
+                    r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets)
+                    r["variant"] = name
+                    report["runs"].append(r)
+                    print("run", json.dumps(r), flush=True)
     if profile_steps_n:
         for s in (int(x) for x in seqs.split(",")):
             r = profile_steps(model_dir, s, profile_steps_n, new_tokens, 1.0)
@@ -293,6 +317,14 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         print(f"{r['code'][-8:]:>8} {r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
               f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f}")
+    if ab_sets:
+        report["ab"] = ab_summary(report["runs"])
+        for row in report["ab"]:
+            print(f"A/B {row['code'][-8:]} seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: "
+                  f"tok/s e2e A {row['A_tok_s']:.0f}, B {row['B_tok_s']:.0f}, B/A {row['B_over_A']:.3f} "
+                  f"(B = {' '.join(ab_sets)})")
+        if json_path:
+            Path(json_path).write_text(json.dumps(report, indent=1))
     for r in report["profiles"]:
         print(f"profile {r['max_num_seqs']} seqs: wall {r['wall_ms_per_step']} ms/step, kernels "
               f"{r['kernel_total_ms_per_step']} ms ({r['kernels_per_step']}): {r['kernel_ms_per_step']}")
