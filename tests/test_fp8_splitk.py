@@ -113,7 +113,9 @@ def test_splitk_gemm_at_the_8b_shapes_equals_the_reference_and_replays_from_a_cu
         xq, xs = quantize_groups(x, 128)
         out32 = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, bias)
         assert torch.equal(out, out32.to(torch.bfloat16)), (name, m)  # the epilogue rounds once
-        assert _rel_err(out32, w8a8_matmul(xq, xs, w, s, 128, 128, torch.float32, bias)) < 1e-5, (name, m)
+        # Hopper's FP8 MMA adds its products in fewer bits than fp32 within each 128-wide K group (measured on the
+        # H200: 1.8e-4 at qkv, M = 64), so the fp32 sums agree with the reference to ~1e-4, not to fp32 rounding
+        assert _rel_err(out32, w8a8_matmul(xq, xs, w, s, 128, 128, torch.float32, bias)) < 1e-3, (name, m)
         assert torch.equal(fp8_linear(x, w, s, 128, 128, bias), out), (name, m)  # the entry point; deterministic
         static_x = x.clone()
         torch.cuda.synchronize()
