@@ -288,9 +288,12 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two
     # otherwise equal runs 25 % slower.
     # (A warm-up of 64 rows and 8 new tokens left the first timed run 12 % slower in its first window: some
-    # kernels specialise on shapes only a full wave reaches, so the warm-up runs one wave and a refill.)
+    # kernels specialise on shapes only a full wave reaches, so the warm-up runs one wave and a refill. With 32 new
+    # tokens the first timed run was still 20-25 % slower end to end than the same run later (H200, session 9:
+    # 15,993 vs 21,986 tok/s, its steady state unaffected): contexts grow to the prompt + new_tokens, past any the
+    # warm-up reached, so the warm-up now generates the timed run's full new_tokens.)
     for s in (int(x) for x in seqs.split(",")):
-        warm = write_job(work, model_dir, write_source(work, s + 64), 32, name=f"warm-{s}")
+        warm = write_job(work, model_dir, write_source(work, s + 64), new_tokens, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
             for code in [compare, None] if compare else [None]:
                 for _, sets in variants:
