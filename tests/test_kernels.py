@@ -103,7 +103,7 @@ def test_paged_decode_kernel_writes_every_output_element():
 
 
 def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-                          num_splits=None, seed=0, sliding_window=None, softcap=None):
+                          num_splits=None, seed=0, sliding_window=None, softcap=None, launch=None):
     """paged_decode_rope_attention against rope_kv_ref + the attention reference: the output, and the caches
     (the new tokens' K/V written, nothing else touched)."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
@@ -124,7 +124,8 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     q = rope_kv_ref(qkv, cos, sin, slots, k_ref, v_ref, num_heads, num_kv_heads)
     ref = _reference(q, k_ref, v_ref, block_tables, lens, head_dim ** -0.5, sliding_window, softcap)
     out = paged_decode_rope_attention(qkv, cos, sin, slots, k_cache, v_cache, block_tables, lens, head_dim ** -0.5,
-                                      num_heads, num_splits=num_splits, sliding_window=sliding_window, softcap=softcap)
+                                      num_heads, num_splits=num_splits, sliding_window=sliding_window, softcap=softcap,
+                                      launch=launch)
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
@@ -143,6 +144,12 @@ _check_rope_attention("cpu", torch.float32, 1e-5, [5, 19], num_heads=6, num_kv_h
 for splits in (1, 2):  # Gemma2/3 layers: the new token is always inside the window
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits, sliding_window=12,
                           softcap=0.5)
+from batchgen.kernels.paged_decode import DecodeLaunch, default_launch
+for seqs in (2, 32, 512):  # 256-dim heads: half the keys a tile of 128-dim heads' launch
+    assert default_launch(seqs, 8, 256).block_n * 2 == default_launch(seqs, 8, 128).block_n
+_check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 70], num_heads=4, num_kv_heads=2, head_dim=256)
+for launch in (DecodeLaunch(1, 16, 2, 2), DecodeLaunch(2, 32, 4, 3)):  # explicit launches, as the sweep runs them
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], launch=launch)
 print("ok")
 """
 
@@ -156,6 +163,15 @@ def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_t
                                       [7, 200, 1, 0, 33, 161, 16, 1030] * 20])  # the last: the many-sequence launch
 def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 8, 256), (32, 32, 96)], ids=["gemma2-9b", "phi3-mini"])
+@pytest.mark.parametrize("seq_lens", [[769] * 32, [7, 200, 1, 0, 33, 161, 16, 1030] * 20])
+def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens):
+    num_heads, num_kv_heads, head_dim = heads
+    _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, softcap=50.0 if head_dim == 256 else None)
 
 
 # ---- fused decode-step kernels: rmsnorm (+ residual; Gemma, OLMo2 roundings), rotary + K/V write, gated activation ---

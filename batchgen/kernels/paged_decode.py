@@ -19,6 +19,8 @@ them from registers (no program reads that slot in this step, so the write races
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -193,12 +195,45 @@ def _decode_merge_kernel(
 def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 256) -> int:
     """Context splits per (sequence, KV head): enough programs to keep every SM streaming (~2 per SM on
     an H200's 132 SMs), no more, since each split writes partials the merge must read back (and one split
-    needs no merge at all). Depends only on the batch shape, so a CUDA graph captured for a bucket keeps a
-    valid grid for any context length. bench/profile_decode.py measured the launch choices below."""
+    lets the kernel write the output directly)."""
     splits = 1
     while splits < 32 and num_seqs * num_kv_heads * splits < target_programs:
         splits *= 2
     return splits
+
+
+# The head size the launches below were measured at (Llama's 128). Wider heads take proportionally fewer keys a
+# tile, so that a tile holds as many elements per warp as the measured launch, or registers spill: Gemma2's
+# 256-dim heads at Llama's block_n 128 ran at 2.05x their K/V bytes on the H200 (session 9).
+MEASURED_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode attention launch spreads its work: context splits per (sequence, KV head), keys a tile, and
+    Triton's warps and pipeline stages (None: Triton's default). Changes timing and the order of the fp32
+    additions, never which keys a query sees."""
+
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int | None = None
+
+
+def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
+    """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
+    Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at
+    64 / 2 warps; 256 seqs (2,048 programs) at 160 / 1,024 context: one split at block_n 32 / 2 warps / 2 stages,
+    46 / 252 µs against 58 / 258 at 128 / 4 (many small programs per SM hide the latency that long tiles hid when
+    programs were few). Wider heads: the same launch with block_n scaled by MEASURED_HEAD_DIM / padded head dim
+    (not yet swept). `num_splits`: the caller's (None: default_num_splits)."""
+    num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
+    narrow = max(1, triton.next_power_of_2(head_dim) // MEASURED_HEAD_DIM)  # 2 for 256-dim heads
+    if num_splits == 1 and num_seqs * num_kv_heads >= 1024:
+        return DecodeLaunch(1, max(16, 32 // narrow), 2, 2)
+    if num_splits == 1:
+        return DecodeLaunch(1, max(16, 128 // narrow), 4)
+    return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
 
 
 def paged_decode_attention(
@@ -209,15 +244,18 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32 (0 for padding rows)
     scale: float,
     num_splits: int | None = None,
-    block_n: int | None = None,  # None: the launch bench/profile_decode measured best (see _launch)
+    block_n: int | None = None,  # None (and below): default_launch's
     num_warps: int | None = None,
     num_stages: int | None = None,
     sliding_window: int | None = None,  # keys within the last `sliding_window` positions only (Gemma2/3 layers)
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma2)
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
-    return _launch(query, query.shape[1], None, k_cache, v_cache, block_tables, seq_lens, scale,
-                   num_splits, block_n, num_warps, num_stages, sliding_window, softcap)
+    launch = default_launch(query.shape[0], k_cache.shape[2], k_cache.shape[3], num_splits)
+    launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
+                     num_stages=num_stages if num_stages is not None else launch.num_stages)
+    return _launch(query, query.shape[1], None, k_cache, v_cache, block_tables, seq_lens, scale, launch,
+                   sliding_window, softcap)
 
 
 def paged_decode_rope_attention(
@@ -234,30 +272,22 @@ def paged_decode_rope_attention(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    launch: DecodeLaunch | None = None,  # None: default_launch with num_splits
 ) -> torch.Tensor:  # [B, H, D]
     """rope_kv (without Qwen3's q/k norm) followed by paged_decode_attention, in one kernel."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits)
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
-                   num_splits, None, None, None, sliding_window, softcap)
+                   launch, sliding_window, softcap)
 
 
-def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale,
-            num_splits, block_n, num_warps, num_stages, sliding_window=None, softcap=None) -> torch.Tensor:
+def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale, launch: DecodeLaunch,
+            sliding_window=None, softcap=None) -> torch.Tensor:
     num_seqs = q_src.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads)
-    # H200, Llama-8B heads (bench/profile_decode.py sweeps): 32 seqs x 768 context (256 programs): 1 split at
-    # block_n 128 / 4 warps, 2 splits at 64 / 2 warps; 256 seqs (2,048 programs) at 160 / 1,024 context: one
-    # split at block_n 32 / 2 warps / 2 stages, 46 / 252 µs against 58 / 258 at 128 / 4 (many small programs
-    # per SM hide the latency that long tiles hid when programs were few).
-    many = num_splits == 1 and num_seqs * num_kv_heads >= 1024
-    block_n = block_n or (32 if many else 128 if num_splits == 1 else 64)
-    num_warps = num_warps or (2 if num_splits == 1 and many else 4 if num_splits == 1 else 2)
-    if num_stages is None and many:
-        num_stages = 2
+    num_splits, block_n = launch.num_splits, launch.block_n
     group = num_heads // num_kv_heads
     group_p = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))
@@ -276,14 +306,16 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     else:
         cos, sin, slots = rope
         stride_qb, stride_qh, stride_cs = q_src.stride(0), head_dim, cos.stride(0)
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    options = {"num_warps": launch.num_warps}
+    if launch.num_stages is not None:
+        options["num_stages"] = launch.num_stages
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
         softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=sliding_window is not None, **launch,
+        HAS_WINDOW=sliding_window is not None, **options,
     )
     if num_splits == 1:
         return out
