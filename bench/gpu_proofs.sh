@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU proofs still open (issues 14, 15, 19, 20), one section per argument, each bounded by `timeout` and
 # logging to $OUT (or /tmp/gpu_proofs). Sized for the 10-minute device commands: give one or two sections a call.
-#   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~4 min; two files need `datasets`: skipped)
+#   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~7 min; two files need `datasets`: skipped)
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
-#   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new) and job at 256 seqs
-#   bash bench/gpu_proofs.sh families   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini
+#   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
+#   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
+#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches for llama-8b, gemma2-9b, phi3-mini (~5 min)
+#   bash bench/gpu_proofs.sh families   # issue 15: W1 and decode-step kernel tables of gemma2-9b and phi3-mini
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh (identity checks and cost)
@@ -20,13 +22,18 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s"; tail -4 "$OUT/$name.log"; }
 for section in "$@"; do
   case $section in
-    tests) step gpu_tests 300 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
+    tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
     logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$OUT/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
-           --json "$OUT/moe_seed.json"
-         step moe_job 200 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json" ;;
+           --json "$OUT/moe_seed.json" ;;
+    moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
+         step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json"
+         rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
+    sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --json "$OUT/attention_sweep.json" ;;
     families) for g in gemma2-9b phi3-mini; do
+        step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
+          --json "$OUT/w1-$g.json"
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$OUT/profile-$g.json"; done ;;
     fp8) step fp8_tests 90 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
@@ -37,6 +44,6 @@ for section in "$@"; do
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$OUT/fp8_gemm.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe families fp8 fp8gemm det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob sweep families fp8 fp8gemm det)"; exit 2 ;;
   esac
 done
