@@ -11,7 +11,7 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
 
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over a random block table (blocks
 scattered as a long run leaves them); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
-Every launch compiles once per geometry (~1-2 s each): a full grid over three geometries takes ~5 minutes.
+Every launch compiles once per geometry (~1-2 s each, 99 launches in the full grid): ~3 minutes a geometry.
 """
 
 from __future__ import annotations
@@ -42,11 +42,14 @@ def heads(geometry: str) -> tuple[int, int, int, float | None]:
 
 
 def launches(grid: str) -> list[DecodeLaunch]:
-    """The candidate launches: 'full' (splits 1-4, block_n 16-128, 2-8 warps, 2-3 stages) or 'small'."""
+    """The candidate launches: 'full' (splits 1-4, block_n 16-128, 2-8 warps, 2-3 stages on tensor cores, and the
+    CUDA-core variant, `mma=False`, at 2 stages) or 'small'."""
     if grid == "small":
-        return [DecodeLaunch(s, n, w, st) for s, n, w, st in itertools.product((1, 2), (16, 32, 64), (2, 4), (2,))]
-    return [DecodeLaunch(s, n, w, st)
-            for s, n, w, st in itertools.product((1, 2, 4), (16, 32, 64, 128), (2, 4, 8), (2, 3))]
+        return [DecodeLaunch(s, n, w, 2, mma)
+                for s, n, w, mma in itertools.product((1, 2), (16, 32, 64), (2, 4), (True, False))]
+    return ([DecodeLaunch(s, n, w, st) for s, n, w, st in itertools.product((1, 2, 4), (16, 32, 64, 128), (2, 4, 8),
+                                                                              (2, 3))]
+            + [DecodeLaunch(s, n, w, 2, False) for s, n, w in itertools.product((1, 2, 4), (16, 32, 64), (2, 4, 8))])
 
 
 def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[DecodeLaunch],
@@ -107,7 +110,7 @@ def main() -> None:
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "
-                      f"{r['num_stages']}: {r['us']} us ({r['kv_x']}x)", flush=True)
+                      f"{r['num_stages']} mma {r['mma']}: {r['us']} us ({r['kv_x']}x)", flush=True)
             if args.json:  # after every shape: a later failure loses nothing measured
                 with open(args.json, "w") as f:
                     json.dump(report, f, indent=1)

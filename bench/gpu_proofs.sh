@@ -5,7 +5,7 @@
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
-#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches for llama-8b, gemma2-9b, phi3-mini (~5 min)
+#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches for gemma2-9b and phi3-mini (~6 min)
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 and decode-step kernel tables of gemma2-9b and phi3-mini
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
@@ -30,7 +30,8 @@ for section in "$@"; do
     moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
          step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json"
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
-    sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --json "$OUT/attention_sweep.json" ;;
+    sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --geometries gemma2-9b,phi3-mini \
+             --json "$OUT/attention_sweep.json" ;;
     families) for g in gemma2-9b phi3-mini; do
         step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$OUT/w1-$g.json"

@@ -116,7 +116,8 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     angle = torch.rand(len(seq_lens), head_dim // 2, generator=g) * 6.0
     cos = torch.cat([angle.cos()] * 2, -1).to(device, dtype)
     sin = torch.cat([angle.sin()] * 2, -1).to(device, dtype)
-    trash_block = k_cache.shape[0] - 1  # not in any block table (_case leaves 3 spare blocks)
+    # a block in no block table (_case leaves 3 spare blocks, at random places): padding rows write there
+    trash_block = max(set(range(k_cache.shape[0])) - set(block_tables.flatten().tolist()))
     pos = (lens.long() - 1).clamp(min=0)
     slots = torch.where(lens > 0, block_tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size
                         + pos % block_size, trash_block * block_size)
@@ -129,7 +130,7 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
-    real = slice(0, trash_block)  # the reference also writes padding rows' K/V to the trash block
+    real = torch.arange(k_cache.shape[0], device=k_cache.device) != trash_block  # the reference also writes padding rows' K/V there
     torch.testing.assert_close(k_cache[real], k_ref[real], atol=1e-6, rtol=0)
     torch.testing.assert_close(v_cache[real], v_ref[real], atol=0, rtol=0)
 
@@ -150,6 +151,11 @@ for seqs in (2, 32, 512):  # 256-dim heads: half the keys a tile of 128-dim head
 _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 70], num_heads=4, num_kv_heads=2, head_dim=256)
 for launch in (DecodeLaunch(1, 16, 2, 2), DecodeLaunch(2, 32, 4, 3)):  # explicit launches, as the sweep runs them
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], launch=launch)
+for splits in (1, 2):  # the group's own rows on CUDA cores: MHA (one query a KV head) and a group of 4, soft-capped
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
+                          launch=DecodeLaunch(splits, 16, 2, mma=False))
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], softcap=0.5,
+                          launch=DecodeLaunch(splits, 32, 2, mma=False))
 print("ok")
 """
 
@@ -168,10 +174,15 @@ def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(16, 8, 256), (32, 32, 96)], ids=["gemma2-9b", "phi3-mini"])
 @pytest.mark.parametrize("seq_lens", [[769] * 32, [7, 200, 1, 0, 33, 161, 16, 1030] * 20])
-def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens):
+@pytest.mark.parametrize("mma", [True, False])
+def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens, mma):
+    from batchgen.kernels.paged_decode import default_launch
+
     num_heads, num_kv_heads, head_dim = heads
+    launch = default_launch(len(seq_lens), num_kv_heads, head_dim)
+    launch = type(launch)(launch.num_splits, launch.block_n, launch.num_warps, launch.num_stages, mma)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, softcap=50.0 if head_dim == 256 else None)
+                          head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
 
 
 # ---- fused decode-step kernels: rmsnorm (+ residual; Gemma, OLMo2 roundings), rotary + K/V write, gated activation ---

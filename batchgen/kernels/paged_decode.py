@@ -43,7 +43,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
                  BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
-    max m [GROUP_P], running sum l [GROUP_P]). Shared by the decode kernel (per split) and the batch-invariant one
+    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products on tensor cores (tl.dot); below,
+    broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
     (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
@@ -56,7 +57,10 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+        if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+        else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         if HAS_SOFTCAP:
             scores = softcapped(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -64,7 +68,11 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if GROUP_P >= 16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:  # p rounded to v's dtype as tl.dot's operand is
+            pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]  # [GROUP_P, BLOCK_N, D_P]
+            acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -218,6 +226,9 @@ class DecodeLaunch:
     block_n: int
     num_warps: int
     num_stages: int | None = None
+    # tl.dot over the query group padded to 16 rows (tensor cores), or, False, the group's own rows on CUDA cores
+    # (for MHA models' single query a KV head, 15 of 16 padded rows are waste)
+    mma: bool = True
 
 
 def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
@@ -289,7 +300,9 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_heads // num_kv_heads
-    group_p = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    group_p = triton.next_power_of_2(group)
+    if launch.mma:
+        group_p = max(16, group_p)  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))
     assert k_cache.stride(3) == 1 and num_splits & (num_splits - 1) == 0
     dev = q_src.device
