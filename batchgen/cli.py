@@ -257,7 +257,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
                                "them) in the order A B B A, and the report gives B/A (repeatable).")] = None,
           model_geometry: Annotated[str, typer.Option(
               help="seed, job: the model's shape, random bf16 weights (llama-8b, mistral-7b, qwen3-8b, gemma2-9b, "
-                   "gemma3-12b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, mixtral-8x7b).")] = "llama-8b",
+                   "gemma3-12b, gemma-7b, qwen2-7b, starcoder2-3b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, "
+                   "mixtral-8x7b).")] = "llama-8b",
           weights: Annotated[str, typer.Option(
               help="seed, job: the layers' projections: bf16, fp8 (128x128 blocks, FineGrainedFP8 format) or "
                    "fp8-channel (per-channel, compressed-tensors format); the floor counts FP8 weights at one "

@@ -6,7 +6,9 @@
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
 #   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches for gemma2-9b and phi3-mini (~6 min)
-#   bash bench/gpu_proofs.sh families   # issue 15: W1 and decode-step kernel tables of gemma2-9b and phi3-mini
+#   bash bench/gpu_proofs.sh families1  # issue 15: W1 of gemma2-9b, phi3-mini, gemma-7b, olmo2-7b, starcoder2-3b (~8 min)
+#   bash bench/gpu_proofs.sh families2  # issue 15: W1 of gemma3-12b, mistral-7b, qwen2-7b, qwen3-8b, granite-8b (~8 min)
+#   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh (identity checks and cost)
@@ -32,9 +34,11 @@ for section in "$@"; do
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
     sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --geometries gemma2-9b,phi3-mini \
              --json "$OUT/attention_sweep.json" ;;
-    families) for g in gemma2-9b phi3-mini; do
-        step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
-          --json "$OUT/w1-$g.json"
+    families1|families2) [ $section = families1 ] && geos="gemma2-9b phi3-mini gemma-7b olmo2-7b starcoder2-3b" \
+        || geos="gemma3-12b mistral-7b qwen2-7b qwen3-8b granite-8b"
+      for g in $geos; do step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
+          --json "$OUT/w1-$g.json"; done ;;
+    profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$OUT/profile-$g.json"; done ;;
     fp8) step fp8_tests 90 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
@@ -45,6 +49,6 @@ for section in "$@"; do
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$OUT/fp8_gemm.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob sweep families fp8 fp8gemm det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob sweep families1 families2 profiles fp8 fp8gemm det)"; exit 2 ;;
   esac
 done

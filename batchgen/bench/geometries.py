@@ -38,6 +38,18 @@ GEOMETRIES: dict[str, tuple[str, dict]] = {
                                        query_pre_attn_scalar=256, sliding_window=1024,
                                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
                                        tie_word_embeddings=True)),
+    "gemma-7b": ("gemma", dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                               num_attention_heads=16, num_key_value_heads=16, head_dim=256,
+                               hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+                               tie_word_embeddings=True)),
+    "qwen2-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
+                               max_position_embeddings=32768, tie_word_embeddings=False)),
+    "starcoder2-3b": ("starcoder2", dict(vocab_size=49152, hidden_size=3072, intermediate_size=12288,
+                                         num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
+                                         sliding_window=4096, rope_theta=999999.4420358813, use_bias=True,
+                                         max_position_embeddings=16384, tie_word_embeddings=True,
+                                         bos_token_id=0, eos_token_id=0)),
     "phi3-mini": ("phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                                tie_word_embeddings=False)),
@@ -110,6 +122,9 @@ class DecodeBytes:
         return self.dense_weight_bytes + experts * self.expert_bytes
 
 
+PLAIN_MLP = {"starcoder2"}  # model types whose MLP is up -> activation -> down, without a gate
+
+
 def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = None) -> DecodeBytes:
     """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's.
     projection_bytes: bytes per weight of the layers' q/k/v/o and MLP projections (1: FP8 weights, `--weights fp8`;
@@ -135,11 +150,13 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     else:
         attention = hidden * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)  # q, o, k, v
         head = cfg.vocab_size * hidden  # the LM head is read every step (tied or not)
-        projections = layers * (attention + 3 * hidden * cfg.intermediate_size)
+        mlp_matrices = 2 if cfg.model_type in PLAIN_MLP else 3  # up + down, or gate + up + down
+        projections = layers * (attention + mlp_matrices * hidden * cfg.intermediate_size)
         dense, params = projections * proj + head * dtype_bytes, projections + head
         expert, moe_layers, expert_params = 0, 0, 0
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
     window = getattr(cfg, "sliding_window", None)
+    # no layer_types (Starcoder2, Mistral): a configured window holds for every layer
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
     return DecodeBytes(dense_weight_bytes=dense, dense_params=params, expert_bytes=expert, expert_params=expert_params,
                        num_moe_layers=moe_layers,
