@@ -31,13 +31,25 @@ def mixed_workload(requests: int, seed: int = 0) -> tuple[list[list[int]], list[
 
 def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_lens: list[int],
                         max_num_seqs: int, ceilings) -> float:
+    """A lower bound on the load's time. Decode: every step reads the weights (less the embedding, whose rows are
+    gathered) and every token's GEMMs run 2 FLOPs a parameter (embedding excluded, LM head included), so the decode
+    steps take at least the longer of steps x weight bytes at the copy bandwidth and their FLOPs at the matmul rate
+    (at 256 rows a step the FLOPs are the longer); plus each token's K/V reads at the copy bandwidth. Prefill: 2
+    FLOPs a parameter per prompt token through the layers (no LM head: only a prompt's last position has logits)
+    at the matmul rate. Before session 9 the floor counted the decode steps' weight bytes only and the prefill
+    through every parameter: the two changes nearly cancel on the 2,000-request load."""
     head_dim = config.hidden_size // config.num_attention_heads
-    weights = (num_params - config.vocab_size * config.hidden_size) * 2
+    embed = config.vocab_size * config.hidden_size
+    head = 0 if config.tie_word_embeddings else embed  # the LM head's own parameters (tied: in embed)
+    layer_params = num_params - embed - head
+    weights = (num_params - embed + (embed if config.tie_word_embeddings else 0)) * 2  # what a decode step reads
     kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
     steps = max(max(output_lens), -(-sum(output_lens) // max_num_seqs))
     kv = sum(kv_per_token * (n * p + n * (n - 1) // 2) for p, n in zip(prompt_lens, output_lens))
-    prefill = 2 * num_params * sum(prompt_lens) / ceilings.matmul_flop_s
-    return (steps * weights + kv) / ceilings.copy_bytes_s + prefill
+    decode_flops = 2 * (layer_params + embed) * sum(output_lens)  # layers + LM head (embed-sized) per token
+    decode = max(steps * weights / ceilings.copy_bytes_s, decode_flops / ceilings.matmul_flop_s)
+    prefill = 2 * layer_params * sum(prompt_lens) / ceilings.matmul_flop_s
+    return decode + kv / ceilings.copy_bytes_s + prefill
 
 
 def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
