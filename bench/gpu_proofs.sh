@@ -5,6 +5,7 @@
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
+#   bash bench/gpu_proofs.sh longrun    # issue 18: a 20,000-row job's window rates (middle vs last tenths; ~8 min)
 #   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches for gemma2-9b and phi3-mini (~6 min)
 #   bash bench/gpu_proofs.sh families1  # issue 15: W1 of gemma2-9b, phi3-mini, gemma-7b, olmo2-7b, starcoder2-3b (~8 min)
 #   bash bench/gpu_proofs.sh families2  # issue 15: W1 of gemma3-12b, mistral-7b, qwen2-7b, qwen3-8b, granite-8b (~8 min)
@@ -32,6 +33,8 @@ for section in "$@"; do
     moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
          step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json"
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
+    longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$OUT/longrun.json"
+         grep -o '"tok_s_rows_[0-9_]*": [0-9.]*' "$OUT/longrun.log" ;;
     sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --geometries gemma2-9b,phi3-mini \
              --json "$OUT/attention_sweep.json" ;;
     families1|families2) [ $section = families1 ] && geos="gemma2-9b phi3-mini gemma-7b olmo2-7b starcoder2-3b" \
@@ -49,6 +52,6 @@ for section in "$@"; do
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$OUT/fp8_gemm.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob sweep families1 families2 profiles fp8 fp8gemm det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8gemm det)"; exit 2 ;;
   esac
 done

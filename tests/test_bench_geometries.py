@@ -103,3 +103,21 @@ def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
     assert by_seqs[256]["A_tok_s"] == 105.0 and by_seqs[256]["B_tok_s"] == 85.0
     assert by_seqs[256]["B_over_A"] == round(85 / 105, 4)
     assert by_seqs[512]["B_tok_s"] != by_seqs[512]["B_tok_s"]  # no B run: NaN, not a made-up figure
+
+
+def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
+    """The long-run check of issue 18 compares the middle tenth of the rows with the last tenths."""
+    import json
+
+    from batchgen.bench.job import window_tok_s
+
+    records, t, tokens = [], 0.0, 0
+    for rows_done in range(0, 1001, 25):  # 100 tokens a row; the last fifth of the rows at half the rate
+        records.append({"rows_done": rows_done, "num_generated_tokens": tokens, "elapsed_s": t})
+        tokens += 2500
+        t += 1.0 if rows_done < 800 else 2.0
+    (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    log = tmp_path / "log.jsonl"
+    assert window_tok_s(log, 1000, 0.45, 0.55) == pytest.approx(2500.0)
+    assert window_tok_s(log, 1000, 0.9, 1.0) == pytest.approx(1250.0)
+    assert window_tok_s(log, 1000, 0.999, 1.0) is None  # one record: no rate

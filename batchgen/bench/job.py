@@ -125,14 +125,20 @@ def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> flo
     return gemm_s + kv_bytes / c.copy_bytes_s + 2 * per_token * prompt / c.matmul_flop_s
 
 
-def steady_tok_s(log_path: Path, rows: int) -> float | None:
-    """Engine tokens per second between 10 % and 90 % of the rows done."""
+def window_tok_s(log_path: Path, rows: int, lo: float, hi: float) -> float | None:
+    """Engine tokens per second between fractions lo and hi of the rows done, from the run's throughput log (a
+    record every ~5 s: None when fewer than two records fall in the window)."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    mid = [r for r in records if 0.1 * rows <= r["rows_done"] <= 0.9 * rows]
+    mid = [r for r in records if lo * rows <= r["rows_done"] <= hi * rows]
     if len(mid) < 2:
         return None
     field = "num_generated_tokens" if "num_generated_tokens" in mid[0] else "generated_tokens"  # older logs
     return (mid[-1][field] - mid[0][field]) / (mid[-1]["elapsed_s"] - mid[0]["elapsed_s"])
+
+
+def steady_tok_s(log_path: Path, rows: int) -> float | None:
+    """Engine tokens per second between 10 % and 90 % of the rows done."""
+    return window_tok_s(log_path, rows, 0.1, 0.9)
 
 
 def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, config, c: Ceilings,
@@ -166,6 +172,11 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         "generated_tokens": tokens, "process_s": round(process_s, 2), "setup_s": report["setup_s"],
         "loop_s": report["wall_s"], "tok_s_end_to_end": round(tokens / report["wall_s"], 1),
         "tok_s_steady": round(steady_tok_s(out_dir / "logs" / "throughput-w00000.jsonl", rows) or 0.0, 1),
+        # host growth over a long run (issue 18): the middle tenth of the rows against the last tenth (which holds
+        # the final drain, when no rows wait and the batch empties) and the tenth before it
+        **{f"tok_s_rows_{int(100 * lo)}_{int(100 * hi)}": round(window_tok_s(
+            out_dir / "logs" / "throughput-w00000.jsonl", rows, lo, hi) or 0.0, 1)
+           for lo, hi in ((0.45, 0.55), (0.8, 0.9), (0.9, 1.0))},
         "steps": steps, "tokens_per_step": round(tokens / steps, 1),
         "loop_ms_per_step": round(1e3 * report["wall_s"] / steps, 2),
         "engine_step_ms": round(1e3 * report["loop_s"]["step"] / steps, 2),
