@@ -39,8 +39,8 @@ for section in "$@"; do
              --json "$OUT/attention_sweep.json" ;;
     families1|families2) [ $section = families1 ] && geos="gemma2-9b phi3-mini gemma-7b olmo2-7b starcoder2-3b" \
         || geos="gemma3-12b mistral-7b qwen2-7b qwen3-8b granite-8b"
-      for g in $geos; do step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
-          --json "$OUT/w1-$g.json"; done ;;
+      for g in $geos; do step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async,graphs_async_auto \
+          --model-geometry "$g" --json "$OUT/w1-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$OUT/profile-$g.json"; done ;;
