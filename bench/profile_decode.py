@@ -8,6 +8,11 @@ Prints, for a graphed decode step of `--batch` sequences at `--context` tokens: 
 
     python3 bench/profile_decode.py --batch 32 --context 768 [--compile] [--json out.json]
     python3 bench/profile_decode.py --model-geometry gemma2-9b --engine-only   # another family's step only
+    python3 bench/profile_decode.py --deterministic --batch 256 --context 768  # engine.deterministic's step
+
+--deterministic profiles the step of engine.deterministic (batch-invariant GEMMs and attention) and implies
+--engine-only (the isolated benches time the default kernels; bench/invariant_gemm.py times the invariant GEMMs);
+the report adds each weight's GEMM path (the fixed-row cuBLAS GEMM, or the Triton one where the self-check failed).
 """
 
 from __future__ import annotations
@@ -168,16 +173,21 @@ def main() -> None:
     ap.add_argument("--model-geometry", default="llama-8b", help="the model's shape (batchgen/bench/geometries.py)")
     ap.add_argument("--engine-only", action="store_true",
                     help="skip the isolated GEMM and attention benches (their shapes are Llama-8B's)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="profile engine.deterministic's step (batch-invariant kernels); implies --engine-only")
     args = ap.parse_args()
     ceilings = measure_ceilings()
     report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context,
-                    "geometry": args.model_geometry}
-    if not args.engine_only:
+                    "geometry": args.model_geometry, "deterministic": args.deterministic}
+    if not (args.engine_only or args.deterministic):
         isolated_benches(args, report)
     model = build_model(geometry=args.model_geometry)
     engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True, async_pipeline=False,
-                                              compile=args.compile,
+                                              compile=args.compile, deterministic=args.deterministic,
                                               fused_decoder=not args.transformers_forward))
+    if args.deterministic:  # each kind of weight's GEMM, as the build's self-check chose it
+        report["gemm_paths"] = engine.runner.decode_forward.linear.summary()
+        print("GEMM paths:", report["gemm_paths"], flush=True)
     for p in seed_prompts(args.batch, args.context):
         engine.add_request(p, SamplingParams(max_new_tokens=4096, temperature=0.0, ignore_eos=True))
     while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)

@@ -128,6 +128,17 @@ def test_configurations_without_batch_invariant_kernels_are_refused_naming_the_k
             Engine(model, None, cfg)
 
 
+def test_deterministic_mode_refuses_a_graph_blas_library_other_than_the_one_its_gemms_pin():
+    """Its GEMMs run on cuBLASLt eagerly and in every graph (kernels/fixed_row_gemm.py): `auto` (a library per
+    bucket, by timing) and `cublas` would be silently overridden, so they are refused; the default and None pass."""
+    for library in ("auto", "cublas"):
+        with pytest.raises(ValueError, match=f"engine.deterministic .*engine.graph_blas_library: {library} "):
+            EngineConfig(deterministic=True, graph_blas_library=library)
+        EngineConfig(graph_blas_library=library)  # the default mode takes either
+    for library in ("cublaslt", None):
+        assert EngineConfig(deterministic=True, graph_blas_library=library).graph_blas_library == library
+
+
 @pytest.mark.gpu
 def test_sampled_tokens_on_gpu_are_the_same_at_max_num_seqs_4_and_64_with_graphs_and_async_bf16():
     model = make_model("llama", vocab_size=512, num_layers=4).to("cuda", torch.bfloat16)

@@ -29,7 +29,8 @@ class EngineConfig(BaseModel):
     fused_decoder: bool = True  # decode steps of models with a fused decoder (models/registry.py) run it
     compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
     # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs timed at
-    # start-up (not yet shown to win end to end: bench/RESULTS.md, session 7)
+    # start-up (not yet shown to win end to end: bench/RESULTS.md, session 7). engine.deterministic pins its own
+    # (cuBLASLt, kernels/fixed_row_gemm.py) for every GEMM, eager and graphed: only that one or None goes with it
     graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
@@ -50,6 +51,13 @@ class EngineConfig(BaseModel):
             if conflict:
                 raise ValueError(f"engine.deterministic runs the fused decoders' batch-invariant kernels on one "
                                  f"device; {key} cannot be combined with it (its reductions depend on the batch)")
+        # torch only here, where it is asked for (job specs validate without loading it otherwise)
+        from batchgen.kernels.fixed_row_gemm import BLAS_LIBRARY
+
+        if self.graph_blas_library not in (None, BLAS_LIBRARY):
+            raise ValueError(f"engine.deterministic runs every GEMM on {BLAS_LIBRARY} at a fixed row count, eager "
+                             f"and graphed alike (a GEMM's bits depend on the library); engine.graph_blas_library: "
+                             f"{self.graph_blas_library} cannot be combined with it (leave it at {BLAS_LIBRARY})")
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,8 @@
 """Batch-invariant GEMM (`engine.deterministic`): y = x @ w.T (+ bias), where row i of y is bitwise the same
-whatever the other rows of x are and however many there are (M).
+whatever the other rows of x are and however many there are (M). The Triton kernel here is invariant by
+construction; on CUDA the decoders run cuBLAS at a fixed row count instead where its self-check passes
+(kernels/invariant_linear.py InvariantLinear, kernels/fixed_row_gemm.py) and this kernel for weights where it does
+not (and under TRITON_INTERPRET=1 in tests).
 
 Why the default GEMMs are not: cuBLAS / cuBLASLt pick a kernel, a tile and a split-K factor per shape, so the
 same row is summed in another order at M = 16 than at M = 256; on CPU, MKL runs M = 1 as a GEMV and M >= 3 as a
@@ -205,10 +208,3 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.shape[0] == 0:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(x[i:i + 1].clone(), weight, bias) for i in range(x.shape[0])])
-
-
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows do not depend on the batch: Triton on CUDA, row by row on CPU. x: [M, K] -> [M, N]."""
-    if x.is_cuda:
-        return matmul_invariant(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-    return linear_rows(x, weight, bias)

@@ -23,7 +23,7 @@ from batchgen.models.fp8 import Fp8Weight
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
 
 # a GEMM with F.linear's signature, the decoder's choice: models/fp8.linear (F.linear, or the FP8 GEMM for an
-# Fp8Weight), or kernels.invariant_matmul.linear_invariant (engine.deterministic; plain weights only)
+# Fp8Weight), or a kernels.invariant_linear.InvariantLinear (engine.deterministic; plain weights only)
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}

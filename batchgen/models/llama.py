@@ -22,7 +22,7 @@ import torch
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from batchgen.kernels.invariant_matmul import linear_invariant
+from batchgen.kernels.invariant_linear import InvariantLinear
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
 from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
@@ -147,9 +147,10 @@ class LlamaDecoder(DecodeForward):
         self.kv_cache = kv_cache
         self.use_triton = use_triton
         # engine.deterministic: every GEMM (layers and LM head) batch-invariant, every row's attention through
-        # the per-query kernel; norms, rotary and activations are per row already (one program or element each)
+        # the per-query kernel; norms, rotary and activations are per row already (one program or element each).
+        # The InvariantLinear is this decoder's own: it holds each weight's self-checked choice of kernel
         self.deterministic = deterministic
-        self.linear = linear_invariant if deterministic else plain_or_fp8_linear  # set before the layers read it
+        self.linear = InvariantLinear() if deterministic else plain_or_fp8_linear  # set before the layers read it
         # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard

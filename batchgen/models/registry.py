@@ -129,7 +129,7 @@ def deterministic_reason(config) -> str | None:
     model_type = text.model_type
     if any(getattr(text, k, None) for k in EXPERT_KEYS):
         return f"batch-invariant mixture-of-experts layers (model type {model_type!r}) are not built"
-    if is_fp8(config):  # linear_invariant reads plain weights only
+    if is_fp8(config):  # InvariantLinear reads plain weights only
         return "batch-invariant FP8 GEMMs are not built (the checkpoint's quantization_config is FP8)"
     if model_type not in DETERMINISTIC_TYPES:
         return (f"batch-invariant kernels exist only in the fused decoders ({', '.join(sorted(DETERMINISTIC_TYPES))}); "
@@ -140,7 +140,10 @@ def deterministic_reason(config) -> str | None:
 def build_deterministic(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                         max_model_len: int) -> DecodeForward:
     """The fused decoder with batch-invariant GEMMs and attention. No fallback: a model the fused layers cannot
-    run, or whose first step fails on the device, raises DeterministicUnsupported (naming the key)."""
+    run, or whose first step fails on the device, raises DeterministicUnsupported (naming the key).
+    On CUDA that first step (`check`, before any graph capture) runs every weight's GEMM once, which runs the
+    fixed-row cuBLAS GEMM's self-check for each kind of weight and fixes its kernel (kernels/invariant_linear.py:
+    the choices are `fused.linear.paths`; a weight that fails runs the Triton GEMM, with a warning)."""
     reason = deterministic_reason(model.config) or unsupported_reason(model, max_model_len)
     if reason is not None:
         raise DeterministicUnsupported(f"engine.deterministic: {reason}; run without engine.deterministic (no reproducibility "

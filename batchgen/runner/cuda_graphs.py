@@ -15,12 +15,12 @@ against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_dec
 the faster. Caveats: each weight is timed alone, so one that fits in L2 is timed hot; near a tie, timing noise
 can pick either back end, and their GEMMs round differently (bf16 outputs may differ between runs). The choice is
 process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
-default.
+default. engine.deterministic's GEMMs pin their own library around every call, captured or eager
+(kernels/fixed_row_gemm.py; engine/config.py refuses `auto` and a library other than theirs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -28,6 +28,7 @@ import torch
 from batchgen.attention.interface import paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.kernels import argmax
+from batchgen.kernels.fixed_row_gemm import preferred_blas
 from batchgen.models.base import DecodeForward
 
 
@@ -66,20 +67,6 @@ def fastest_blas(weights: list[tuple[torch.Tensor, int]], num_rows: int, margin:
             total_ms[library] += count * start.elapsed_time(end) / 5
             del graph
     return "cublas" if total_ms["cublas"] < (1 - margin) * total_ms["cublaslt"] else "cublaslt"
-
-
-@contextlib.contextmanager
-def preferred_blas(library: str | None):
-    """torch's BLAS back end set to `library` ('cublas' or 'cublaslt') inside the block; None: unchanged."""
-    if library is None:
-        yield
-        return
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(library)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
 
 
 class DecodeGraphs:
