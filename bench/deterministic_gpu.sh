@@ -4,7 +4,8 @@
 #   1. identical completion token ids between max_num_seqs 16 and 256
 #   2. between an uninterrupted run and one killed twice (kill -9 after a commit) and resumed
 #   3. between --gpus 1 and --gpus 2 (only where the machine has two GPUs)
-#   4. its cost: tok/s of the deterministic mode against the default mode at 256 sequences, same rows
+#   4. its cost: tok/s of the deterministic mode against the default mode at 256 sequences, same rows (A B B A;
+#      COST_ROWS 0 skips it)
 # Usage: bash bench/deterministic_gpu.sh [WORK_DIR] [ROWS] [COST_ROWS] [TOKENIZER_DIR]
 #        (defaults: /tmp/batchgen-det 500 4000, SmolLM2's tokenizer from the embedded GGUF); PYTHON=python3 by default
 # Each comparison prints "identical completions: N / N"; the script stops at the first that is not identical.
@@ -44,14 +45,8 @@ else
   echo "== 3. skipped: one GPU here (run this script on a two-GPU machine for --gpus 2)"
 fi
 
-echo "== 4. cost: default vs deterministic mode, $COST_ROWS rows at 256 sequences (compare the tok/s columns)"
-batchgen bench --workload job "${TOK[@]}" --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
-  --work-dir "$WORK" --json "$WORK/cost-default.json"
-batchgen bench --workload job "${TOK[@]}" --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
-  --work-dir "$WORK" --job-set engine.deterministic=true --json "$WORK/cost-deterministic.json"
-$PY - "$WORK/cost-default.json" "$WORK/cost-deterministic.json" <<'EOF'
-import json, sys
-default, det = (json.load(open(p))["runs"][0] for p in sys.argv[1:])
-for k in ("tok_s_end_to_end", "tok_s_steady", "loop_ms_per_step"):
-    print(f"{k}: default {default[k]}, deterministic {det[k]} ({det[k] / default[k]:.3f}x)")
-EOF
+if [ "$COST_ROWS" -gt 0 ]; then
+  echo "== 4. cost: default (A) vs deterministic (B), $COST_ROWS rows at 256 sequences, A B B A (see B/A)"
+  batchgen bench --workload job "${TOK[@]}" --rows "$COST_ROWS" --seqs 256 --penalties 1.0 --profile-steps 0 \
+    --work-dir "$WORK" --ab-set engine.deterministic=true --json "$WORK/cost.json"
+fi

@@ -12,7 +12,9 @@
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
-#   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh (identity checks and cost)
+#   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
+#   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
+#   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH (see bench/RESULTS.md) and a
 # tokenizer folder in $TOK (default .bench-assets/tokenizer: SmolLM2's, `batchgen.bench.job.tokenizer_dir`).
 set -u
@@ -51,8 +53,14 @@ for section in "$@"; do
     fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$OUT/fp8_gemm.json" ;;
-    det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 2000 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8gemm det)"; exit 2 ;;
+    detcheck) step det_tests 200 python3 -m pytest -q -m gpu tests/test_fixed_row_gemm.py \
+                tests/test_invariant_kernels.py tests/test_deterministic_engine.py -rfE -p no:cacheprovider
+              step invariant_gemm 150 python3 bench/invariant_gemm.py --json "$OUT/invariant_gemm.json"
+              step profile_det 120 python3 bench/profile_decode.py --deterministic --batch 256 --context 768 \
+                --json "$OUT/profile_det.json" ;;
+    detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$OUT/detcost.json" ;;
+    det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
 # The device returns at most 8 files from $OUT: the logs and JSON reports go back as one archive.
