@@ -256,7 +256,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               "--ab-set", help="job: an A/B of these sets: each configuration runs as A (without) and B (with "
                                "them) in the order A B B A, and the report gives B/A (repeatable).")] = None,
           model_geometry: Annotated[str, typer.Option(
-              help="seed, job: the model's shape, random bf16 weights (llama-8b, mistral-7b, qwen3-8b, gemma2-9b, "
+              help="seed, job: the model's shape, random bf16 weights (llama-8b, llama-70b (with --weights fp8), mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, gemma-7b, qwen2-7b, starcoder2-3b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, "
                    "mixtral-8x7b).")] = "llama-8b",
           weights: Annotated[str, typer.Option(

@@ -11,6 +11,7 @@
 #   bash bench/gpu_proofs.sh families2  # issue 15: W1 of gemma3-12b, mistral-7b, qwen2-7b, qwen3-8b, granite-8b (~8 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
+#   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
@@ -50,6 +51,8 @@ for section in "$@"; do
          step w1_fp8 100 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$OUT/job_bf16.json"
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$OUT/job_fp8.json" ;;
+    fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
+              --model-geometry llama-70b --json "$OUT/w1_fp8_70b.json" ;;
     fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$OUT/fp8_gemm.json" ;;
@@ -60,7 +63,7 @@ for section in "$@"; do
                 --json "$OUT/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$OUT/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8big fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
 # The device returns at most 8 files from $OUT: the logs and JSON reports go back as one archive.

@@ -22,6 +22,9 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 # name -> (transformers model_type, config kwargs); shapes from each model's published config.json
 GEOMETRIES: dict[str, tuple[str, dict]] = {
     "llama-8b": ("llama", LLAMA_8B),
+    # bf16 (141 GB) does not fit one H200 beside a K/V cache: --weights fp8 (~71 GB), or tensor parallelism
+    "llama-70b": ("llama", dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8)),
     "mistral-7b": ("mistral", dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                    num_attention_heads=32, num_key_value_heads=8, rope_theta=1e6, sliding_window=None,
                                    max_position_embeddings=32768, tie_word_embeddings=False)),
