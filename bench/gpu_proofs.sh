@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The GPU proofs still open (issues 14, 15, 19, 20), one section per argument, each bounded by `timeout` and
-# logging to $OUT (or /tmp/gpu_proofs). Sized for the 10-minute device commands: give one or two sections a call.
+# The GPU proofs still open (issues 15, 18, 19, 20), one section per argument. Each step is bounded by `timeout`
+# and by DEADLINE (seconds since the script started, default 585: the device's 10-minute commands), so a command
+# ends with its archive written; a step that no longer fits is skipped and says so. Most sections fill a command.
+# The logs and JSON reports go to $LOGS (/tmp/gpu_proofs_logs) and, after every step, into one archive
+# $OUT/proofs.tgz (the device returns at most 8 files from $OUT).
 #   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~7 min; two files need `datasets`: skipped)
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
@@ -20,51 +23,54 @@
 # tokenizer folder in $TOK (default .bench-assets/tokenizer: SmolLM2's, `batchgen.bench.job.tokenizer_dir`).
 set -u
 OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/gpu_proofs_logs}; mkdir -p "$LOGS"
+DEADLINE=${DEADLINE:-585}
 TOK=${TOK:-.bench-assets/tokenizer}
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s"; tail -4 "$OUT/$name.log"; }
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((DEADLINE - SECONDS - 5))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then echo "== $name skipped: ${left}s left before the deadline"; return; fi
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s (limit ${limit}s)"
+  tail -4 "$LOGS/$name.log"; tar czf "$OUT/proofs.tgz" -C "$LOGS" . ; }
 for section in "$@"; do
   case $section in
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
-    logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$OUT/job_lp5.json" ;;
+    logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$LOGS/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
-           --json "$OUT/moe_seed.json" ;;
+           --json "$LOGS/moe_seed.json" ;;
     moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
-         step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$OUT/moe_job.json"
+         step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$LOGS/moe_job.json"
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
-    longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$OUT/longrun.json"
-         grep -o '"tok_s_rows_[0-9_]*": [0-9.]*' "$OUT/longrun.log" ;;
+    longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$LOGS/longrun.json"
+         grep -o '"tok_s_rows_[0-9_]*": [0-9.a-z]*' "$LOGS/longrun.log" ;;
     sweep) step attention_sweep 580 python3 bench/decode_attention_sweep.py --geometries gemma2-9b,phi3-mini \
-             --json "$OUT/attention_sweep.json" ;;
+             --json "$LOGS/attention_sweep.json" ;;
     families1|families2) [ $section = families1 ] && geos="gemma2-9b phi3-mini gemma-7b olmo2-7b starcoder2-3b" \
         || geos="gemma3-12b mistral-7b qwen2-7b qwen3-8b granite-8b"
       for g in $geos; do step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async,graphs_async_auto \
-          --model-geometry "$g" --json "$OUT/w1-$g.json"; done ;;
+          --model-geometry "$g" --json "$LOGS/w1-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
-          --context 768 --json "$OUT/profile-$g.json"; done ;;
+          --context 768 --json "$LOGS/profile-$g.json"; done ;;
     fp8) step fp8_tests 90 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
-         step w1_fp8 100 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$OUT/w1_fp8.json"
-         step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$OUT/job_bf16.json"
-         step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$OUT/job_fp8.json" ;;
+         step w1_fp8 100 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$LOGS/w1_fp8.json"
+         step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$LOGS/job_bf16.json"
+         step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$LOGS/job_fp8.json" ;;
     fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
-              --model-geometry llama-70b --json "$OUT/w1_fp8_70b.json" ;;
+              --model-geometry llama-70b --json "$LOGS/w1_fp8_70b.json" ;;
     fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
-               --json "$OUT/fp8_gemm.json" ;;
+               --json "$LOGS/fp8_gemm.json" ;;
     detcheck) step det_tests 200 python3 -m pytest -q -m gpu tests/test_fixed_row_gemm.py \
                 tests/test_invariant_kernels.py tests/test_deterministic_engine.py -rfE -p no:cacheprovider
-              step invariant_gemm 150 python3 bench/invariant_gemm.py --json "$OUT/invariant_gemm.json"
+              step invariant_gemm 150 python3 bench/invariant_gemm.py --json "$LOGS/invariant_gemm.json"
               step profile_det 120 python3 bench/profile_decode.py --deterministic --batch 256 --context 768 \
-                --json "$OUT/profile_det.json" ;;
-    detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$OUT/detcost.json" ;;
+                --json "$LOGS/profile_det.json" ;;
+    detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
     *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8big fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
-# The device returns at most 8 files from $OUT: the logs and JSON reports go back as one archive.
-(cd "$OUT" && ls | grep -v '^proofs-.*\.tgz$' | tar czf "proofs-$(date +%s).tgz" --remove-files -T - 2>/dev/null)
