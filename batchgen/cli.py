@@ -282,6 +282,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo(f"batchgen: error: --weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got "
                    f"{weights!r}", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if workload != "job" and (ab_set or job_set or compare):
+        typer.echo("batchgen: error: --ab-set, --job-set and --compare apply to --workload job only", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
     if workload == "mixed" and model_geometry != "llama-8b":
         typer.echo("batchgen: error: the mixed workload runs the llama-8b geometry only", err=True)
         raise typer.Exit(EXIT_USER_ERROR)

@@ -136,6 +136,10 @@ def window_tok_s(log_path: Path, rows: int, lo: float, hi: float) -> float | Non
     return (mid[-1][field] - mid[0][field]) / (mid[-1]["elapsed_s"] - mid[0]["elapsed_s"])
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
 def steady_tok_s(log_path: Path, rows: int) -> float | None:
     """Engine tokens per second between 10 % and 90 % of the rows done."""
     return window_tok_s(log_path, rows, 0.1, 0.9)
@@ -174,8 +178,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         "tok_s_steady": round(steady_tok_s(out_dir / "logs" / "throughput-w00000.jsonl", rows) or 0.0, 1),
         # host growth over a long run (issue 18): the middle tenth of the rows against the last tenth (which holds
         # the final drain, when no rows wait and the batch empties) and the tenth before it
-        **{f"tok_s_rows_{int(100 * lo)}_{int(100 * hi)}": round(window_tok_s(
-            out_dir / "logs" / "throughput-w00000.jsonl", rows, lo, hi) or 0.0, 1)
+        # (None: fewer than two ~5 s log records in the window, a short run)
+        **{f"tok_s_rows_{int(100 * lo)}_{int(100 * hi)}": _rounded(window_tok_s(
+            out_dir / "logs" / "throughput-w00000.jsonl", rows, lo, hi))
            for lo, hi in ((0.45, 0.55), (0.8, 0.9), (0.9, 1.0))},
         "steps": steps, "tokens_per_step": round(tokens / steps, 1),
         "loop_ms_per_step": round(1e3 * report["wall_s"] / steps, 2),
@@ -196,9 +201,9 @@ def ab_summary(runs: list[dict]) -> list[dict]:
         groups.setdefault(key, {"A": [], "B": []})[r["variant"]].append(r["tok_s_end_to_end"])
     out = []
     for (code, seqs, penalty), tok_s in groups.items():
-        a, b = (sum(v) / len(v) if v else float("nan") for v in (tok_s["A"], tok_s["B"]))
-        out.append({"code": code, "max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": round(a, 1),
-                    "B_tok_s": round(b, 1), "B_over_A": round(b / a, 4)})
+        a, b = (sum(v) / len(v) if v else None for v in (tok_s["A"], tok_s["B"]))
+        out.append({"code": code, "max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": _rounded(a),
+                    "B_tok_s": _rounded(b), "B_over_A": round(b / a, 4) if a and b else None})
     return out
 
 
@@ -335,7 +340,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         report["ab"] = ab_summary(report["runs"])
         for row in report["ab"]:
             print(f"A/B {row['code'][-8:]} seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: "
-                  f"tok/s e2e A {row['A_tok_s']:.0f}, B {row['B_tok_s']:.0f}, B/A {row['B_over_A']:.3f} "
+                  f"tok/s e2e A {row['A_tok_s']}, B {row['B_tok_s']}, B/A {row['B_over_A']} "
                   f"(B = {' '.join(ab_sets)})")
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1))

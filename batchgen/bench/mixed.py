@@ -5,10 +5,10 @@ uniformly random length in [32, 2048] tokens and uniformly random output lengths
 greedy, EOS off, at most `--max-num-seqs` (256) sequences in a step. transformers runs the same prompts
 with the same per-request output lengths through its continuous-batching manager (async, CUDA graphs).
 
-Floor (a lower bound for any engine running at most max_num_seqs sequences per step): prefill FLOPs at the
-measured matmul rate, plus every decode step reading the weights once (at least max(output) steps, and at
-least total output / max_num_seqs), plus every generated token reading its context's K/V once, at the
-measured copy bandwidth.
+Floor (`mixed_floor_seconds`, for an engine running at most max_num_seqs sequences per step, its kernels one
+after another): the longer of every decode step reading the weights once (at least max(output) steps, and at
+least total output / max_num_seqs) at the measured copy bandwidth and all tokens' GEMM FLOPs at the measured
+matmul rate, plus every generated token reading its context's K/V once at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ def mixed_workload(requests: int, seed: int = 0) -> tuple[list[list[int]], list[
 
 def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_lens: list[int],
                         max_num_seqs: int, ceilings) -> float:
-    """A lower bound on the load's time. Decode: every step reads the weights (less the embedding, whose rows are
-    gathered) and every token's GEMMs run 2 FLOPs a parameter (embedding excluded, LM head included), so the decode
-    steps take at least the longer of steps x weight bytes at the copy bandwidth and their FLOPs at the matmul rate
-    (at 256 rows a step the FLOPs are the longer); plus each token's K/V reads at the copy bandwidth. Prefill: 2
-    FLOPs a parameter per prompt token through the layers (no LM head: only a prompt's last position has logits)
-    at the matmul rate. Before session 9 the floor counted the decode steps' weight bytes only and the prefill
-    through every parameter: the two changes nearly cancel on the 2,000-request load."""
+    """The load's floor: the weights (less the embedding, whose rows are gathered) read once per decode step and
+    every token's GEMM FLOPs (2 a parameter: a prompt token through the layers, an output token through the layers
+    and the LM head, the first output token's layers counted with its prompt) at the matmul rate, whichever is
+    longer (a step's prefill tokens share its weight reads), plus every token's K/V reads at the copy bandwidth.
+    At 256 sequences the FLOPs are the longer. Before session 9 the floor was the decode steps' weight reads plus
+    the prefill FLOPs through every parameter; on the 2,000-request load both give ~100 s."""
     head_dim = config.hidden_size // config.num_attention_heads
     embed = config.vocab_size * config.hidden_size
     head = 0 if config.tie_word_embeddings else embed  # the LM head's own parameters (tied: in embed)
@@ -46,10 +45,9 @@ def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_
     kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * 2
     steps = max(max(output_lens), -(-sum(output_lens) // max_num_seqs))
     kv = sum(kv_per_token * (n * p + n * (n - 1) // 2) for p, n in zip(prompt_lens, output_lens))
-    decode_flops = 2 * (layer_params + embed) * sum(output_lens)  # layers + LM head (embed-sized) per token
-    decode = max(steps * weights / ceilings.copy_bytes_s, decode_flops / ceilings.matmul_flop_s)
-    prefill = 2 * layer_params * sum(prompt_lens) / ceilings.matmul_flop_s
-    return decode + kv / ceilings.copy_bytes_s + prefill
+    flops = 2 * (layer_params * (sum(prompt_lens) + sum(output_lens) - len(output_lens))
+                 + embed * sum(output_lens))  # layers, and the LM head (embed-sized) for each output token
+    return max(steps * weights / ceilings.copy_bytes_s, flops / ceilings.matmul_flop_s) + kv / ceilings.copy_bytes_s
 
 
 def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:

@@ -203,7 +203,8 @@ def _decode_merge_kernel(
 def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 256) -> int:
     """Context splits per (sequence, KV head): enough programs to keep every SM streaming (~2 per SM on
     an H200's 132 SMs), no more, since each split writes partials the merge must read back (and one split
-    lets the kernel write the output directly)."""
+    lets the kernel write the output directly). A function of the batch's shape alone (never of the sequences'
+    lengths), so a launch captured in a CUDA graph stays valid for every step of its bucket."""
     splits = 1
     while splits < 32 and num_seqs * num_kv_heads * splits < target_programs:
         splits *= 2
