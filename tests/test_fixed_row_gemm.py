@@ -219,3 +219,12 @@ def test_gpu_a_deterministic_engine_checks_every_weight_before_capture_and_keeps
     assert {name.split(" @")[0] for name in summary} == {
         "128x64 bfloat16", "64x64 bfloat16", "256x64 bfloat16", "64x128 bfloat16", "512x64 bfloat16"}
     assert set(summary.values()) == {FIXED}, summary
+
+
+def test_the_pinned_library_is_the_engine_configs_default_graph_library():
+    """engine.config refuses other graph_blas_library values in deterministic mode by naming its default: the
+    library the fixed-row GEMM pins must be that default."""
+    from batchgen.engine.config import EngineConfig
+    from batchgen.kernels.fixed_row_gemm import BLAS_LIBRARY
+
+    assert EngineConfig.model_fields["graph_blas_library"].default == BLAS_LIBRARY

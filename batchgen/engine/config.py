@@ -51,13 +51,13 @@ class EngineConfig(BaseModel):
             if conflict:
                 raise ValueError(f"engine.deterministic runs the fused decoders' batch-invariant kernels on one "
                                  f"device; {key} cannot be combined with it (its reductions depend on the batch)")
-        # torch only here, where it is asked for (job specs validate without loading it otherwise)
-        from batchgen.kernels.fixed_row_gemm import BLAS_LIBRARY
-
-        if self.graph_blas_library not in (None, BLAS_LIBRARY):
-            raise ValueError(f"engine.deterministic runs every GEMM on {BLAS_LIBRARY} at a fixed row count, eager "
-                             f"and graphed alike (a GEMM's bits depend on the library); engine.graph_blas_library: "
-                             f"{self.graph_blas_library} cannot be combined with it (leave it at {BLAS_LIBRARY})")
+        # Its GEMMs pin their own library (kernels/fixed_row_gemm.BLAS_LIBRARY, this field's default) around every
+        # call, eager and graphed alike: another value here would be silently ignored, so it is refused.
+        default = type(self).model_fields["graph_blas_library"].default
+        if self.graph_blas_library not in (None, default):
+            raise ValueError(f"engine.deterministic runs every GEMM on {default} at a fixed row count, eager and "
+                             f"graphed alike (a GEMM's bits depend on the library); engine.graph_blas_library: "
+                             f"{self.graph_blas_library} cannot be combined with it (leave it at {default})")
         return self
 
     @model_validator(mode="after")
