@@ -256,15 +256,20 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               "--ab-set", help="job: an A/B of these sets: each configuration runs as A (without) and B (with "
                                "them) in the order A B B A, and the report gives B/A (repeatable).")] = None,
           model_geometry: Annotated[str, typer.Option(
-              help="seed, job: the model's shape, random bf16 weights (llama-8b, llama-70b (with --weights fp8), mistral-7b, qwen3-8b, gemma2-9b, "
+              help="seed, job: the model's shape, random bf16 weights (llama-8b, llama-70b (with --weights fp8 or --tensor-parallel 2), mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, gemma-7b, qwen2-7b, starcoder2-3b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, "
                    "mixtral-8x7b).")] = "llama-8b",
           weights: Annotated[str, typer.Option(
               help="seed, job: the layers' projections: bf16, fp8 (128x128 blocks, FineGrainedFP8 format) or "
                    "fp8-channel (per-channel, compressed-tensors format); the floor counts FP8 weights at one "
                    "byte.")] = "bf16",
+          tensor_parallel: Annotated[Optional[int], typer.Option(
+              "--tensor-parallel", help="seed: split the model over this many GPUs of this host, one process each, "
+                                        "each building its own shard of the random weights (bf16, dense "
+                                        "geometries); the floor adds the measured all-reduce latency.")] = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
-    """Benchmarks on one GPU: ours against transformers and the floor (seed, mixed), or the job path (job)."""
+    """Benchmarks on one GPU (seed: or N with --tensor-parallel): ours against transformers and the floor (seed,
+    mixed), or the job path (job)."""
     import torch
 
     if workload not in ("seed", "mixed", "job"):
@@ -276,6 +281,13 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo(f"batchgen: error: --model-geometry must be one of {', '.join(GEOMETRIES)}, got {model_geometry!r}",
                    err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if tensor_parallel is not None:  # before anything else can refuse the options without naming this one
+        from batchgen.bench.tp_seed import bench_reason
+
+        reason = bench_reason(tensor_parallel, workload, model_geometry, weights, variants, transformers)
+        if reason is not None:
+            typer.echo(f"batchgen: error: {reason}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR)
     from batchgen.bench.fp8_weights import WEIGHTS
 
     if weights not in WEIGHTS or (weights != "bf16" and workload == "mixed"):
@@ -291,6 +303,17 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     if not torch.cuda.is_available():
         typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if tensor_parallel is not None:
+        if torch.cuda.device_count() < tensor_parallel:
+            typer.echo(f"batchgen: error: --tensor-parallel {tensor_parallel} needs {tensor_parallel} GPUs; this "
+                       f"machine has {torch.cuda.device_count()}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR)
+        from batchgen.bench.tp_seed import main as tp_main
+
+        requests = requests or 32
+        tp_main(tensor_parallel, new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len,
+                json_path=json_out, max_num_seqs=max_num_seqs or requests, variants=variants, geometry=model_geometry)
+        return
     if workload == "job":
         from batchgen.bench.job import main as job_main
 

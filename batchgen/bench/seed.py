@@ -4,6 +4,7 @@ Workload (design.md section 6): Llama-3.1-8B geometry with random bf16 weights (
 random 256-token prompts (ids 3..16000, seed 0), greedy, EOS off, `--new-tokens` each.
 Floor: bytes every decode step must read (weights less the embedding, plus all cached K/V) over the copy
 bandwidth measured in the same run, plus prefill FLOPs at the measured bf16 matmul rate.
+On several GPUs (`--tensor-parallel N`): bench/tp_seed.py runs this module's run_ours on rank 0.
 """
 
 from __future__ import annotations
@@ -117,14 +118,24 @@ def release(engine) -> None:
     engine.close()
 
 
-def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int, variant: str) -> dict:
+def seed_engine_config(max_num_seqs: int, variant: str, tensor_parallel_size: int = 1):
+    """The EngineConfig of `variant` in the seed workload (every rank of a tensor-parallel group builds the same)."""
     from batchgen.engine.config import EngineConfig
+
+    return EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                        tensor_parallel_size=tensor_parallel_size, **VARIANTS[variant])
+
+
+def run_ours(model, prompts: list[list[int]], new_tokens: int, max_num_seqs: int, variant: str,
+             tensor_parallel=None) -> dict:
+    """`variant` over the prompts, timed. tensor_parallel: this process's TensorParallelGroup, rank 0 (`model` its
+    shard); the other ranks must serve its steps meanwhile (bench/tp_seed.py follow_engine)."""
     from batchgen.engine.engine import Engine
     from batchgen.sampling_params import SamplingParams
 
     t_setup = time.perf_counter()
-    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                              **VARIANTS[variant]))
+    size = tensor_parallel.size if tensor_parallel is not None else 1
+    engine = Engine(model, None, seed_engine_config(max_num_seqs, variant, size), tensor_parallel=tensor_parallel)
     setup_s = time.perf_counter() - t_setup
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # JIT warm-up
@@ -211,11 +222,7 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
             raise ValueError(f"geometry {geometry}: the first variant must run the fused MoE forward (its routing "
                              f"gives the floor), not {variant!r}")
         report["floor_s"], report["floor_tok_s"] = floor, requests * new_tokens / floor
-        r["x_floor"] = r["wall_s"] / floor
-        token_ids = r.pop("_token_ids")
-        if reference_tokens is None:
-            reference_tokens = token_ids
-        r["same_tokens_as_first_variant"] = sum(a == b for a, b in zip(token_ids, reference_tokens))
+        reference_tokens = score_variant(r, floor, reference_tokens)
         print(f"ours_sync_{variant}", json.dumps(r), flush=True)
     ours = report[f"ours_sync_{variants.split(',')[0]}"]
     for mode in filter(None, transformers_modes.split(",")):
@@ -226,10 +233,29 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
-    rows = [("mode", "wall s", "tok/s", "x floor")]
-    rows.append(("floor", f"{floor:.2f}", f"{report['floor_tok_s']:.0f}", "1.00"))
+    print(summary_table(report))
+    return report
+
+
+def score_variant(r: dict, floor_s: float, reference_tokens: list | None) -> list:
+    """Set run_ours' result `r`'s x_floor and same_tokens_as_first_variant (its token ids, popped from r, against
+    the first variant's); returns the first variant's token ids (r's own when `reference_tokens` is None)."""
+    r["x_floor"] = r["wall_s"] / floor_s
+    token_ids = r.pop("_token_ids")
+    if reference_tokens is None:
+        reference_tokens = token_ids
+    r["same_tokens_as_first_variant"] = sum(a == b for a, b in zip(token_ids, reference_tokens))
+    return reference_tokens
+
+
+def summary_table(report: dict) -> str:
+    """The floor and every run of the report (keys ours* and transformers*): wall s, tok/s, x floor, and the
+    kernels of one decode step where the run counted them."""
+    floor = report["floor_s"]
+    rows = [("mode", "wall s", "tok/s", "x floor", "kernels/step")]
+    rows.append(("floor", f"{floor:.2f}", f"{report['floor_tok_s']:.0f}", "1.00", ""))
     for key in [k for k in report if k.startswith(("ours", "transformers"))]:
         r = report[key]
-        rows.append((key, f"{r['wall_s']:.2f}", f"{r['tok_s']:.0f}", f"{r['wall_s'] / floor:.2f}"))
-    print("\n".join(f"{a:<22}{b:>10}{c:>10}{d:>9}" for a, b, c, d in rows))
-    return report
+        rows.append((key, f"{r['wall_s']:.2f}", f"{r['tok_s']:.0f}", f"{r['wall_s'] / floor:.2f}",
+                     str(r.get("kernels_per_decode_step", ""))))
+    return "\n".join(f"{a:<24}{b:>10}{c:>10}{d:>9}{e:>14}" for a, b, c, d, e in rows)
