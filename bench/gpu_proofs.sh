@@ -15,6 +15,7 @@
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
+#   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
@@ -61,6 +62,10 @@ for section in "$@"; do
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$LOGS/job_fp8.json" ;;
     fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
               --model-geometry llama-70b --json "$LOGS/w1_fp8_70b.json" ;;
+    tp) step tp_tests 200 python3 -m pytest -q -m gpu tests/test_bench_tensor_parallel.py tests/test_tensor_parallel.py \
+          -rfE -p no:cacheprovider
+        step tp2_70b 380 "${BG[@]}" --tensor-parallel 2 --model-geometry llama-70b --new-tokens 1024 \
+          --variants graphs_async --json "$LOGS/tp2_70b.json" ;;
     fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$LOGS/fp8_gemm.json" ;;
@@ -71,6 +76,6 @@ for section in "$@"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8big fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families1 families2 profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
