@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import replace
 import os
 import sys
 
@@ -82,11 +83,13 @@ def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[Dec
     rows = [{**base, **default.__dict__, "default": True, "us": round(default_us, 1),
              "kv_x": round(default_us / floor_us, 2)}]
     for launch in candidates:
-        try:
-            us = timed(launch)
-        except OutOfResources:  # a tile too large for shared memory: not a candidate
-            continue
-        rows.append({**base, **launch.__dict__, "us": round(us, 1), "kv_x": round(us / floor_us, 2)})
+        for heads_first in (False, True):  # the grid's order: a runtime flag, no second compile
+            launch = replace(launch, heads_first=heads_first)
+            try:
+                us = timed(launch)
+            except OutOfResources:  # a tile too large for shared memory: not a candidate
+                break
+            rows.append({**base, **launch.__dict__, "us": round(us, 1), "kv_x": round(us / floor_us, 2)})
     return rows
 
 
@@ -110,7 +113,8 @@ def main() -> None:
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "
-                      f"{r['num_stages']} mma {r['mma']}: {r['us']} us ({r['kv_x']}x)", flush=True)
+                      f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']}: {r['us']} us "
+                      f"({r['kv_x']}x)", flush=True)
             if args.json:  # after every shape: a later failure loses nothing measured
                 with open(args.json, "w") as f:
                     json.dump(report, f, indent=1)

@@ -130,7 +130,8 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
-    real = torch.arange(k_cache.shape[0], device=k_cache.device) != trash_block  # the reference also writes padding rows' K/V there
+    # the reference also writes padding rows' K/V to the trash block
+    real = torch.arange(k_cache.shape[0], device=k_cache.device) != trash_block
     torch.testing.assert_close(k_cache[real], k_ref[real], atol=1e-6, rtol=0)
     torch.testing.assert_close(v_cache[real], v_ref[real], atol=0, rtol=0)
 
@@ -156,6 +157,9 @@ for splits in (1, 2):  # the group's own rows on CUDA cores: MHA (one query a KV
                           launch=DecodeLaunch(splits, 16, 2, mma=False))
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], softcap=0.5,
                           launch=DecodeLaunch(splits, 32, 2, mma=False))
+    for mma in (True, False):  # the grid in (KV heads, sequences, splits) order
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70],
+                              launch=DecodeLaunch(splits, 16, 2, None, mma, heads_first=True))
 print("ok")
 """
 
@@ -175,12 +179,14 @@ def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
 @pytest.mark.parametrize("heads", [(16, 8, 256), (32, 32, 96)], ids=["gemma2-9b", "phi3-mini"])
 @pytest.mark.parametrize("seq_lens", [[769] * 32, [7, 200, 1, 0, 33, 161, 16, 1030] * 20])
 @pytest.mark.parametrize("mma", [True, False])
-def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens, mma):
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens, mma, heads_first):
+    from dataclasses import replace
+
     from batchgen.kernels.paged_decode import default_launch
 
     num_heads, num_kv_heads, head_dim = heads
-    launch = default_launch(len(seq_lens), num_kv_heads, head_dim)
-    launch = type(launch)(launch.num_splits, launch.block_n, launch.num_warps, launch.num_stages, mma)
+    launch = replace(default_launch(len(seq_lens), num_kv_heads, head_dim), mma=mma, heads_first=heads_first)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
 

@@ -101,12 +101,12 @@ def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
     return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
-    scale, softcap, window,
+    scale, softcap, window, heads_first,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_cs,
     stride_kn, stride_kb, stride_kh,
     stride_bt,
@@ -114,8 +114,13 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    # heads_first (a runtime flag: no recompile): the grid is (KV heads, sequences, splits), so the programs the
+    # GPU runs side by side read the same tokens' K/V rows for neighbouring heads (contiguous in the cache), not
+    # one head's slice of many sequences' rows
+    first, second = tl.program_id(0), tl.program_id(1)
+    b = tl.where(heads_first != 0, second, first)
+    h = tl.where(heads_first != 0, first, second)
+    num_kv_heads = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
@@ -144,7 +149,6 @@ def _decode_split_kernel(
         # whose split holds the new position uses them; -1 for an empty row: none does, nothing is written).
         new_pos = seq_len - 1
         has_new = (new_pos >= start) & (new_pos < start + chunk)
-        num_kv_heads = tl.num_programs(1)
         k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
         k_new = _rope(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign).to(k_cache_ptr.dtype.element_ty)
         v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0)
@@ -178,7 +182,7 @@ def _decode_split_kernel(
         return
     # Only the GROUP real query rows are stored (tl.dot pads the group to >= 16 rows; storing the padding
     # would write up to 4x the partials the merge reads).
-    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + s  # index of this (seq, kv head, split)
+    part = (b * num_kv_heads + h) * NUM_SPLITS + s  # index of this (seq, kv head, split)
     store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, g_mask, d, D_P)
 
 
@@ -230,6 +234,8 @@ class DecodeLaunch:
     # tl.dot over the query group padded to 16 rows (tensor cores), or, False, the group's own rows on CUDA cores
     # (for MHA models' single query a KV head, 15 of 16 padded rows are waste)
     mma: bool = True
+    # the grid's order: (sequences, KV heads, splits), or, True, (KV heads, sequences, splits)
+    heads_first: bool = False
 
 
 def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
@@ -323,9 +329,11 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     options = {"num_warps": launch.num_warps}
     if launch.num_stages is not None:
         options["num_stages"] = launch.num_stages
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
-        softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
+        softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
+        out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
