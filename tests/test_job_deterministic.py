@@ -87,3 +87,27 @@ def test_a_model_without_batch_invariant_layers_is_refused_before_its_weights_lo
         result = runner.invoke(app, [command, str(job), "--set", "engine.deterministic=true"])
         assert result.exit_code == 2, result.output
         assert "engine.deterministic: batch-invariant mixture-of-experts layers" in result.output
+
+
+def test_a_deterministic_resume_on_another_stack_warns_naming_what_differs(tmp_path, tiny_model_dir):
+    from batchgen.output.numerics import FILE
+
+    job = _job(tmp_path, tiny_model_dir)
+    out, plain = tmp_path / "out", tmp_path / "plain"
+
+    def run(out_dir, rows: int, *mode):  # each run has rows left to generate: the engine (and the check) runs
+        result = runner.invoke(app, ["run", str(job), "-o", str(out_dir), "--no-progress", *mode, "--set",
+                                     f"source.limit={rows}", "--set", "sampling.max_new_tokens=2"])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    run(out, 1, "--deterministic")
+    recorded = json.loads((out / FILE).read_text())
+    assert recorded["device"].startswith("cpu") and recorded["torch"] and recorded["cpu_threads"]
+    assert "another device or software stack" not in run(out, 2, "--deterministic")
+    (out / FILE).write_text(json.dumps({**recorded, "torch": "1.0.0", "device": "NVIDIA H200, 132 SMs"}))
+    moved = run(out, 3, "--deterministic")
+    assert "another device or software stack" in moved
+    assert "torch: '1.0.0' ->" in moved and "device: 'NVIDIA H200, 132 SMs' ->" in moved
+    run(plain, 1)
+    assert not (plain / FILE).exists()  # the default mode records nothing

@@ -164,6 +164,12 @@ class JobLoop:
               f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
               f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}",
               file=sys.stderr)
+        if spec.engine.deterministic:  # (one device per worker: deterministic mode refuses tensor parallelism)
+            from batchgen.output.numerics import numerics_stack, record_or_compare
+
+            warning = record_or_compare(self.out_dir, numerics_stack(self.engine.device, __version__))
+            if warning is not None:
+                print(warning, file=sys.stderr)
         self.engine.reasoning_markers = self.think_markers
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s

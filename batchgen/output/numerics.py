@@ -1,0 +1,69 @@
+"""numerics.json: the device and software a deterministic output was begun on, and the warning a resume gets
+when it runs elsewhere.
+
+engine.deterministic makes a row's tokens independent of the batch, not of the machine: another GPU model (or
+SM count), another CPU ISA or thread count, or another torch / CUDA / Triton build may pick other kernels and
+round differently (README, "Reproducible datasets"). The fingerprint cannot hold this (it is decided before any
+device is touched, and `batchgen validate` runs on machines without the job's GPU), so the first run of a
+deterministic output writes what it ran on here, and every later run or worker that runs on something else
+warns, naming each difference: rows it generates may differ bitwise from those an uninterrupted run on the first
+stack would give. A warning, not a refusal: the rows stay exactly once and valid, and moving a long job to
+another node of the same kind (same stack: no warning) is the common case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+FILE = "numerics.json"
+
+
+def numerics_stack(device, version: str) -> dict[str, str]:
+    """What decides a deterministic run's bits besides the job: the device kind and the kernels' software."""
+    import torch
+
+    stack = {"batchgen": version, "torch": torch.__version__}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        stack["device"] = f"{props.name}, {props.multi_processor_count} SMs"
+        stack["cuda"] = str(torch.version.cuda)
+        try:
+            import triton
+
+            stack["triton"] = triton.__version__
+        except ImportError:  # pragma: no cover - CUDA installs ship Triton
+            stack["triton"] = "none"
+    else:  # MKL / oneDNN pick code paths by ISA and split work by thread count
+        stack["device"] = f"{device.type}: {platform.machine()} {platform.processor() or ''}".strip()
+        stack["cpu_threads"] = str(torch.get_num_threads())
+    return stack
+
+
+def record_or_compare(out_dir: Path, stack: dict[str, str]) -> str | None:
+    """First run: write `stack` to out_dir/numerics.json (atomically, first writer wins among workers). Later:
+    the warning for a stack that differs from the recorded one (None: the same, or just recorded)."""
+    path = out_dir / FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            json.dump(stack, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):  # a first writer still writing, or a damaged file: nothing to compare
+        return None
+    changes = [f"{k}: {recorded.get(k, '(none)')!r} -> {stack.get(k, '(none)')!r}"
+               for k in sorted(set(recorded) | set(stack)) if recorded.get(k) != stack.get(k)]
+    if not changes:
+        return None
+    return ("batchgen: warning: engine.deterministic: this output was begun on another device or software stack ("
+            + "; ".join(changes) + f", recorded in {path}): the rows generated from now on may differ bitwise from "
+            "those an uninterrupted run there would give (exactly once still holds)")
