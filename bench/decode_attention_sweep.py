@@ -11,7 +11,8 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
 
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over a random block table (blocks
 scattered as a long run leaves them); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
-Every launch compiles once per geometry (~1-2 s each, 99 launches in the full grid): ~3 minutes a geometry.
+Every launch compiles once per geometry (~1-2 s each, 99 launches in the full grid, 36 more
+for MHA geometries): ~3 minutes a geometry.
 """
 
 from __future__ import annotations
@@ -42,15 +43,21 @@ def heads(geometry: str) -> tuple[int, int, int, float | None]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, getattr(cfg, "attn_logit_softcapping", None)
 
 
-def launches(grid: str) -> list[DecodeLaunch]:
-    """The candidate launches: 'full' (splits 1-4, block_n 16-128, 2-8 warps, 2-3 stages on tensor cores, and the
-    CUDA-core variant, `mma=False`, at 2 stages) or 'small'."""
+def launches(grid: str, mha: bool) -> list[DecodeLaunch]:
+    """The candidate launches: 'full' (splits 1-4, block_n 16-128, 2-8 warps, 2-3 stages on tensor cores; the
+    CUDA-core variant, `mma=False`, at 2 stages; for MHA geometries, 2-8 KV heads a program) or 'small'."""
     if grid == "small":
-        return [DecodeLaunch(s, n, w, 2, mma)
-                for s, n, w, mma in itertools.product((1, 2), (16, 32, 64), (2, 4), (True, False))]
-    return ([DecodeLaunch(s, n, w, st) for s, n, w, st in itertools.product((1, 2, 4), (16, 32, 64, 128), (2, 4, 8),
-                                                                              (2, 3))]
-            + [DecodeLaunch(s, n, w, 2, False) for s, n, w in itertools.product((1, 2, 4), (16, 32, 64), (2, 4, 8))])
+        out = [DecodeLaunch(s, n, w, 2, mma)
+               for s, n, w, mma in itertools.product((1, 2), (16, 32, 64), (2, 4), (True, False))]
+    else:
+        out = ([DecodeLaunch(s, n, w, st) for s, n, w, st in itertools.product((1, 2, 4), (16, 32, 64, 128),
+                                                                                 (2, 4, 8), (2, 3))]
+               + [DecodeLaunch(s, n, w, 2, False) for s, n, w in itertools.product((1, 2, 4), (16, 32, 64),
+                                                                                     (2, 4, 8))])
+    if mha:
+        out += [DecodeLaunch(s, n, w, 2, heads_per_program=hb)
+                for s, n, w, hb in itertools.product((1, 2, 4), (16, 32), (2, 4), (2, 4, 8))]
+    return out
 
 
 def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[DecodeLaunch],
@@ -83,7 +90,7 @@ def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[Dec
     rows = [{**base, **default.__dict__, "default": True, "us": round(default_us, 1),
              "kv_x": round(default_us / floor_us, 2)}]
     for launch in candidates:
-        for heads_first in (False, True):  # the grid's order: a runtime flag, no second compile
+        for heads_first in (False, True) if launch.heads_per_program == 1 else (False,):  # a runtime flag
             launch = replace(launch, heads_first=heads_first)
             try:
                 us = timed(launch)
@@ -105,7 +112,9 @@ def main() -> None:
     for geometry in args.geometries.split(","):
         for shape in args.shapes.split(","):
             num_seqs, context = (int(x) for x in shape.split(":"))
-            rows = sweep_shape(geometry, num_seqs, context, launches(args.grid), copy_bytes_s)
+            num_heads, num_kv_heads = heads(geometry)[:2]
+            candidates = launches(args.grid, mha=num_heads == num_kv_heads)
+            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s)
             report["rows"] += rows
             best = sorted(rows, key=lambda r: r["us"])
             print(f"{geometry} {num_seqs} seqs x {context}: floor {rows[0]['floor_us']} us; default "
@@ -113,7 +122,8 @@ def main() -> None:
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "
-                      f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']}: {r['us']} us "
+                      f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']} heads/program "
+                      f"{r['heads_per_program']}: {r['us']} us "
                       f"({r['kv_x']}x)", flush=True)
             if args.json:  # after every shape: a later failure loses nothing measured
                 with open(args.json, "w") as f:

@@ -157,9 +157,20 @@ for splits in (1, 2):  # the group's own rows on CUDA cores: MHA (one query a KV
                           launch=DecodeLaunch(splits, 16, 2, mma=False))
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], softcap=0.5,
                           launch=DecodeLaunch(splits, 32, 2, mma=False))
+    for heads in (2, 4):  # MHA: several KV heads a program (kernels/paged_decode_heads.py), windowed and capped too
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
+                              launch=DecodeLaunch(splits, 16, 2, heads_per_program=heads))
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=16,
+                              sliding_window=12, softcap=0.5,
+                              launch=DecodeLaunch(splits, 16, 2, heads_per_program=heads))
     for mma in (True, False):  # the grid in (KV heads, sequences, splits) order
         _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70],
                               launch=DecodeLaunch(splits, 16, 2, None, mma, heads_first=True))
+try:  # heads_per_program is for MHA models only
+    _check_rope_attention("cpu", torch.float32, 1e-5, [5], launch=DecodeLaunch(1, 16, 2, heads_per_program=2))
+    raise SystemExit("a GQA model took heads_per_program")
+except ValueError as e:
+    assert "heads_per_program 2: for MHA models" in str(e), e
 print("ok")
 """
 
@@ -187,6 +198,8 @@ def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(h
 
     num_heads, num_kv_heads, head_dim = heads
     launch = replace(default_launch(len(seq_lens), num_kv_heads, head_dim), mma=mma, heads_first=heads_first)
+    if num_heads == num_kv_heads and not mma and heads_first:  # MHA: also several KV heads a program
+        launch = replace(launch, heads_per_program=4)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
 

@@ -9,10 +9,10 @@ the new token in last, from registers. Each is a different summation order for t
 Here a token's visible keys [lo, kv_len) (lo: 0, or the window's start) are cut into splits at fixed offsets from
 lo: SPLIT_KEYS keys each while the token sees at most MAX_SPLITS * SPLIT_KEYS keys, else the smallest multiple of
 SPLIT_KEYS that makes MAX_SPLITS splits enough (`_row_splits`: a function of the token's kv_len and the window
-alone). Each split is one online softmax (paged_decode.attend_tiles: fp32, BLOCK_N-key tiles in increasing key
+alone). Each split is one online softmax (decode_tiles.attend_tiles: fp32, BLOCK_N-key tiles in increasing key
 order from the split's start), the G query heads of a KV head the rows of one tl.dot tile (rows do not interact).
 A token with one split normalises and writes its output directly; otherwise every split writes (acc, m, l) to an
-fp32 workspace and a second kernel merges them (paged_decode.merge_partials over a fixed MAX_SPLITS-wide vector,
+fp32 workspace and a second kernel merges them (decode_tiles.merge_partials over a fixed MAX_SPLITS-wide vector,
 unused splits masked: the same reduction for every token). Nothing in a token's arithmetic depends on the other
 rows, the step's shape, or whether its own key was written in this step (every key is read back from the cache:
 rope_kv writes them first).
@@ -38,7 +38,7 @@ try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.paged_decode import attend_tiles, merge_partials, store_partials
+    from batchgen.kernels.decode_tiles import attend_tiles, merge_partials, store_partials
 except ImportError:  # installs without Triton (CPU) use query_attention_rows
     triton = None
 

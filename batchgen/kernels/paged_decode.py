@@ -25,80 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.decode_tiles import attend_tiles, merge_partials, rotated_load, store_partials
+from batchgen.kernels.paged_decode_heads import _decode_heads_kernel
 from batchgen.kernels.paged_prefill import softcapped
-from batchgen.kernels.rope_kv import rotate_rounded
-
-
-@triton.jit
-def _rope(ptrs, partner_ptrs, mask, cos, sin, sign):
-    """Load x and its rotate-half partner (rotate_half(x)[d] = sign[d] * x[partner[d]]) and rotate them."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
-    return rotate_rounded(x, xp, cos, sin, sign)
-
-
-@triton.jit
-def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, softcap, stride_kn, stride_kb,
-                 stride_kh, d, d_mask, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
-    increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
-    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products on tensor cores (tl.dot); below,
-    broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
-    (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
-    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
-    for n0 in tl.range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
-        else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
-            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-        if HAS_SOFTCAP:
-            scores = softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if GROUP_P >= 16:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:  # p rounded to v's dtype as tl.dot's operand is
-            pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]  # [GROUP_P, BLOCK_N, D_P]
-            acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
-    """A split's (acc [GROUP_P, D_P], m [GROUP_P], l [GROUP_P]) from attend_tiles to the fp32 workspace: query head
-    g's at workspace row rows[g] (acc: D_P values a row), where rows_ok (the padding heads of the tl.dot tile are
-    not stored)."""
-    tl.store(m_ptr + rows, m_i, mask=rows_ok)
-    tl.store(l_ptr + rows, l_i, mask=rows_ok)
-    tl.store(acc_ptr + rows[:, None] * D_P + d[None, :], acc, mask=rows_ok[:, None])
-
-
-@triton.jit
-def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
-    """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
-    order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
-    the same bits across launches keep S fixed."""
-    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"))
-    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0)
-    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0)  # [S, D_P]
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    denom = tl.sum(w * l, axis=0)
-    return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
 
 
 @triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
@@ -142,15 +71,16 @@ def _decode_split_kernel(
         sign = tl.where(d < half, -1.0, 1.0)
         cos = tl.load(cos_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
-        q = _rope(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
-                  sign[None, :])  # [GROUP_P, D_P]
+        q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
+                         sign[None, :])  # [GROUP_P, D_P]
         end = tl.minimum(end, seq_len - 1)
         # The new token's K/V, loaded before the loop so their latency hides behind it (only the program
         # whose split holds the new position uses them; -1 for an empty row: none does, nothing is written).
         new_pos = seq_len - 1
         has_new = (new_pos >= start) & (new_pos < start + chunk)
         k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
-        k_new = _rope(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign).to(k_cache_ptr.dtype.element_ty)
+        k_new = rotated_load(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b, mask=has_new, other=0).to(tl.int64)  # = block * BLOCK_SIZE + offset
@@ -236,6 +166,9 @@ class DecodeLaunch:
     mma: bool = True
     # the grid's order: (sequences, KV heads, splits), or, True, (KV heads, sequences, splits)
     heads_first: bool = False
+    # > 1 (MHA models only, a power of two dividing the KV heads): that many KV heads a program, each token's
+    # slices of them read as one contiguous run (kernels/paged_decode_heads.py; CUDA cores, heads_first unused)
+    heads_per_program: int = 1
 
 
 def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
@@ -307,8 +240,12 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_heads // num_kv_heads
+    heads = launch.heads_per_program
+    if heads > 1 and (group != 1 or num_kv_heads % heads or heads & (heads - 1)):
+        raise ValueError(f"DecodeLaunch.heads_per_program {heads}: for MHA models (one query head a KV head; here "
+                         f"{group}) with a power of two dividing the {num_kv_heads} KV heads")
     group_p = triton.next_power_of_2(group)
-    if launch.mma:
+    if launch.mma and heads == 1:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))
     assert k_cache.stride(3) == 1 and num_splits & (num_splits - 1) == 0
@@ -329,16 +266,26 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     options = {"num_warps": launch.num_warps}
     if launch.num_stages is not None:
         options["num_stages"] = launch.num_stages
-    grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
-        q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
-        softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
-        out.stride(1), stride_cs,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=sliding_window is not None, **options,
-    )
+    if heads > 1:
+        _decode_heads_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
+            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
+            softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            HEADS=heads, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
+            **options,
+        )
+    else:
+        grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
+        _decode_split_kernel[grid](
+            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
+            softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
+            out.stride(1), stride_cs,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+            NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_WINDOW=sliding_window is not None, **options,
+        )
     if num_splits == 1:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](

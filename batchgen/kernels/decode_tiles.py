@@ -1,0 +1,84 @@
+"""The Triton pieces the paged decode kernels share: rotary loads, the online softmax over a split's K/V tiles,
+and a split's partials to and from the fp32 workspace. Used by kernels/paged_decode.py (per KV head),
+kernels/paged_decode_heads.py (several MHA heads a program) and kernels/invariant_attention.py (one query row
+at a time, whose batch invariance is exactly attend_tiles' fixed tile order)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from batchgen.kernels.paged_prefill import softcapped
+from batchgen.kernels.rope_kv import rotate_rounded
+
+
+@triton.jit
+def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
+    """Load x and its rotate-half partner (rotate_half(x)[d] = sign[d] * x[partner[d]]) and rotate them."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    return rotate_rounded(x, xp, cos, sin, sign)
+
+
+@triton.jit
+def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, softcap, stride_kn, stride_kb,
+                 stride_kh, d, d_mask, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
+    increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
+    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products on tensor cores (tl.dot); below,
+    broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
+    (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
+    for n0 in tl.range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+        else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+        if HAS_SOFTCAP:
+            scores = softcapped(scores, softcap)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if GROUP_P >= 16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:  # p rounded to v's dtype as tl.dot's operand is
+            pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]  # [GROUP_P, BLOCK_N, D_P]
+            acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
+    """A split's (acc [GROUP_P, D_P], m [GROUP_P], l [GROUP_P]) from attend_tiles to the fp32 workspace: query head
+    g's at workspace row rows[g] (acc: D_P values a row), where rows_ok (the padding heads of the tl.dot tile are
+    not stored)."""
+    tl.store(m_ptr + rows, m_i, mask=rows_ok)
+    tl.store(l_ptr + rows, l_i, mask=rows_ok)
+    tl.store(acc_ptr + rows[:, None] * D_P + d[None, :], acc, mask=rows_ok[:, None])
+
+
+@triton.jit
+def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
+    """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
+    order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
+    the same bits across launches keep S fixed."""
+    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"))
+    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0)
+    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0)  # [S, D_P]
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
