@@ -21,6 +21,58 @@ def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
 
 
 @triton.jit
+def rope_tables(cos_ptr, sin_ptr, b, stride_cs, d, d_mask, HEAD_DIM: tl.constexpr):
+    """Sequence b's rotary tables over the head dims d [D_P] -> (partner [D_P]: the rotate-half partner's index,
+    sign [D_P], cos [D_P] fp32, sin [D_P] fp32), for rotated_load."""
+    half = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+    return partner, sign, cos, sin
+
+
+@triton.jit
+def split_range(seq_len, window, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Split s of NUM_SPLITS of the keys a decode query (position seq_len - 1) sees -> (start, end, chunk): keys
+    [start, end), splits of `chunk` keys (a multiple of BLOCK_N) from the window's start (Gemma2/3 layers: keys
+    after position seq_len - 1 - window) or 0."""
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + s * chunk
+    return start, tl.minimum(start + chunk, seq_len), chunk
+
+
+@triton.jit
+def softmax_step(scores, valid, m_i, l_i, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One tile of the online softmax: scores [R, BLOCK_N] fp32 (soft-capped here), keys where valid [BLOCK_N]
+    -> (p [R, BLOCK_N], alpha [R]: the old sums' rescale, the new max m [R], the new sum l [R])."""
+    if HAS_SOFTCAP:
+        scores = softcapped(scores, softcap)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def fold_new_key(score, v_new, acc, m_i, l_i, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The step's own token folded in last, from registers: its key's score [R] fp32 (soft-capped here) and its
+    value v_new ([R, D_P], or [1, D_P] shared by a query group), p rounded to the value's dtype as a tile's
+    operand is -> (acc, m, l)."""
+    if HAS_SOFTCAP:
+        score = softcapped(score, softcap)
+    m_new = tl.maximum(m_i, score)
+    p = tl.exp(score - m_new)
+    alpha = tl.exp(m_i - m_new)
+    acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+    return acc, m_new, l_i * alpha + p
+
+
+@triton.jit
 def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, softcap, stride_kn, stride_kb,
                  stride_kh, d, d_mask, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
@@ -44,13 +96,7 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
             scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-        if HAS_SOFTCAP:
-            scores = softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = softmax_step(scores, valid, m_i, l_i, softcap, HAS_SOFTCAP)
         if GROUP_P >= 16:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         else:  # p rounded to v's dtype as tl.dot's operand is

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_tiles import attend_tiles, merge_partials, rotated_load, store_partials
-from batchgen.kernels.paged_decode_heads import _decode_heads_kernel
-from batchgen.kernels.paged_prefill import softcapped
+from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, rope_tables,
+                                          rotated_load, split_range, store_partials)
+from batchgen.kernels.paged_decode_heads import decode_heads_kernel
 
 
 @triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
@@ -52,12 +52,7 @@ def _decode_split_kernel(
     num_kv_heads = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:  # the query (position seq_len - 1) sees positions > seq_len - 1 - window
-        lo = tl.maximum(seq_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end, chunk = split_range(seq_len, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
 
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D_P)
@@ -66,11 +61,7 @@ def _decode_split_kernel(
     q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh
     q_mask = g_mask[:, None] & d_mask[None, :]
     if FUSE_ROPE:  # q_ptr is the QKV projection [B, (H + 2 Hkv) D]; this step's K/V are not cached yet
-        half = HEAD_DIM // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-        cos = tl.load(cos_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+        partner, sign, cos, sin = rope_tables(cos_ptr, sin_ptr, b, stride_cs, d, d_mask, HEAD_DIM)
         q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
                          sign[None, :])  # [GROUP_P, D_P]
         end = tl.minimum(end, seq_len - 1)
@@ -96,14 +87,7 @@ def _decode_split_kernel(
             tl.store(k_cache_ptr + slot * stride_kb + h * stride_kh + d, k_new, mask=d_mask)
             tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
-            if HAS_SOFTCAP:
-                score = softcapped(score, softcap)
-            m_new = tl.maximum(m_i, score)
-            p = tl.exp(score - m_new)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
+            acc, m_i, l_i = fold_new_key(score, v_new[None, :], acc, m_i, l_i, softcap, HAS_SOFTCAP)
 
     if NUM_SPLITS == 1:  # the whole context is here: the output itself (an empty sequence's l is 0: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -267,7 +251,7 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     if launch.num_stages is not None:
         options["num_stages"] = launch.num_stages
     if heads > 1:
-        _decode_heads_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
+        decode_heads_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
             q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
             softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -19,12 +19,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_tiles import rotated_load, store_partials
-from batchgen.kernels.paged_prefill import softcapped
+from batchgen.kernels.decode_tiles import (fold_new_key, rope_tables, rotated_load, softmax_step, split_range,
+                                          store_partials)
 
 
 @triton.jit
-def _decode_heads_kernel(
+def decode_heads_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
@@ -41,12 +41,7 @@ def _decode_heads_kernel(
     s = tl.program_id(2)
     num_kv_heads = tl.num_programs(1) * HEADS
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:  # the query (position seq_len - 1) sees positions > seq_len - 1 - window
-        lo = tl.maximum(seq_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end, chunk = split_range(seq_len, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
 
     hb = tl.arange(0, HEADS)
     d = tl.arange(0, D_P)
@@ -54,13 +49,9 @@ def _decode_heads_kernel(
     hd_mask = (hb[:, None] >= 0) & d_mask[None, :]  # [HEADS, D_P]
     q_rows = q_ptr + b * stride_qb + (h0 + hb)[:, None] * stride_qh
     if FUSE_ROPE:  # q_ptr is the QKV projection [B, (H + 2 Hkv) D]; this step's K/V are not cached yet
-        half = HEAD_DIM // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-        cos = tl.load(cos_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+        partner, sign, cos, sin = rope_tables(cos_ptr, sin_ptr, b, stride_cs, d, d_mask, HEAD_DIM)
         q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], hd_mask, cos[None, :], sin[None, :],
-                  sign[None, :])  # [HEADS, D_P]
+                         sign[None, :])  # [HEADS, D_P]
         end = tl.minimum(end, seq_len - 1)
         new_pos = seq_len - 1
         has_new = (new_pos >= start) & (new_pos < start + chunk)
@@ -88,13 +79,7 @@ def _decode_heads_kernel(
         kv_mask = valid[None, :, None] & d_mask[None, None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k, axis=2) * scale  # [HEADS, BLOCK_N]
-        if HAS_SOFTCAP:
-            scores = softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = softmax_step(scores, valid, m_i, l_i, softcap, HAS_SOFTCAP)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype).to(tl.float32)  # rounded to V's dtype, as the tensor-core kernel's operand is
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=1)
@@ -106,14 +91,7 @@ def _decode_heads_kernel(
             tl.store(k_cache_ptr + cache_offs, k_new, mask=hd_mask)
             tl.store(v_cache_ptr + cache_offs, v_new, mask=hd_mask)
             score = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [HEADS]
-            if HAS_SOFTCAP:
-                score = softcapped(score, softcap)
-            m_new = tl.maximum(m_i, score)
-            p = tl.exp(score - m_new)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-            m_i = m_new
+            acc, m_i, l_i = fold_new_key(score, v_new, acc, m_i, l_i, softcap, HAS_SOFTCAP)
 
     if NUM_SPLITS == 1:  # the whole context is here: the output itself (an empty sequence's l is 0: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
