@@ -11,8 +11,8 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
 
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over a random block table (blocks
 scattered as a long run leaves them); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
-Every launch compiles once per geometry (~1-2 s each, 99 launches in the full grid, 36 more
-for MHA geometries): ~3 minutes a geometry.
+Every launch compiles once per geometry (~1-2 s each; the full grid's 54 launches, 72 for MHA
+geometries): ~3 minutes a geometry.
 """
 
 from __future__ import annotations
@@ -43,20 +43,22 @@ def heads(geometry: str) -> tuple[int, int, int, float | None]:
     return cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, getattr(cfg, "attn_logit_softcapping", None)
 
 
+# (block_n, num_warps) pairs worth compiling: wider tiles want more warps, narrow ones fewer (a full product of
+# 16-128 keys and 2-8 warps compiled ~140 kernels a geometry, too many for one 10-minute device command)
+TENSOR_CORE_TILES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
+CUDA_CORE_TILES = ((16, 2), (32, 2), (32, 4), (64, 4))
+HEAD_BLOCK_TILES = ((16, 2), (16, 4), (32, 4))
+
+
 def launches(grid: str, mha: bool) -> list[DecodeLaunch]:
-    """The candidate launches: 'full' (splits 1-4, block_n 16-128, 2-8 warps, 2-3 stages on tensor cores; the
-    CUDA-core variant, `mma=False`, at 2 stages; for MHA geometries, 2-8 KV heads a program) or 'small'."""
-    if grid == "small":
-        out = [DecodeLaunch(s, n, w, 2, mma)
-               for s, n, w, mma in itertools.product((1, 2), (16, 32, 64), (2, 4), (True, False))]
-    else:
-        out = ([DecodeLaunch(s, n, w, st) for s, n, w, st in itertools.product((1, 2, 4), (16, 32, 64, 128),
-                                                                                 (2, 4, 8), (2, 3))]
-               + [DecodeLaunch(s, n, w, 2, False) for s, n, w in itertools.product((1, 2, 4), (16, 32, 64),
-                                                                                     (2, 4, 8))])
+    """The candidate launches: 'full' (splits 1-4; tensor-core tiles at 2-3 stages, CUDA-core tiles (`mma=False`)
+    at 2; for MHA geometries, 2 or 4 KV heads a program) or 'small' (one split or two, 2 stages)."""
+    splits, stages = ((1, 2), (2,)) if grid == "small" else ((1, 2, 4), (2, 3))
+    out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, stages)]
+    out += [DecodeLaunch(sp, n, w, 2, False) for sp, (n, w) in itertools.product(splits, CUDA_CORE_TILES)]
     if mha:
-        out += [DecodeLaunch(s, n, w, 2, heads_per_program=hb)
-                for s, n, w, hb in itertools.product((1, 2, 4), (16, 32), (2, 4), (2, 4, 8))]
+        out += [DecodeLaunch(sp, n, w, 2, heads_per_program=hb)
+                for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
     return out
 
 
