@@ -57,7 +57,7 @@ def launches(grid: str, mha: bool) -> list[DecodeLaunch]:
     out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, stages)]
     out += [DecodeLaunch(sp, n, w, 2, False) for sp, (n, w) in itertools.product(splits, CUDA_CORE_TILES)]
     if mha:
-        out += [DecodeLaunch(sp, n, w, 2, heads_per_program=hb)
+        out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
                 for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
     return out
 

@@ -111,3 +111,16 @@ def test_a_deterministic_resume_on_another_stack_warns_naming_what_differs(tmp_p
     assert "torch: '1.0.0' ->" in moved and "device: 'NVIDIA H200, 132 SMs' ->" in moved
     run(plain, 1)
     assert not (plain / FILE).exists()  # the default mode records nothing
+
+
+def test_the_numerics_record_is_written_whole_once_and_a_damaged_one_warns(tmp_path):
+    from batchgen.output.numerics import FILE, record_or_compare
+
+    stack = {"device": "cpu: x86_64, AVX512", "torch": "2.13"}
+    assert record_or_compare(tmp_path, stack) is None  # first: recorded
+    assert record_or_compare(tmp_path, {**stack, "torch": "2.14"}) is not None  # another worker, another stack
+    assert json.loads((tmp_path / FILE).read_text()) == stack  # the first record stays, no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [FILE]
+    for damaged in ("", "null", "[1]", "{"):
+        (tmp_path / FILE).write_text(damaged)
+        assert "cannot be read" in record_or_compare(tmp_path, stack)

@@ -83,3 +83,47 @@ def test_two_ranks_generate_what_one_does_and_sample_alike(two_rank_runs, index)
         single = Engine(make_model(arch, **overrides), None, _config(1, engine_kw))
         assert leader[0] == _tokens(single.generate(PROMPTS, sampling))
         single.close()
+
+
+def _sleep_forever(tp):
+    import time
+
+    time.sleep(3600)
+
+
+def test_sigterm_to_the_launcher_kills_its_ranks(tmp_path):
+    """A `timeout` or a scheduler stopping the launching process must not leave ranks running (each would keep its
+    GPU's memory): SIGTERM ends run_group, and its cleanup kills them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from test_tensor_parallel import _sleep_forever
+        from batchgen.distributed.spawn import run_group
+        print("started", flush=True)
+        run_group(_sleep_forever, 2, timeout_s=3600)
+    """))
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 60
+    children = []
+    while time.monotonic() < deadline and len(children) < 2:  # both ranks spawned
+        out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+        children = [int(pid) for pid in out.split()]
+        time.sleep(0.2)
+    time.sleep(2)  # the second rank too (a SIGTERM between two starts is cleaned up as well)
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) != 0
+    time.sleep(0.5)
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+             open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert children and not alive, (children, alive)

@@ -72,6 +72,7 @@ def _rank(tp, geometry: str, requests: int, prompt_len: int, new_tokens: int, ma
 
     config = model_config(geometry)
     ceilings = measure_ceilings() if tp.is_leader else None  # on this rank's GPU (init_tensor_parallel set it)
+    torch.cuda.empty_cache()  # its buffers, or rank 0's KV cache (and, agreed, every rank's) would come out smaller
     t0 = time.perf_counter()
     model = build_random_shard(config, tp.rank, tp.size, tp.device)
     torch.cuda.synchronize(tp.device)

@@ -16,8 +16,12 @@ ends the others, and whatever is left at the end is killed.
 
 from __future__ import annotations
 
+import contextlib
 import queue as queue_mod
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
@@ -44,19 +48,39 @@ def _entry(fn, rank: int, size: int, init_method: str, device_type: str, args: t
         groups.destroy()
 
 
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (`timeout`, a scheduler's stop) raises SystemExit in the main thread while the group runs, so the
+    cleanup below kills the ranks instead of leaving them running, each holding its GPU's memory."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_group(fn, size: int, *args, device_type: str = "cpu", timeout_s: float = 300.0) -> list:
     """fn(group, *args) on ranks 0..size-1, each in its own process; their return values in rank order.
-    RuntimeError with the failing rank's traceback, TimeoutError past `timeout_s` (every process killed)."""
+    RuntimeError with the failing rank's traceback, TimeoutError past `timeout_s` (every process killed; also on
+    SIGTERM)."""
+    with _sigterm_raises():
+        return _run_group(fn, size, args, device_type, timeout_s)
+
+
+def _run_group(fn, size: int, args: tuple, device_type: str, timeout_s: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_entry, args=(fn, r, size, init_method, device_type, args, results), daemon=True)
              for r in range(size)]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout_s
     values: dict[int, object] = {}
     try:
+        for p in procs:  # inside the try: a SIGTERM between two starts still kills the first
+            p.start()
         while len(values) < size:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -24,10 +24,11 @@ from batchgen.output import manifest as mf
 from batchgen.output.card import CARD_FILE, MARKER as CARD_MARKER
 from batchgen.output.fingerprint import FILE as FINGERPRINT_FILE
 from batchgen.output.lock import WorkerLock
+from batchgen.output.numerics import FILE as NUMERICS_FILE
 from batchgen.job.spec import JobSpec
 from batchgen.job.workers import WorkerInfo
 
-OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, "job.yaml")
+OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, NUMERICS_FILE, "job.yaml")
 
 
 def write_report_or_say_why(out_dir: Path) -> None:

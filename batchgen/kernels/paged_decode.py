@@ -1,8 +1,10 @@
 """Triton paged decode attention: one query token per sequence, K/V read from the paged cache.
 
-Split-K over the context: program (seq, kv_head, split) streams its slice of the sequence's K/V once
-for all G query heads that share that KV head (GQA), keeping an online softmax; a second kernel merges
-the splits. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
+Split-K over the context: program (seq, kv_head, split) (or (kv_head, seq, split): DecodeLaunch.heads_first)
+streams its slice of the sequence's K/V once for all G query heads that share that KV head (GQA), keeping an
+online softmax; a second kernel merges the splits. MHA models may instead take several KV heads a program
+(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py). The launch (splits, tile, warps, stages, those
+options) comes from `default_launch` unless the caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
 output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
 and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
 replayed with new contents. A sequence with seq_len == 0 (a padding row of a graph bucket) gets zeros.
@@ -225,6 +227,9 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_heads // num_kv_heads
     heads = launch.heads_per_program
+    if heads < 1 or (heads > 1 and launch.heads_first):
+        raise ValueError(f"DecodeLaunch: heads_per_program {heads} with heads_first {launch.heads_first}: at least 1, "
+                         f"and the heads-first grid order is for one KV head a program")
     if heads > 1 and (group != 1 or num_kv_heads % heads or heads & (heads - 1)):
         raise ValueError(f"DecodeLaunch.heads_per_program {heads}: for MHA models (one query head a KV head; here "
                          f"{group}) with a power of two dividing the {num_kv_heads} KV heads")

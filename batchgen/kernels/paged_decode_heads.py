@@ -58,7 +58,7 @@ def decode_heads_kernel(
         k_rows = q_ptr + b * stride_qb + (num_kv_heads + h0 + hb)[:, None] * HEAD_DIM  # MHA: H == Hkv
         new_mask = hd_mask & has_new
         k_new = rotated_load(k_rows + d[None, :], k_rows + partner[None, :], new_mask, cos[None, :], sin[None, :],
-                      sign[None, :]).to(k_cache_ptr.dtype.element_ty)  # [HEADS, D_P]
+                             sign[None, :]).to(k_cache_ptr.dtype.element_ty)  # [HEADS, D_P]
         v_new = tl.load(k_rows + num_kv_heads * HEAD_DIM + d[None, :], mask=new_mask, other=0.0)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b, mask=has_new, other=0).to(tl.int64)  # = block * BLOCK_SIZE + offset

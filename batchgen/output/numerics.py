@@ -8,7 +8,8 @@ device is touched, and `batchgen validate` runs on machines without the job's GP
 deterministic output writes what it ran on here, and every later run or worker that runs on something else
 warns, naming each difference: rows it generates may differ bitwise from those an uninterrupted run on the first
 stack would give. A warning, not a refusal: the rows stay exactly once and valid, and moving a long job to
-another node of the same kind (same stack: no warning) is the common case.
+another node of the same kind (same stack: no warning) is the common case. An output begun before this file
+existed records the first run that writes it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ FILE = "numerics.json"
 
 
 def numerics_stack(device, version: str) -> dict[str, str]:
-    """What decides a deterministic run's bits besides the job: the device kind and the kernels' software."""
+    """What decides a deterministic run's bits besides the job: the device kind and the kernels' software (the
+    GPU driver is not recorded: torch does not report it)."""
     import torch
 
     stack = {"batchgen": version, "torch": torch.__version__}
@@ -37,29 +39,38 @@ def numerics_stack(device, version: str) -> dict[str, str]:
         except ImportError:  # pragma: no cover - CUDA installs ship Triton
             stack["triton"] = "none"
     else:  # MKL / oneDNN pick code paths by ISA and split work by thread count
-        stack["device"] = f"{device.type}: {platform.machine()} {platform.processor() or ''}".strip()
+        stack["device"] = f"{device.type}: {platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"
         stack["cpu_threads"] = str(torch.get_num_threads())
     return stack
 
 
 def record_or_compare(out_dir: Path, stack: dict[str, str]) -> str | None:
-    """First run: write `stack` to out_dir/numerics.json (atomically, first writer wins among workers). Later:
-    the warning for a stack that differs from the recorded one (None: the same, or just recorded)."""
+    """First run: write `stack` to out_dir/numerics.json, whole or not at all (a temporary file hard-linked into
+    place: among workers starting together the first link wins, and no reader sees a partial file). Later: the
+    warning for a stack that differs from the recorded one, or for a record that cannot be read (None: the same
+    stack, or just recorded)."""
     path = out_dir / FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "w") as f:
+    if not path.exists():
+        tmp = out_dir / f".{FILE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump(stack, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        return None
+        try:
+            os.link(tmp, path)
+            return None
+        except FileExistsError:  # another worker recorded its stack first: compare with it
+            pass
+        finally:
+            tmp.unlink()
     try:
         recorded = json.loads(path.read_text())
-    except (OSError, ValueError):  # a first writer still writing, or a damaged file: nothing to compare
-        return None
+    except (OSError, ValueError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        return (f"batchgen: warning: engine.deterministic: {path} cannot be read, so this run cannot tell whether "
+                f"it runs on the device and software the output was begun on (rows stay exactly once; their bits "
+                f"may differ from an uninterrupted run's)")
     changes = [f"{k}: {recorded.get(k, '(none)')!r} -> {stack.get(k, '(none)')!r}"
                for k in sorted(set(recorded) | set(stack)) if recorded.get(k) != stack.get(k)]
     if not changes:
