@@ -227,8 +227,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               help="Also run transformers: seed: 'sync,async' (generate_batch); mixed: 'async'.")] = "",
           variants: Annotated[str, typer.Option(
               help="seed: our engine's variants: eager, graphs, graphs_transformers, compiled, graphs_async, "
-                   "graphs_async_cublas, "
-                   "compiled_async.")] = "graphs",
+                   "graphs_async_cublas, graphs_async_auto (per-bucket BLAS choice), compiled_async.")] = "graphs",
           max_num_seqs: Annotated[Optional[int], typer.Option(
               help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,
           transformers_time_limit: Annotated[Optional[float], typer.Option(
