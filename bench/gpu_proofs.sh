@@ -20,8 +20,9 @@
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
-# Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH (see bench/RESULTS.md) and a
-# tokenizer folder in $TOK (default .bench-assets/tokenizer: SmolLM2's, `batchgen.bench.job.tokenizer_dir`).
+# Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
+# (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and
+# .devrun/setup.sh, to source first in every device command.
 set -u
 OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/gpu_proofs_logs}; mkdir -p "$LOGS"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What a GPU machine of the device tool lacks, prepared here (the development machine) in ignored folders that a
+# device call carries (`carry: [".whl", ".bench-assets", ".devrun"]`):
+#   .whl/               wheels of the dependencies the GPU image does not ship (pydantic, xgrammar, jsonschema and
+#                       theirs), at the versions of this checkout's .venv, for CPython 3.12 on x86-64 Linux
+#   .bench-assets/tokenizer   SmolLM2's tokenizer and chat template, from the GGUF embedded in the package
+#   .devrun/setup.sh    sourced first by every device command: installs the wheels to /tmp/site, sets PYTHONPATH,
+#                       prints the GPU's clocks and the commit
+# Usage (repository root, after `make install`): bash bench/device_assets.sh
+# Then, for example: run(command="source .devrun/setup.sh; OUT=$OUT TOK=.bench-assets/tokenizer bash
+# bench/gpu_proofs.sh sweep", carry=[".whl", ".bench-assets", ".devrun"]).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+for p in /.whl/ /.bench-assets/ /.devrun/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
+mkdir -p .whl .bench-assets .devrun
+PACKAGES="pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi jsonschema attrs
+          jsonschema-specifications referencing rpds-py"
+for name in $PACKAGES; do
+  version=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  [ -n "$version" ] || { echo "device_assets: $name is not installed in $PY's environment" >&2; exit 1; }
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d .whl "$name==$version"
+done
+"$PY" -c "from pathlib import Path; from batchgen.bench.job import tokenizer_dir; tokenizer_dir(None, Path('.bench-assets'))"
+cat > .devrun/setup.sh <<'SETUP'
+# sourced at the start of every device command (written by bench/device_assets.sh)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
+git log --oneline -1 2>/dev/null || true
+SETUP
+du -sh .whl .bench-assets .devrun
