@@ -104,6 +104,8 @@ def gemm_config(m: int, n: int, k: int, num_sms: int | None = None) -> GemmConfi
 
 
 if triton is not None:
+    from batchgen.kernels.fp8_splitk import scaled_block_tile
+
     @triton.jit
     def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,
                           stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
@@ -120,30 +122,9 @@ if triton is not None:
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (pid % per_group) % group_rows
         pid_n = (pid % per_group) // group_rows
-        # rows / columns past the edge wrap (loads stay in bounds, unmasked); their outputs are not stored
-        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-        as_ptrs = as_ptr + offs_m * stride_asm
-        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            a_s = tl.load(as_ptrs + kb * stride_ask)
-            b_s = tl.load(bs_ptrs + kb * stride_bsk)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n, 0, tl.cdiv(K, BLOCK_K), M, N,
+                          K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
+                          HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def w8a8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,

@@ -74,19 +74,16 @@ def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) ->
 
 if triton is not None:
     @triton.jit
-    def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
-                       stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (column tile, split, row tile): the sum over its k blocks kb of
-        (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
-        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored."""
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
-        pid_m = tl.program_id(2)
+    def scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n, kb_first, kb_end, M, N, K,
+                          stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """Output tile (pid_m, pid_n) of the k blocks [kb_first, kb_end): the sum over them of
+        (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb] in fp32 (+ bias), stored in c's
+        dtype at c_ptr. Rows / columns past the edge wrap (unmasked loads in bounds) and are not stored. Shared by
+        the split-K kernel (one k range a program) and fp8_gemm's whole-K kernel."""
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        kb_first = split * per_split
-        kb_end = tl.minimum(kb_first + per_split, tl.cdiv(K, BLOCK_K))
         offs_k = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
@@ -106,8 +103,24 @@ if triton is not None:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = c_ptr + split.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @triton.jit
+    def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
+                       stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (column tile, split, row tile): the sum over its k blocks kb of
+        (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
+        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        kb_first = split * per_split
+        kb_end = tl.minimum(kb_first + per_split, tl.cdiv(K, BLOCK_K))
+        scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr + split.to(tl.int64) * stride_cs,
+                          tl.program_id(2), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
+                          stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
+                          BLOCK_K)
 
     @triton.jit
     def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, N, MN, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
