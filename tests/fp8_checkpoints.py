@@ -19,6 +19,18 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 FP8_MAX = 448.0
 
 
+def exact_activations(m: int, k: int, group: int) -> torch.Tensor:
+    """[m, k] fp32 activations that per-token, per-`group` FP8 quantisation represents exactly: FP8 values (each
+    group's first at the format's max 448, so its scale is a power of two) times a power of two per group. The
+    kernels' quantise-and-GEMM then equals the W8A8 reference to fp32 rounding."""
+    from batchgen.kernels.fp8_quant import FP8_DTYPE
+
+    q = torch.randn(m, k).mul(100).clamp(-440, 440).to(FP8_DTYPE).float()
+    groups = -(-k // group)
+    q[:, ::group] = 448.0
+    return q * (2.0 ** torch.randint(-12, -4, (m, groups)).float()).repeat_interleave(group, 1)[:, :k]
+
+
 def _is_projection(key: str) -> bool:
     return key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS
 

@@ -28,16 +28,14 @@ NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4
 INTERPRET_SCRIPT = r"""
 import torch
 from batchgen.kernels.fp8_gemm import GemmConfig, block_scaled_matmul, rowwise_scaled_mm, w8a8_matmul
-from batchgen.kernels.fp8_quant import (FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
+from batchgen.kernels.fp8_quant import (linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
                                         quantize_weight)
 
 torch.manual_seed(0)
 
-def exact_x(m, k, group):
-    q = torch.randn(m, k).mul(100).clamp(-440, 440).to(FP8_DTYPE).float()
-    groups = -(-k // group)
-    q[:, ::group] = 448.0
-    return q * (2.0 ** torch.randint(-12, -4, (m, groups)).float()).repeat_interleave(group, 1)[:, :k]
+import sys
+sys.path.insert(0, "tests")
+from fp8_checkpoints import exact_activations as exact_x
 
 # (M, N, K, group_n, group_k): partial blocks in N and K, per-row block scales (group_n 1), per channel (None)
 for m, n, k, gn, gk in [(5, 200, 320, 128, 128), (3, 96, 256, 1, 128), (17, 64, 96, 32, 32), (20, 40, 64, 1, None)]:

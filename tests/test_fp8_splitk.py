@@ -27,16 +27,14 @@ SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 
 INTERPRET_SCRIPT = r"""
 import torch
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_weight
+from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
 from batchgen.kernels.fp8_splitk import SplitKConfig, splitk_matmul, splitk_scaled_matmul
 
 torch.manual_seed(0)
 
-def exact_x(m, k, group):
-    q = torch.randn(m, k).mul(100).clamp(-440, 440).to(FP8_DTYPE).float()
-    groups = -(-k // group)
-    q[:, ::group] = 448.0
-    return q * (2.0 ** torch.randint(-12, -4, (m, groups)).float()).repeat_interleave(group, 1)[:, :k]
+import sys
+sys.path.insert(0, "tests")
+from fp8_checkpoints import exact_activations as exact_x
 
 # K 576: 5 scale blocks, the last partial; N 200: no multiple of BLOCK_N. Splits 3 -> 2+2+1 blocks (reduction
 # kernel), 2 -> 3+2, 1 -> the GEMM kernel's own epilogue. Then 32x32 blocks with per-row scales (group_n 1), and
