@@ -21,6 +21,7 @@ them from registers (no program reads that slot in this step, so the write races
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -157,6 +158,7 @@ class DecodeLaunch:
     heads_per_program: int = 1
 
 
+@functools.lru_cache(maxsize=1024)  # called per layer in eager (prefill / mixed) steps: a pure function of ints
 def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
     """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
     Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at
@@ -189,8 +191,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
     launch = default_launch(query.shape[0], k_cache.shape[2], k_cache.shape[3], num_splits)
-    launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
-                     num_stages=num_stages if num_stages is not None else launch.num_stages)
+    if block_n or num_warps or num_stages is not None:  # a caller's own tile (tests, benches)
+        launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
+                         num_stages=num_stages if num_stages is not None else launch.num_stages)
     return _launch(query, query.shape[1], None, k_cache, v_cache, block_tables, seq_lens, scale, launch,
                    sliding_window, softcap)
 
