@@ -1,18 +1,22 @@
-"""The measured decode launch table (kernels/decode_launch.py): look-up, split scaling, validation, the heuristic
-fallback."""
+"""The measured decode launch table (kernels/decode_launch.py) and the sweep that writes it
+(bench/decode_attention_sweep.py): look-up, split scaling, validation, the heuristic fallback, the merge."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
 from batchgen.kernels.decode_launch import (TABLE_PATH, DecodeLaunch, TableEntry, default_launch, launch_from_table,
                                             load_table, nearest_entry, scaled_splits)
 from conftest import run_under_interpreter
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _entry(num_seqs, launch, head_dim=256, num_kv_heads=8, group=2, context=768):
@@ -165,3 +169,76 @@ def test_table_launches_match_the_reference_under_triton_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter(TABLE_LAUNCH_INTERPRET_SCRIPT)
 
+
+# ---- bench/decode_attention_sweep.py: the table it writes, its compile workers ----
+
+@pytest.fixture
+def sweep(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("decode_attention_sweep")
+
+
+def _rows(geometry, head_dim, num_kv_heads, group, num_seqs, context, default_us, timings):
+    """A shape's sweep rows: the heuristic's (marked default), then one per (launch, us) of `timings`."""
+    base = dict(geometry=geometry, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group, num_seqs=num_seqs,
+                context=context)
+    rows = [{**base, **asdict(DecodeLaunch(1, 64, 4)), "default": True, "us": default_us}]
+    return rows + [{**base, **asdict(launch), "us": us} for launch, us in timings]
+
+
+def test_the_sweep_merges_a_shapes_fastest_launch_only_where_it_beats_the_heuristic_by_3_percent(sweep):
+    fast, slow = DecodeLaunch(2, 32, 2, 2, mma=False, heads_first=True), DecodeLaunch(4, 32, 4, 3)
+    old = [{**GOOD, "head_dim": 128, "group": 4},  # another geometry: kept
+           {**GOOD, "context": 512},  # gemma2-9b at 32 seqs: replaced
+           {**GOOD, "num_seqs": 256, "context": 160}]  # gemma2-9b at 256 seqs: dropped (the heuristic stays)
+    rows = (_rows("gemma2-9b", 256, 8, 2, 32, 768, 150.0, [(fast, 120.0), (slow, 160.0)])
+            + _rows("gemma2-9b", 256, 8, 2, 256, 512, 100.0, [(fast, 97.5), (slow, 130.0)])  # 2.5 %: not enough
+            + _rows("phi3-mini", 96, 32, 1, 32, 768, 80.0, [(fast, 90.0)]))  # the heuristic is fastest
+    entries, notes = sweep.merge_table(old, rows, "NVIDIA H200")
+    assert entries == [old[0], {"head_dim": 256, "num_kv_heads": 8, "group": 2, "num_seqs": 32, "context": 768,
+                                "launch": asdict(fast), "us": 120.0, "default_us": 150.0, "device": "NVIDIA H200"}]
+    assert len(notes) == 3 and "replaces its entry at context 512" in notes[0]
+    assert "heuristic stays (its entry at context 160 dropped)" in notes[1] and "heuristic stays" in notes[2]
+    assert sweep.merge_table(entries, rows, "NVIDIA H200")[0] == entries  # merging again changes nothing
+    # two shapes of one geometry and sequences: the later one's entry
+    rows = (_rows("gemma2-9b", 256, 8, 2, 32, 768, 150.0, [(fast, 120.0)])
+            + _rows("gemma2-9b", 256, 8, 2, 32, 1024, 200.0, [(slow, 150.0)]))
+    entries = sweep.merge_table([], rows, "NVIDIA H200")[0]
+    assert [(e["context"], e["launch"]["num_splits"]) for e in entries] == [(1024, 4)]
+    with pytest.raises(ValueError, match="0 default rows"):
+        sweep.merge_table([], rows[1:2], "NVIDIA H200")
+
+
+def test_the_sweep_writes_a_table_default_launch_accepts(sweep, tmp_path):
+    path = str(tmp_path / "launches.json")
+    table = sweep.read_table(path)  # none yet
+    assert table["entries"] == [] and "--write-table" in table["about"]
+    rows = _rows("gemma2-9b", 256, 8, 2, 32, 768, 150.0, [(DecodeLaunch(2, 32, 2, 2), 120.0)])
+    table["entries"] = sweep.merge_table(table["entries"], rows, "NVIDIA H200")[0]
+    sweep.write_table(path, table)
+    assert load_table(path)[0].launch == DecodeLaunch(2, 32, 2, 2)
+    assert sweep.read_table(path) == table
+    with pytest.raises(ValueError, match="'launch.block_n'"):  # checked before the file changes
+        sweep.write_table(path, {"entries": [{**table["entries"][0], "launch": {**GOOD["launch"], "block_n": 3}}]})
+    assert sweep.read_table(path) == table
+
+
+COMPILE_POOL_SCRIPT = """
+import multiprocessing, sys
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, "bench")
+import decode_attention_sweep as sweep
+from batchgen.kernels.decode_launch import DecodeLaunch
+# starcoder2-3b: 24 query heads on 2 KV heads of 128 (GQA): a launch for MHA models only fails, with its reason
+bad = DecodeLaunch(1, 16, 2, heads_per_program=2)
+candidates = [DecodeLaunch(1, 16, 2, 2), DecodeLaunch(2, 32, 2, 2, mma=False), bad]
+with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+    failed = sweep.compile_in_pool(pool, 2, "starcoder2-3b", 2, 20, candidates, dev="cpu")
+assert list(failed) == [bad] and "ValueError: DecodeLaunch.heads_per_program 2" in failed[bad], failed
+print("ok")
+"""
+
+
+def test_the_sweeps_compile_workers_run_every_candidate_and_report_the_failures_under_triton_interpreter():
+    pytest.importorskip("triton")
+    run_under_interpreter(COMPILE_POOL_SCRIPT)
