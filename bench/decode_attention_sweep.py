@@ -1,18 +1,28 @@
-"""The decode attention launch per model geometry: which (splits, block_n, num_warps, num_stages) streams the K/V
+"""The decode attention launch per model geometry: which (splits, block_n, num_warps, num_stages, ...) streams the K/V
 cache fastest, for the kernel the fused decoders run (rotary + K/V write + paged decode attention in one kernel,
-`paged_decode_rope_attention`), at each (sequences, context) shape asked for, against `default_launch`.
+`paged_decode_rope_attention`), at each (sequences, context) shape asked for, against the heuristic launch
+(`kernels/decode_launch.heuristic_launch`, what `default_launch` gives without a table entry).
 
 Gemma2-9B (8 KV heads of 256) and Phi-3-mini (32 of 96) ran their decode attention at 2.05x and 1.71x their K/V
 bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, session 9); this measures what
-`paged_decode.default_launch` should pick per head size and program count.
+`default_launch` should pick per head size and program count.
 
     python3 bench/decode_attention_sweep.py --geometries llama-8b,gemma2-9b,phi3-mini \\
-        --shapes 32:768,256:160,256:512 --json sweep.json
+        --shapes 32:768,256:160,256:512 --compile-workers 12 --json sweep.json \\
+        [--write-table batchgen/kernels/decode_launches.json]
 
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over a random block table (blocks
 scattered as a long run leaves them); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
-Every launch compiles once per geometry (~1-2 s each; the full grid's 54 launches, 72 for MHA
-geometries): ~3 minutes a geometry.
+Compiling a launch takes ~1-2 s (the full grid: 54 launches a geometry, 72 for MHA geometries), so before timing a
+shape `--compile-workers N` processes run every candidate once, filling Triton's on-disk kernel cache, and the
+timing loop's compiles are cache hits (N 0 or 1: no workers; each launch compiles as it is timed). A candidate
+that failed to compile or launch there (too much shared memory) is skipped, with a note.
+
+`--write-table PATH` merges the fastest launch of every swept shape into a launch table (PATH
+batchgen/kernels/decode_launches.json: the one the package ships and `default_launch` reads), keyed by the
+geometry's (head_dim, num_kv_heads, group) and the shape's sequences, but only where it beat the heuristic by
+>= 3 % (otherwise the heuristic stays, and an older entry of that key and sequences is dropped). A new entry is
+committed together with its measured figures in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,20 +30,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import replace
+import multiprocessing
 import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.bench.geometries import model_config  # noqa: E402
-from batchgen.bench.seed import measure_ceilings  # noqa: E402
-from batchgen.kernels.paged_decode import DecodeLaunch, default_launch, paged_decode_rope_attention  # noqa: E402
-from profile_decode import graph_ms  # noqa: E402
+from batchgen.kernels.decode_launch import DecodeLaunch, heuristic_launch, parse_table  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's KV block size
+MIN_GAIN = 0.03  # a table entry only for a launch at least this much faster than the heuristic's
+LAUNCH_FIELDS = tuple(f.name for f in fields(DecodeLaunch))
+ABOUT = ("Decode attention launches measured on the GPU; kernels/decode_launch.default_launch reads them. Written by "
+         "bench/decode_attention_sweep.py --write-table.")
 
 
 def heads(geometry: str) -> tuple[int, int, int, float | None]:
@@ -62,12 +77,37 @@ def launches(grid: str, mha: bool) -> list[DecodeLaunch]:
     return out
 
 
-def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[DecodeLaunch],
-                copy_bytes_s: float) -> list[dict]:
-    from triton.runtime.errors import OutOfResources
+@dataclass
+class ShapeInputs:
+    """One geometry's decode step at (sequences, context), on the GPU: what `paged_decode_rope_attention` reads."""
 
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    lens: torch.Tensor
+    num_heads: int
+    softcap: float | None
+
+    def attend(self, launch: DecodeLaunch) -> torch.Tensor:
+        from batchgen.kernels.paged_decode import paged_decode_rope_attention
+
+        return paged_decode_rope_attention(self.qkv, self.cos, self.sin, self.slots, self.k, self.v, self.table,
+                                           self.lens, self.k.shape[3] ** -0.5, self.num_heads, softcap=self.softcap,
+                                           launch=launch)
+
+    def kv_bytes(self) -> int:
+        return 2 * self.lens.numel() * int(self.lens[0]) * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+
+
+def build_inputs(geometry: str, num_seqs: int, context: int, dev: str = "cuda") -> ShapeInputs:
+    """Random bf16 inputs of the shape (the same in the compile workers and the timing process, so a launch's
+    compiled kernel, specialised on these shapes and strides, is the same cache entry in both)."""
     num_heads, num_kv_heads, head_dim, softcap = heads(geometry)
-    dev, dtype = "cuda", torch.bfloat16
+    dtype = torch.bfloat16
     blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     k = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype)
@@ -79,27 +119,122 @@ def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[Dec
     qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, device=dev, dtype=dtype)
     angle = pos[:, None].float() * torch.rand(head_dim, device=dev)
     cos, sin = angle.cos().to(dtype).contiguous(), angle.sin().to(dtype).contiguous()
-    kv_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * k.element_size()
-    floor_us = kv_bytes / copy_bytes_s * 1e6
+    return ShapeInputs(qkv, cos, sin, slots, k, v, table, lens, num_heads, softcap)
 
-    def timed(launch: DecodeLaunch | None) -> float:
-        return 1e3 * graph_ms(lambda: paged_decode_rope_attention(
-            qkv, cos, sin, slots, k, v, table, lens, head_dim ** -0.5, num_heads, softcap=softcap, launch=launch))
 
-    base = {"geometry": geometry, "num_seqs": num_seqs, "context": context, "floor_us": round(floor_us, 1)}
-    default = default_launch(num_seqs, num_kv_heads, head_dim)
-    default_us = timed(None)
-    rows = [{**base, **default.__dict__, "default": True, "us": round(default_us, 1),
+def compile_launches(geometry: str, num_seqs: int, context: int, chunk: list[DecodeLaunch],
+                     dev: str = "cuda") -> list[tuple]:
+    """A compile worker's job: run each launch of `chunk` once (its kernels land in Triton's on-disk cache).
+    Returns (launch, why) for each launch that failed to compile or launch. (dev "cpu": tests, interpreted.)"""
+    inputs = build_inputs(geometry, num_seqs, context, dev)
+    failed = []
+    for launch in chunk:
+        try:
+            inputs.attend(launch)
+            if dev == "cuda":  # an asynchronous launch error surfaces here, attributed to its launch
+                torch.cuda.synchronize()
+        except Exception as e:  # triton's OutOfResources (shared memory), a compile error: not a candidate
+            failed.append((launch, f"{type(e).__name__}: {str(e)[:160]}"))
+    del inputs
+    if dev == "cuda":
+        torch.cuda.empty_cache()  # the workers stay alive between shapes: give their inputs' memory back
+    return failed
+
+
+def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_seqs: int, context: int,
+                    candidates: list[DecodeLaunch], dev: str = "cuda") -> dict[DecodeLaunch, str]:
+    """Every candidate compiled once across the pool's workers (round-robin chunks); launch -> why it failed."""
+    chunks = [candidates[i::workers] for i in range(workers)]
+    futures = [pool.submit(compile_launches, geometry, num_seqs, context, chunk, dev) for chunk in chunks if chunk]
+    return {launch: why for future in futures for launch, why in future.result()}
+
+
+def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[DecodeLaunch], copy_bytes_s: float,
+                failed: dict[DecodeLaunch, str] | None = None) -> list[dict]:
+    """One row per timed launch (the heuristic's first, marked "default"), each candidate in both grid orders."""
+    from triton.runtime.errors import OutOfResources
+
+    from profile_decode import graph_ms
+
+    num_heads, num_kv_heads, head_dim, _ = heads(geometry)
+    inputs = build_inputs(geometry, num_seqs, context)
+    floor_us = inputs.kv_bytes() / copy_bytes_s * 1e6
+
+    def timed(launch: DecodeLaunch) -> float:
+        return 1e3 * graph_ms(lambda: inputs.attend(launch))
+
+    base = {"geometry": geometry, "head_dim": head_dim, "num_kv_heads": num_kv_heads,
+            "group": num_heads // num_kv_heads, "num_seqs": num_seqs, "context": context,
+            "floor_us": round(floor_us, 1)}
+    default = heuristic_launch(num_seqs, num_kv_heads, head_dim)
+    default_us = timed(default)
+    rows = [{**base, **asdict(default), "default": True, "us": round(default_us, 1),
              "kv_x": round(default_us / floor_us, 2)}]
     for launch in candidates:
+        if launch in (failed or {}):
+            print(f"    skipped {launch}: {failed[launch]}", flush=True)
+            continue
         for heads_first in (False, True) if launch.heads_per_program == 1 else (False,):  # a runtime flag
             launch = replace(launch, heads_first=heads_first)
             try:
                 us = timed(launch)
-            except OutOfResources:  # a tile too large for shared memory: not a candidate
+            except OutOfResources:  # a tile too large for shared memory (not compiled by workers): not a candidate
                 break
-            rows.append({**base, **launch.__dict__, "us": round(us, 1), "kv_x": round(us / floor_us, 2)})
+            rows.append({**base, **asdict(launch), "us": round(us, 1), "kv_x": round(us / floor_us, 2)})
     return rows
+
+
+def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: float = MIN_GAIN
+                ) -> tuple[list[dict], list[str]]:
+    """A launch table's entries with the sweep's `rows` merged in, and a note per swept shape (pure). Per shape
+    (head_dim, num_kv_heads, group, num_seqs, context): if its fastest row beats its "default" (heuristic) row by
+    >= min_gain, that launch becomes the entry of (head_dim, num_kv_heads, group, num_seqs), replacing an older
+    one; otherwise that older entry, if any, is dropped (the heuristic stays). Other entries are kept; the result
+    is sorted by its key."""
+    def key(d: dict) -> tuple:
+        return d["head_dim"], d["num_kv_heads"], d["group"], d["num_seqs"]
+
+    shapes: dict[tuple, list[dict]] = {}
+    for r in rows:
+        shapes.setdefault((*key(r), r["context"]), []).append(r)
+    out, notes = list(entries), []
+    for (*k, context), shape_rows in shapes.items():
+        k = tuple(k)
+        defaults = [r for r in shape_rows if r.get("default")]
+        if len(defaults) != 1:
+            raise ValueError(f"shape {k} x {context}: {len(defaults)} default rows, not 1")
+        default, best = defaults[0], min(shape_rows, key=lambda r: r["us"])
+        old = [e for e in out if key(e) == k]
+        out = [e for e in out if key(e) != k]
+        name = (f"{shape_rows[0].get('geometry', '?')} (head_dim, kv heads, group) {k[:3]} {k[3]} seqs x {context}:"
+                f" best {best['us']} us, heuristic {default['us']} us")
+        if best["us"] > default["us"] * (1 - min_gain):
+            notes.append(f"{name}: under {min_gain:.0%} faster, the heuristic stays"
+                         + (f" (its entry at context {old[0]['context']} dropped)" if old else ""))
+            continue
+        out.append({"head_dim": k[0], "num_kv_heads": k[1], "group": k[2], "num_seqs": k[3], "context": context,
+                    "launch": {f: best[f] for f in LAUNCH_FIELDS}, "us": best["us"], "default_us": default["us"],
+                    "device": device})
+        notes.append(f"{name}: entry written" + (f" (replaces its entry at context {old[0]['context']})" if old else ""))
+    return sorted(out, key=key), notes
+
+
+def read_table(path: str) -> dict:
+    """A launch table file's contents, validated ({"about", "entries": []} if there is none yet)."""
+    if not os.path.exists(path):
+        return {"about": ABOUT, "entries": []}
+    with open(path) as f:
+        data = json.load(f)
+    parse_table(data, path)
+    return data
+
+
+def write_table(path: str, data: dict) -> None:
+    parse_table(data, path)  # what default_launch will accept: checked before the file changes
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 def main() -> None:
@@ -107,29 +242,50 @@ def main() -> None:
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
     ap.add_argument("--shapes", default="32:768,256:160,256:512", help="sequences:context pairs")
     ap.add_argument("--grid", choices=("full", "small"), default="full")
+    ap.add_argument("--compile-workers", type=int, default=8,
+                    help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
+    ap.add_argument("--write-table", metavar="PATH",
+                    help="merge the fastest launches into this launch table (batchgen/kernels/decode_launches.json)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    from batchgen.bench.seed import measure_ceilings
+
     copy_bytes_s = measure_ceilings().copy_bytes_s
     report = {"copy_TBps": copy_bytes_s / 1e12, "rows": []}
+    table = read_table(args.write_table) if args.write_table else None
+    workers = args.compile_workers if args.compile_workers > 1 else 0
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers else None
     for geometry in args.geometries.split(","):
         for shape in args.shapes.split(","):
             num_seqs, context = (int(x) for x in shape.split(":"))
-            num_heads, num_kv_heads = heads(geometry)[:2]
+            num_heads, num_kv_heads, head_dim, _ = heads(geometry)
             candidates = launches(args.grid, mha=num_heads == num_kv_heads)
-            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s)
+            failed = {}
+            if pool:
+                t0 = time.time()
+                failed = compile_in_pool(pool, workers, geometry, num_seqs, context,
+                                         [heuristic_launch(num_seqs, num_kv_heads, head_dim), *candidates])
+                print(f"{geometry} {num_seqs} seqs x {context}: {len(candidates) + 1} launches compiled by {workers} "
+                      f"workers in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
+            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s, failed)
             report["rows"] += rows
             best = sorted(rows, key=lambda r: r["us"])
-            print(f"{geometry} {num_seqs} seqs x {context}: floor {rows[0]['floor_us']} us; default "
+            print(f"{geometry} {num_seqs} seqs x {context}: floor {rows[0]['floor_us']} us; heuristic "
                   f"{rows[0]['us']} us ({rows[0]['kv_x']}x, {rows[0]['num_splits']}/{rows[0]['block_n']}/"
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "
                       f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']} heads/program "
-                      f"{r['heads_per_program']}: {r['us']} us "
-                      f"({r['kv_x']}x)", flush=True)
+                      f"{r['heads_per_program']}: {r['us']} us ({r['kv_x']}x)", flush=True)
             if args.json:  # after every shape: a later failure loses nothing measured
                 with open(args.json, "w") as f:
                     json.dump(report, f, indent=1)
+            if table is not None:  # also after every shape (merging shape by shape = merging all rows at the end)
+                table["entries"], notes = merge_table(table["entries"], rows, torch.cuda.get_device_name())
+                write_table(args.write_table, table)
+                print("\n".join(f"    table: {n}" for n in notes), flush=True)
+    if pool:
+        pool.shutdown()
 
 
 if __name__ == "__main__":

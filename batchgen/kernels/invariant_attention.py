@@ -2,7 +2,7 @@
 decode step, a whole prefill or a chunk of one, so a token's attention output is bitwise the same in all three.
 
 Why the default kernels are not: the decode kernel splits the context into a number of parts chosen from the
-batch size (`paged_decode.default_num_splits`) and its tile width from the batch too; the prefill kernel holds
+batch size (`decode_launch.default_num_splits`) and its tile width from the batch too; the prefill kernel holds
 16 tokens per tile and its online softmax runs over other tile boundaries; the fused rotary decode kernel folds
 the new token in last, from registers. Each is a different summation order for the same token.
 

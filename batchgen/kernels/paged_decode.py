@@ -4,7 +4,8 @@ Split-K over the context: program (seq, kv_head, split) (or (kv_head, seq, split
 streams its slice of the sequence's K/V once for all G query heads that share that KV head (GQA), keeping an
 online softmax; a second kernel merges the splits. MHA models may instead take several KV heads a program
 (DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py). The launch (splits, tile, warps, stages, those
-options) comes from `default_launch` unless the caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
+options) comes from `default_launch` (kernels/decode_launch.py: a measured table, else a heuristic) unless the
+caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
 output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
 and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
 replayed with new contents. A sequence with seq_len == 0 (a padding row of a graph bucket) gets zeros.
@@ -21,13 +22,13 @@ them from registers (no program reads that slot in this step, so the write races
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
 from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, rope_tables,
                                           rotated_load, split_range, store_partials)
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
@@ -121,60 +122,6 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 256) -> int:
-    """Context splits per (sequence, KV head): enough programs to keep every SM streaming (~2 per SM on
-    an H200's 132 SMs), no more, since each split writes partials the merge must read back (and one split
-    lets the kernel write the output directly). A function of the batch's shape alone (never of the sequences'
-    lengths), so a launch captured in a CUDA graph stays valid for every step of its bucket."""
-    splits = 1
-    while splits < 32 and num_seqs * num_kv_heads * splits < target_programs:
-        splits *= 2
-    return splits
-
-
-# The head size the launches below were measured at (Llama's 128). Wider heads take proportionally fewer keys a
-# tile, so that a tile holds as many elements per warp as the measured launch, or registers spill: Gemma2's
-# 256-dim heads at Llama's block_n 128 ran at 2.05x their K/V bytes on the H200 (session 9).
-MEASURED_HEAD_DIM = 128
-
-
-@dataclass(frozen=True)
-class DecodeLaunch:
-    """How a decode attention launch spreads its work: context splits per (sequence, KV head), keys a tile, and
-    Triton's warps and pipeline stages (None: Triton's default). Changes timing and the order of the fp32
-    additions, never which keys a query sees."""
-
-    num_splits: int
-    block_n: int
-    num_warps: int
-    num_stages: int | None = None
-    # tl.dot over the query group padded to 16 rows (tensor cores), or, False, the group's own rows on CUDA cores
-    # (for MHA models' single query a KV head, 15 of 16 padded rows are waste)
-    mma: bool = True
-    # the grid's order: (sequences, KV heads, splits), or, True, (KV heads, sequences, splits)
-    heads_first: bool = False
-    # > 1 (MHA models only, a power of two dividing the KV heads): that many KV heads a program, each token's
-    # slices of them read as one contiguous run (kernels/paged_decode_heads.py; CUDA cores, heads_first unused)
-    heads_per_program: int = 1
-
-
-@functools.lru_cache(maxsize=1024)  # called per layer in eager (prefill / mixed) steps: a pure function of ints
-def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
-    """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
-    Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at
-    64 / 2 warps; 256 seqs (2,048 programs) at 160 / 1,024 context: one split at block_n 32 / 2 warps / 2 stages,
-    46 / 252 µs against 58 / 258 at 128 / 4 (many small programs per SM hide the latency that long tiles hid when
-    programs were few). Wider heads: the same launch with block_n scaled by MEASURED_HEAD_DIM / padded head dim
-    (not yet swept). `num_splits`: the caller's (None: default_num_splits)."""
-    num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
-    narrow = max(1, triton.next_power_of_2(head_dim) // MEASURED_HEAD_DIM)  # 2 for 256-dim heads
-    if num_splits == 1 and num_seqs * num_kv_heads >= 1024:
-        return DecodeLaunch(1, max(16, 32 // narrow), 2, 2)
-    if num_splits == 1:
-        return DecodeLaunch(1, max(16, 128 // narrow), 4)
-    return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D] one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -190,7 +137,9 @@ def paged_decode_attention(
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma2)
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
-    launch = default_launch(query.shape[0], k_cache.shape[2], k_cache.shape[3], num_splits)
+    num_kv_heads = k_cache.shape[2]
+    launch = default_launch(query.shape[0], num_kv_heads, k_cache.shape[3], num_splits,
+                            group=query.shape[1] // num_kv_heads)
     if block_n or num_warps or num_stages is not None:  # a caller's own tile (tests, benches)
         launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
                          num_stages=num_stages if num_stages is not None else launch.num_stages)
@@ -218,7 +167,8 @@ def paged_decode_rope_attention(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
-    launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits)
+    launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits,
+                                      group=num_heads // num_kv_heads)
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
                    launch, sliding_window, softcap)
 
