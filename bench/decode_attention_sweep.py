@@ -237,6 +237,24 @@ def write_table(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def table_from_report(report_path: str, table_path: str) -> None:
+    """Merge a saved sweep report's rows into a launch table, as the sweep would have after measuring them. Rows
+    from reports written before rows carried their head geometry get it from their `geometry`; the device is the
+    report's (reports without one are refused: an entry must say where it was measured)."""
+    with open(report_path) as f:
+        report = json.load(f)
+    if "device" not in report:
+        raise SystemExit(f"{report_path}: no 'device' (the GPU the rows were measured on): add it to the report")
+    rows = []
+    for r in report["rows"]:
+        num_heads, num_kv_heads, head_dim, _ = heads(r["geometry"])
+        rows.append({"head_dim": head_dim, "num_kv_heads": num_kv_heads, "group": num_heads // num_kv_heads, **r})
+    table = read_table(table_path)
+    table["entries"], notes = merge_table(table["entries"], rows, report["device"])
+    write_table(table_path, table)
+    print("\n".join(f"table: {n}" for n in notes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
@@ -246,12 +264,18 @@ def main() -> None:
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
     ap.add_argument("--write-table", metavar="PATH",
                     help="merge the fastest launches into this launch table (batchgen/kernels/decode_launches.json)")
+    ap.add_argument("--from-report", metavar="JSON",
+                    help="measure nothing: merge a saved report's (--json) rows into --write-table")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.from_report:
+        if not args.write_table:
+            ap.error("--from-report needs --write-table")
+        return table_from_report(args.from_report, args.write_table)
     from batchgen.bench.seed import measure_ceilings
 
     copy_bytes_s = measure_ceilings().copy_bytes_s
-    report = {"copy_TBps": copy_bytes_s / 1e12, "rows": []}
+    report = {"copy_TBps": copy_bytes_s / 1e12, "device": torch.cuda.get_device_name(), "rows": []}
     table = read_table(args.write_table) if args.write_table else None
     workers = args.compile_workers if args.compile_workers > 1 else 0
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers else None
