@@ -279,3 +279,31 @@ def test_sliding_window_layers_run_fused_and_match_transformers_generate(arch, w
     torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)
     unwindowed = make_model(arch, **{**window, "sliding_window": 4096})
     assert (unwindowed(torch.tensor([ids])).logits[0] - expected_logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "granite"])
+def test_an_odd_vocabulary_gets_a_padded_lm_head_over_the_same_bytes_and_matches_transformers(arch):
+    """Granite's 49,155 rows left cuBLAS only unaligned kernels on the H200: the head's rows are padded to a
+    multiple of 64 for the GEMM and the logits trimmed; the module keeps reading the same bytes (a view)."""
+    from batchgen.models.weights import HEAD_ROW_MULTIPLE, PaddedHead
+
+    model = make_model(arch, vocab_size=509, tie_word_embeddings=True)
+    prompts = random_prompts((5, 17, 33), vocab_size=509)
+    expected = [hf_greedy(model, p, 10) for p in prompts]
+    ids = random_prompts((20,), vocab_size=509)[0]
+    logits = model(torch.tensor([ids])).logits[0]  # [T, V]
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=64, block_size=16))
+    head = engine.runner.decode_forward.lm_head
+    assert isinstance(head, PaddedHead) and head.weight.shape[0] == 512 == -(-509 // HEAD_ROW_MULTIPLE) * 64
+    assert model.lm_head.weight.data_ptr() == head.weight.data_ptr() and model.lm_head.weight.shape[0] == 509
+    assert model.model.embed_tokens.weight is model.lm_head.weight  # still tied: one Parameter
+    assert not head.weight[509:].any()
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in got] == expected
+    cache = _cache(model)
+    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    packed = decoder.forward_packed(torch.tensor(ids), torch.arange(len(ids)), one_sequence_meta(cache, len(ids)),
+                                    torch.arange(len(ids)))
+    assert packed.shape == logits.shape and packed.is_contiguous()
+    torch.testing.assert_close(packed, logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(torch.tensor([ids])).logits[0], logits, atol=0, rtol=0)  # transformers unchanged

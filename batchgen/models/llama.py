@@ -23,10 +23,11 @@ import torch
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.kernels.invariant_linear import InvariantLinear
+from batchgen.kernels.rope_kv import QKNorm
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
 from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
-from batchgen.models.weights import SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
+from batchgen.models.weights import PaddedHead, SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -112,6 +113,15 @@ def norm_eps(norm: torch.nn.Module) -> float:
     return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
+def qk_norm(attn: torch.nn.Module, unit_offset: bool = False) -> QKNorm:
+    """An attention module's per-head q_norm / k_norm as one QKNorm: a [2, D] copy of the weights (the q row, then
+    the k row) so one kernel pointer reaches both. `unit_offset`: Gemma3's (1 + w) rounding."""
+    eps = norm_eps(attn.q_norm)
+    if norm_eps(attn.k_norm) != eps:
+        raise ValueError(f"q_norm eps {eps} != k_norm eps {norm_eps(attn.k_norm)}: the fused kernel takes one")
+    return QKNorm(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach().contiguous(), eps, unit_offset)
+
+
 @dataclass
 class Layer:
     """One pre-norm decoder layer's weights, views of the model's own (no copies)."""
@@ -124,19 +134,21 @@ class Layer:
     post_norm: Norm  # [E], before the MLP
     mlp: GatedMLP | PlainMLP
     scale: float  # the attention's softmax scale
-    qk_norm: tuple[torch.Tensor, float] | None  # Qwen3: per-head q/k RMSNorm weights [2, D] (q, k), eps
+    qk_norm: QKNorm | None  # Qwen3: per-head q/k RMSNorm
     sliding_window: int | None = None  # the keys a query sees on this layer (Mistral, Qwen2 sliding layers); None: all
 
 
 class LlamaDecoder(DecodeForward):
     """The pre-norm layer loop, with hooks for what families change: how a module's weights are read
     (`_qkv`, `_mlp`, `_norm`), the embedding (`_embed`), the rotary tables (`_cos_sin`), a sublayer's output
-    before the residual add (`_branch`) and the logits (`_logits`). Llama itself runs every hook as identity."""
+    scaled before the residual add (`branch_scale`, inside the add + norm kernel) and the logits (`_logits`).
+    Llama itself runs every hook as identity."""
 
     is_fused = True
     has_packed = True
     norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
     activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
+    branch_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                  shard: Shard | None = None, deterministic: bool = False) -> None:
@@ -160,6 +172,9 @@ class LlamaDecoder(DecodeForward):
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head if shard is None else VocabParallelHead(model.lm_head, shard)
+        if shard is None and not deterministic and PaddedHead.wanted(model.lm_head):  # an odd vocabulary
+            with torch.no_grad():
+                self.lm_head = PaddedHead(model.lm_head)
         with torch.no_grad():
             self.final_norm = self._norm(inner.norm)
             self.layers = [self._layer(layer) for layer in inner.layers]
@@ -174,8 +189,7 @@ class LlamaDecoder(DecodeForward):
             o_weight=linear_weight(attn.o_proj), o_bias=attn.o_proj.bias, post_norm=self._norm(layer.post_attention_layernorm),
             mlp=self._mlp(layer.mlp), scale=getattr(attn, "scaling", self.geometry.head_dim ** -0.5),
             # a [2, D] copy (the q row, then the k row) so one kernel pointer reaches both
-            qk_norm=(torch.stack([attn.q_norm.weight, attn.k_norm.weight]).detach(),
-                     norm_eps(attn.q_norm)) if hasattr(attn, "q_norm") else None,
+            qk_norm=qk_norm(attn) if hasattr(attn, "q_norm") else None,
             sliding_window=self._window(attn))
 
     def _window(self, attn: torch.nn.Module) -> int | None:
@@ -209,10 +223,6 @@ class LlamaDecoder(DecodeForward):
         """The rotary cos and sin [B, D] at each row's position, as transformers' rotary module makes them."""
         cos, sin = self.rotary(x, positions[None])  # [1, B, D] each
         return cos[0].contiguous(), sin[0].contiguous()
-
-    def _branch(self, out: torch.Tensor) -> torch.Tensor:
-        """A sublayer's output [B, E] as it joins the residual stream."""
-        return out
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel GEMM's output [B, E] summed over the tensor-parallel ranks (in place), before anything
@@ -262,8 +272,8 @@ class LlamaDecoder(DecodeForward):
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm,
                                sliding_window=layer.sliding_window, linear=self.linear)
-            h = add_norm(self._branch(self._reduce(o)), layer.post_norm, residual, tri)
+            h = add_norm(self._reduce(o), layer.post_norm, residual, tri, x_scale=self.branch_scale)
             mlp = layer.mlp(h, tri)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            h = add_norm(self._branch(self._reduce(mlp)), norm, residual, tri)
+            h = add_norm(self._reduce(mlp), norm, residual, tri, x_scale=self.branch_scale)
         return h

@@ -213,3 +213,40 @@ class VocabParallelHead:
         local = F.linear(h, self.weight, self.bias)  # [S, ceil(V / N)]
         full = self.shard.all_gather(local)  # [S, N ceil(V / N)]
         return full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size].contiguous()  # [S, V]
+
+
+# The LM head's rows (the logits' row stride) padded to a multiple of this: over a vocabulary such as Granite's
+# 49,155 the [B, V] logits' odd row stride leaves cuBLAS only its unaligned kernels (measured on the H200: an sm75
+# `align1` CUTLASS kernel, 468 µs a step at 32 rows for 403 MB of weight, 0.86 TB/s; the aligned heads run at ~4)
+HEAD_ROW_MULTIPLE = 64
+
+
+class PaddedHead:
+    """The LM head with its vocabulary rows zero-padded to a multiple of HEAD_ROW_MULTIPLE for the GEMM, the
+    logits trimmed back to [B, V] (contiguous). The module's weight (and a tied embedding, the same Parameter) is
+    rebound as a view of the padded tensor's first V rows: no byte is held twice. Building it holds the old and
+    the padded weight at once for a moment (V x E elements more, before the old is freed)."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        vocab = head.weight.shape[0]
+        rows = -(-vocab // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+        self.vocab_size = vocab
+        for name in ("weight", "bias"):
+            t = getattr(head, name)
+            padded = None
+            if t is not None:
+                padded = t.detach().new_zeros((rows, *t.shape[1:]))  # padding rows: zero logits, trimmed
+                padded[:vocab] = t.detach()
+                t.data = padded[:vocab]
+            setattr(self, name, padded)  # weight [V_pad, E]; bias [V_pad] or None
+
+    @staticmethod
+    def wanted(head: torch.nn.Module) -> bool:
+        """Whether `head` is a plain float Linear whose vocabulary is not a multiple of HEAD_ROW_MULTIPLE."""
+        w = getattr(head, "weight", None)
+        return type(head) is torch.nn.Linear and isinstance(w, torch.Tensor) and w.dim() == 2 \
+            and w.is_floating_point() and w.element_size() > 1 and w.shape[0] % HEAD_ROW_MULTIPLE != 0
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight, self.bias)[:, :self.vocab_size].contiguous()  # [S, V]
+
