@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.kernels.rmsnorm import rmsnorm
-from batchgen.kernels.rope_kv import rope_kv
+from batchgen.kernels.rope_kv import QKNorm, rope_kv
 from batchgen.kernels.gated_act import gated_act
 from batchgen.models.fp8 import Fp8Weight
 
@@ -67,25 +67,27 @@ class Norm:
 
 
 def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, x_scale: float | None = None) -> torch.Tensor:
     """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
-    x: [B, N] -> [B, N]; `out` (RMS kinds, no residual): where the result goes, may be x itself."""
+    x: [B, N] -> [B, N]; `out` (RMS kinds, no residual): where the result goes, may be x itself; `x_scale` (RMS
+    kinds: Granite's residual_multiplier): x * x_scale, rounded, takes x's place."""
     if norm.kind == "layer":
-        assert out is None
+        assert out is None and x_scale is None
         if residual is not None:
             x = residual.add_(x)  # rounded like the eager `residual + hidden_states`
         return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, norm.eps)
     return rmsnorm(x, norm.weight, norm.eps, residual=residual, use_triton=use_triton,
-                   unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out)
+                   unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out,
+                   x_scale=x_scale)
 
 
 def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bias: torch.Tensor | None,
                    o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
-                   qk_norm: tuple[torch.Tensor, float] | None = None,
+                   qk_norm: QKNorm | None = None,
                    sliding_window: int | None = None, *, linear: Linear) -> torch.Tensor:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
-    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3; weights [2, D]); `sliding_window`: the
+    `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3, Gemma3); `sliding_window`: the
     layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant)."""
     qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
@@ -95,7 +97,7 @@ def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bi
 
 def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
                num_heads: int, num_kv_heads: int, scale: float,
-               qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False,
+               qk_norm: QKNorm | None = None, rotate_fp32: bool = False,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
     [B, H D]. `qk_norm` and `rotate_fp32` (the rotation in fp32, rounded once: OLMo2) keep the rotary in its own

@@ -5,7 +5,8 @@ transformers' modules apply it and rounded the same way:
 
     embedding_multiplier   the embedding is multiplied by it before the first layer
     residual_multiplier    each sublayer's output is multiplied by it, then added to the residual stream
-                           (`residual + out * m`: the product rounded, then the sum)
+                           (`residual + out * m`: the product rounded, then the sum; inside the fused
+                           residual add + RMSNorm kernel, `LlamaDecoder.branch_scale`)
     attention_multiplier   the softmax scale, instead of head_dim ** -0.5 (the attention module's `scaling`,
                            which the Llama decoder already reads)
     logits_scaling         the logits are divided by it (a division, not a product with the reciprocal, so
@@ -37,14 +38,11 @@ class GraniteDecoder(LlamaDecoder):
                  deterministic: bool = False) -> None:
         super().__init__(model, kv_cache, use_triton, shard, deterministic)
         self.embedding_multiplier = float(self.config.embedding_multiplier)
-        self.residual_multiplier = float(self.config.residual_multiplier)
+        self.branch_scale = float(self.config.residual_multiplier)  # applied inside the add + norm kernel
         self.logits_scaling = float(self.config.logits_scaling)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids) * self.embedding_multiplier  # [B, E]
-
-    def _branch(self, out: torch.Tensor) -> torch.Tensor:
-        return out.mul_(self.residual_multiplier)  # out is the sublayer's fresh GEMM output [B, E]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._head(h) / self.logits_scaling  # [S, V]
