@@ -208,7 +208,7 @@ def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(h
 
 def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, head_dim=32, inter=80, atol=1e-5):
     from batchgen.kernels.rmsnorm import rmsnorm
-    from batchgen.kernels.rope_kv import rope_kv
+    from batchgen.kernels.rope_kv import QKNorm, rope_kv
     from batchgen.kernels.gated_act import gated_act
 
     g = torch.Generator().manual_seed(0)
@@ -217,11 +217,13 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
         return torch.randn(*shape, generator=g).to(device, dtype)
 
     x, res, w = rand(num_tokens, hidden), rand(num_tokens, hidden), rand(hidden)
-    for residual, unit_offset in ((None, False), (res, False), (res, True)):  # unit_offset: Gemma's (1 + w)
+    # unit_offset: Gemma's (1 + w); x_scale: Granite's residual_multiplier (x * m rounded, then the add)
+    for residual, unit_offset, x_scale in ((None, False, None), (res, False, None), (res, True, None),
+                                           (res, False, 0.22), (None, False, 0.22)):
         r_kernel = None if residual is None else residual.clone()
         r_ref = None if residual is None else residual.clone()
-        out = rmsnorm(x, w, 1e-6, residual=r_kernel, use_triton=True, unit_offset=unit_offset)
-        ref = rmsnorm(x, w, 1e-6, residual=r_ref, use_triton=False, unit_offset=unit_offset)
+        out = rmsnorm(x, w, 1e-6, residual=r_kernel, use_triton=True, unit_offset=unit_offset, x_scale=x_scale)
+        ref = rmsnorm(x, w, 1e-6, residual=r_ref, use_triton=False, unit_offset=unit_offset, x_scale=x_scale)
         torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
         if residual is not None:
             torch.testing.assert_close(r_kernel, r_ref, atol=0, rtol=0)
@@ -240,7 +242,8 @@ def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, he
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(device)
     caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"]
               for _ in range(2)]
-    for qk_norm in (None, (rand(2, head_dim), 1e-6)):  # Qwen3's per-head q/k RMSNorm
+    # Qwen3's per-head q/k RMSNorm, and Gemma3's ((1 + w) in fp32, rounded once)
+    for qk_norm in (None, QKNorm(rand(2, head_dim), 1e-6), QKNorm(rand(2, head_dim), 1e-6, unit_offset=True)):
         caches = [[torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
                    for _ in "kv"] for _ in range(2)]
         q = rope_kv(qkv, cos, sin, slots, *caches[0], heads, kv_heads, qk_norm=qk_norm, use_triton=True)

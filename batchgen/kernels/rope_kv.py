@@ -4,7 +4,8 @@ Input: the fused QKV projection of T tokens, [T, (H + 2 * Hkv) * D] (q heads, th
 Output: the rotated queries [T, H, D]; the rotated keys and the values go straight into the paged cache at
 each token's slot. One program per (token, head); no intermediate K/V tensors.
 
-Optionally each q and k head is RMS-normalised first (Qwen3's q_norm / k_norm, over the head dim).
+Optionally each q and k head is RMS-normalised first (`QKNorm`: Qwen3's and Gemma3's q_norm / k_norm, over the
+head dim, each with its module's rounding).
 Rotation as transformers' `apply_rotary_pos_emb` (rotate-half layout, cos/sin [T, D] in the activation dtype):
 x * cos + rotate_half(x) * sin, with each product and the sum rounded to the activation dtype, as the
 eager model rounds them; with `rotate_fp32` (OLMo2, whose rotary tables stay fp32) the rotation is taken in
@@ -12,6 +13,8 @@ fp32 and rounded once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +25,17 @@ try:
     import triton.language as tl
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k before the rotation."""
+
+    weights: torch.Tensor  # [2, D] contiguous: the q norm's weight, then the k norm's
+    eps: float  # both norms' (the decoders check that they agree)
+    # False: Qwen3's rounding (the normalised row rounded, then times w); True: Gemma3's ((1 + w) in fp32, the
+    # product rounded once), as kernels/rmsnorm.py's unit_offset
+    unit_offset: bool = False
+
 
 if triton is not None:
     @triton.jit
@@ -38,7 +52,8 @@ if triton is not None:
                         qk_norm_ptr, norm_eps,
                         stride_qkv, stride_cs,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr, ROTATE_FP32: tl.constexpr):
+                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
+                        ROTATE_FP32: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half = HEAD_DIM // 2
@@ -51,15 +66,19 @@ if triton is not None:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         kv_row = slot * (NUM_KV_HEADS * HEAD_DIM)
         if h < NUM_HEADS + NUM_KV_HEADS:
-            if HAS_QK_NORM:  # per-head RMSNorm before the rotation (Qwen3), rounded as its eager module
+            if HAS_QK_NORM:  # per-head RMSNorm before the rotation (Qwen3, Gemma3), rounded as its eager module
                 w_row = qk_norm_ptr + (h >= NUM_HEADS).to(tl.int32) * HEAD_DIM  # row 0: q weight, row 1: k
                 f1 = x1.to(tl.float32)
                 f2 = x2.to(tl.float32)
                 rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + norm_eps)
                 w1 = tl.load(w_row + i, mask=m, other=0.0).to(tl.float32)
                 w2 = tl.load(w_row + half + i, mask=m, other=0.0).to(tl.float32)
-                x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-                x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+                if QK_UNIT_OFFSET:
+                    x1 = ((f1 * rstd) * (1.0 + w1)).to(dtype)
+                    x2 = ((f2 * rstd) * (1.0 + w2)).to(dtype)
+                else:
+                    x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+                    x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
             c1 = tl.load(cos_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
             c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
@@ -93,9 +112,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_fp32: 
 
 def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                qk_norm: tuple[torch.Tensor, float] | None = None, rotate_fp32: bool = False) -> torch.Tensor:
+                qk_norm: QKNorm | None = None, rotate_fp32: bool = False) -> torch.Tensor:
     """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]; qk_norm: optional
-    per-head RMSNorm (weights [2, D]: the q row, then the k row; eps) before the rotation. Returns q [T, H, D]."""
+    per-head RMSNorm before the rotation. Returns q [T, H, D]."""
     from batchgen.kernels.rmsnorm import rmsnorm_ref
 
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
@@ -103,8 +122,8 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
     q = q.reshape(num_tokens, num_heads, head_dim)
     k = k.reshape(num_tokens, num_kv_heads, head_dim)
     if qk_norm is not None:
-        weights, eps = qk_norm
-        q, k = rmsnorm_ref(q, weights[0], eps), rmsnorm_ref(k, weights[1], eps)
+        weights, eps, unit = qk_norm
+        q, k = rmsnorm_ref(q, weights[0], eps, unit_offset=unit), rmsnorm_ref(k, weights[1], eps, unit_offset=unit)
     q, k = _rotate(q, cos, sin, rotate_fp32), _rotate(k, cos, sin, rotate_fp32)
     write_kv(k_cache, v_cache, k, v.reshape(num_tokens, num_kv_heads, head_dim), slot_mapping)
     return q
@@ -112,7 +131,7 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-            qk_norm: tuple[torch.Tensor, float] | None = None, use_triton: bool = True,
+            qk_norm: QKNorm | None = None, use_triton: bool = True,
             rotate_fp32: bool = False) -> torch.Tensor:
     if not use_triton:
         return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, qk_norm,
@@ -124,8 +143,9 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mappin
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
-        *(qk_norm if qk_norm is not None else (qkv, 0.0)), qkv.stride(0), cos.stride(0),
+        *(qk_norm[:2] if qk_norm is not None else (qkv, 0.0)), qkv.stride(0), cos.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF_P=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None,
+        QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
         ROTATE_FP32=rotate_fp32, num_warps=1)
     return q

@@ -10,8 +10,8 @@ Layers alternate sliding-window attention (`sliding_window` tokens, as transform
 sees keys after p - window) with global attention (config.layer_types); the decode and prefill kernels bound
 their reads to the window, so K/V outside it are never read. The softmax scale is query_pre_attn_scalar ** -0.5.
 Gemma2 soft-caps the attention scores (attn_logit_softcapping) and the logits (final_logit_softcapping);
-Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, run here on the projected q/k,
-so the rotary + attention kernel still runs fused) and rotates sliding and global layers with their own rotary
+Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, inside the rotary + K/V write
+kernel: kernels/rope_kv.py's QKNorm; the decode attention then runs without a fused rotary) and rotates sliding and global layers with their own rotary
 tables (local base 10k, global base 1M with linear scaling), which transformers' rotary module makes per layer
 type. Gemma3's multimodal model (model type "gemma3") and its bidirectional variant are not covered.
 """
@@ -26,7 +26,8 @@ import torch
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
 from batchgen.models.fp8 import Fp8Weight, linear_weight
 from batchgen.models.gemma import ACTIVATIONS
-from batchgen.models.llama import LlamaDecoder, module_reason
+from batchgen.kernels.rope_kv import QKNorm
+from batchgen.models.llama import LlamaDecoder, module_reason, qk_norm
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -92,8 +93,7 @@ class Gemma2Layer:
     layer_type: str  # "sliding_attention" | "full_attention": which rotary table and window
     sliding_window: int | None  # tokens a query sees on a sliding layer; None on global layers
     softcap: float | None  # Gemma2's attention soft-capping
-    q_norm: Norm | None  # Gemma3: per-head norms of q and k, [D] each
-    k_norm: Norm | None
+    qk_norm: QKNorm | None  # Gemma3: per-head norms of q and k ((1 + w) rounding), inside the rotary kernel
 
 
 class Gemma2Decoder(LlamaDecoder):
@@ -120,22 +120,13 @@ class Gemma2Decoder(LlamaDecoder):
             sliding_window=getattr(attn, "sliding_window", None),
             # Gemma3's attention module keeps the config's attn_logit_softcapping but never applies it
             softcap=getattr(attn, "attn_logit_softcapping", None) if self.config.model_type == "gemma2" else None,
-            q_norm=self._norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
-            k_norm=self._norm(attn.k_norm) if hasattr(attn, "k_norm") else None)
+            qk_norm=qk_norm(attn, unit_offset=True) if hasattr(attn, "q_norm") else None)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self._head(h)  # [S, V]
         if self.final_softcap is not None:  # as transformers rounds it: three ops in the logits' dtype
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-    def _qk_norms(self, qkv: torch.Tensor, layer: Gemma2Layer) -> None:
-        """Gemma3: each head of q and k normalised in place inside the QKV output [B, (H + 2 Hkv) D]."""
-        geo, tri = self.geometry, self.use_triton
-        d, q_cols, k_cols = geo.head_dim, geo.num_heads * geo.head_dim, geo.num_kv_heads * geo.head_dim
-        for cols, norm in ((slice(0, q_cols), layer.q_norm), (slice(q_cols, q_cols + k_cols), layer.k_norm)):
-            heads = qkv[:, cols].reshape(-1, d)  # [B * heads, D], a copy (the q/k columns are strided)
-            qkv[:, cols] = add_norm(heads, norm, None, tri).view(qkv.shape[0], -1)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, make_step) -> torch.Tensor:
         tri, geo = self.use_triton, self.geometry
@@ -151,10 +142,9 @@ class Gemma2Decoder(LlamaDecoder):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             qkv = self.linear(h, layer.qkv_weight, None)  # [B, (H + 2 Hkv) D]
-            if layer.q_norm is not None:
-                self._qk_norms(qkv, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, steps[layer.layer_type], geo.num_heads, geo.num_kv_heads,
-                              layer.scale, sliding_window=layer.sliding_window, softcap=layer.softcap)  # [B, H D]
+                              layer.scale, layer.qk_norm, sliding_window=layer.sliding_window,
+                              softcap=layer.softcap)  # [B, H D]
             o = add_norm(self._reduce(self.linear(attn, layer.o_weight, None)), layer.post_attention_norm, None, tri)
             h = add_norm(o, layer.pre_mlp_norm, residual, tri)  # residual <- residual + o, then its norm
             mlp = add_norm(self._reduce(layer.mlp(h, tri)), layer.post_mlp_norm, None, tri)
