@@ -9,13 +9,12 @@
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
 #   bash bench/gpu_proofs.sh longrun    # issue 18: a 20,000-row job's window rates (middle vs last tenths; ~8 min)
-#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches of families1's 5 geometries at 32:768 and
+#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, gemma2-9b, phi3-mini, olmo2-7b,
+#                                       # qwen2-7b at 32:768 and
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
-#   bash bench/gpu_proofs.sh sweepfam   # sweep, then families1's W1 runs with the new table (after a full 5.5-min
-#                                       # sweep the deadline leaves ~4 min: the first W1 runs; the rest say skipped)
-#   bash bench/gpu_proofs.sh families1  # issue 15: W1 of gemma2-9b, phi3-mini, gemma-7b, olmo2-7b, starcoder2-3b (~8 min)
-#   bash bench/gpu_proofs.sh families2  # issue 15: W1 of gemma3-12b, mistral-7b, qwen2-7b, qwen3-8b, granite-8b (~8 min)
+#   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
+#                                       # (~35 s each, ~7 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
@@ -40,8 +39,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((DEADLINE - S
   if [ "$limit" -lt 30 ]; then echo "== $name skipped: ${left}s left before the deadline"; return; fi
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; echo "== $name rc=$? $((SECONDS - t0))s (limit ${limit}s)"
   tail -4 "$LOGS/$name.log"; tar czf "$OUT/proofs.tgz" -C "$LOGS" . ; }
-sections=()  # sweepfam: sweep, then families1 (whose W1 runs read the table the sweep just wrote)
-for s in "$@"; do if [ "$s" = sweepfam ]; then sections+=(sweep families1); else sections+=("$s"); fi; done
+sections=("$@")
 for section in "${sections[@]}"; do
   case $section in
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
@@ -55,13 +53,13 @@ for section in "${sections[@]}"; do
     longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$LOGS/longrun.json"
          grep -o '"tok_s_rows_[0-9_]*": [0-9.a-z]*' "$LOGS/longrun.log" ;;
     sweep) step attention_sweep 330 python3 bench/decode_attention_sweep.py \
-             --geometries gemma2-9b,phi3-mini,gemma-7b,olmo2-7b,starcoder2-3b --shapes 32:768,256:512 \
+             --geometries starcoder2-7b,gemma2-9b,phi3-mini,olmo2-7b,qwen2-7b --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
-    families1|families2) [ $section = families1 ] && geos="gemma2-9b phi3-mini gemma-7b olmo2-7b starcoder2-3b" \
-        || geos="gemma3-12b mistral-7b qwen2-7b qwen3-8b granite-8b"
-      for g in $geos; do step "w1-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async,graphs_async_auto \
-          --model-geometry "$g" --json "$LOGS/w1-$g.json"; done ;;
+    families) for g in gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b \
+                 starcoder2-3b mistral-7b qwen3-8b; do
+        step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
+          --json "$LOGS/w1-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
@@ -85,6 +83,6 @@ for section in "${sections[@]}"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep sweepfam families1 families2 profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done

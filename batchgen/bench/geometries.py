@@ -53,6 +53,12 @@ GEOMETRIES: dict[str, tuple[str, dict]] = {
                                          sliding_window=4096, rope_theta=999999.4420358813, use_bias=True,
                                          max_position_embeddings=16384, tie_word_embeddings=True,
                                          bos_token_id=0, eos_token_id=0)),
+    # bigcode/starcoder2-7b's shape: the 3B's small GEMMs (E = 3,072) leave its W1 step latency-bound
+    "starcoder2-7b": ("starcoder2", dict(vocab_size=49152, hidden_size=4608, intermediate_size=18432,
+                                         num_hidden_layers=32, num_attention_heads=36, num_key_value_heads=4,
+                                         sliding_window=4096, rope_theta=1e6, use_bias=True,
+                                         max_position_embeddings=16384, tie_word_embeddings=True,
+                                         bos_token_id=0, eos_token_id=0)),
     "phi3-mini": ("phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                                tie_word_embeddings=False)),
