@@ -56,6 +56,19 @@ def test_a_killed_and_resumed_run_at_another_batch_size_writes_the_same_tokens(t
     assert same is deterministic, "the default mode no longer differs here: pick other shapes" if same else ""
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_two_workers_write_the_tokens_one_worker_writes(tmp_path, tiny_model_dir, deterministic):
+    """The CPU stand-in for `--gpus 1` vs `--gpus 2`: each worker batches only its part of the rows."""
+    job = _job(tmp_path, tiny_model_dir)
+    mode = [f"--set=engine.deterministic={str(deterministic).lower()}", "--set", "source.worker_unit_rows=2"]
+    one = run_cli("run", str(job), "-o", str(tmp_path / "one"), *mode)
+    assert one.returncode == 0, one.stderr
+    two = run_cli("run", str(job), "-o", str(tmp_path / "two"), "--workers", "2", *mode)
+    assert two.returncode == 0 and "all 2 workers done" in two.stderr, two.stderr
+    same = _samples(tmp_path / "one") == _samples(tmp_path / "two")
+    assert same is deterministic, "the default mode no longer differs here: pick other shapes" if same else ""
+
+
 def test_a_resume_may_not_switch_deterministic_mode_on_or_off(tmp_path, tiny_model_dir):
     from batchgen.output.fingerprint import FILE, refusal
 
