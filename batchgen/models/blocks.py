@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
+from batchgen.kernels.layernorm import layernorm
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import QKNorm, rope_kv
 from batchgen.kernels.gated_act import gated_act
@@ -54,8 +55,10 @@ class StepInputs:
 class Norm:
     """One norm module's parameters and its rounding. kind: "rms" (Llama: the normalised row rounded, then the
     weight), "rms_unit_offset" (Gemma: (1 + w) in fp32, rounded once), "rms_fp32_weight" (OLMo2: w in fp32,
-    rounded once), "layer" (LayerNorm with weight and bias: torch's own kernel, so GPU and CPU round as the
-    eager module does)."""
+    rounded once), "layer" (LayerNorm with weight and optional bias, kernels/layernorm.py: on CUDA the Triton
+    kernel takes w * (x - mean) * rstd + b in fp32 and rounds once, as torch's kernel does, with the mean and
+    variance summed in its own order (last-bit differences possible, as with the RMSNorm kernel); on CPU the
+    reference is torch's own add and layer_norm, the eager module's bits)."""
 
     weight: torch.Tensor  # [N]
     eps: float
@@ -69,13 +72,11 @@ class Norm:
 def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
              out: torch.Tensor | None = None, x_scale: float | None = None) -> torch.Tensor:
     """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
-    x: [B, N] -> [B, N]; `out` (RMS kinds, no residual): where the result goes, may be x itself; `x_scale` (RMS
-    kinds: Granite's residual_multiplier): x * x_scale, rounded, takes x's place."""
-    if norm.kind == "layer":
-        assert out is None and x_scale is None
-        if residual is not None:
-            x = residual.add_(x)  # rounded like the eager `residual + hidden_states`
-        return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, norm.eps)
+    x: [B, N] -> [B, N]; `out`: where the result goes (no residual: may be x itself); `x_scale` (RMS kinds:
+    Granite's residual_multiplier): x * x_scale, rounded, takes x's place."""
+    if norm.kind == "layer":  # the residual add rounded like the eager `residual + hidden_states`
+        assert x_scale is None
+        return layernorm(x, norm.weight, norm.bias, norm.eps, residual=residual, use_triton=use_triton, out=out)
     return rmsnorm(x, norm.weight, norm.eps, residual=residual, use_triton=use_triton,
                    unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out,
                    x_scale=x_scale)

@@ -2,10 +2,12 @@
 
 Starcoder2 keeps the pre-norm layer order of Llama but with GPT-style pieces: LayerNorm with weight and bias
 (`norm_epsilon`) instead of RMSNorm, biases on q/k/v/o, and a non-gated MLP c_fc -> GELU (tanh approximation,
-`gelu_pytorch_tanh`) -> c_proj with biases. The norms run torch's own layer_norm after the residual add and the
-MLP torch's linear/GELU (blocks.Norm "layer", blocks.PlainMLP), i.e. the eager module's ops, so they round as
-it does on every device; the attention is the shared fused path (QKV GEMM with the fused bias, rotary + K/V
-write + paged attention). A config `sliding_window` is passed to the kernels on every layer, as Mistral's.
+`gelu_pytorch_tanh`) -> c_proj with biases. Each residual add and the LayerNorm after it are one kernel
+(blocks.Norm "layer", kernels/layernorm.py: on CUDA the Triton kernel, rounding once from fp32 as torch's
+layer_norm does, its sums in its own order; on CPU torch's own add and layer_norm, the eager module's bits); the
+MLP runs torch's linear/GELU (blocks.PlainMLP), the eager module's ops; the attention is the shared fused path
+(QKV GEMM with the fused bias, rotary + K/V write + paged attention). A config `sliding_window` is passed to the
+kernels on every layer, as Mistral's.
 """
 
 from __future__ import annotations
