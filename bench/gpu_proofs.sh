@@ -9,8 +9,8 @@
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
 #   bash bench/gpu_proofs.sh longrun    # issue 18: a 20,000-row job's window rates (middle vs last tenths; ~8 min)
-#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, gemma2-9b, phi3-mini, olmo2-7b,
-#                                       # qwen2-7b at 32:768 and
+#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, qwen2-7b, starcoder2-3b, gemma2-9b,
+#                                       # phi3-mini, olmo2-7b at 32:768 and
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
@@ -53,7 +53,7 @@ for section in "${sections[@]}"; do
     longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$LOGS/longrun.json"
          grep -o '"tok_s_rows_[0-9_]*": [0-9.a-z]*' "$LOGS/longrun.log" ;;
     sweep) step attention_sweep 330 python3 bench/decode_attention_sweep.py \
-             --geometries starcoder2-7b,gemma2-9b,phi3-mini,olmo2-7b,qwen2-7b --shapes 32:768,256:512 \
+             --geometries starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
     families) for g in gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b \

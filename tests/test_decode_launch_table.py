@@ -242,3 +242,17 @@ print("ok")
 def test_the_sweeps_compile_workers_run_every_candidate_and_report_the_failures_under_triton_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter(COMPILE_POOL_SCRIPT)
+
+
+def test_the_sweeps_timed_calls_cycle_through_disjoint_copies_of_the_cache(sweep):
+    """A timed graph of several calls must not re-read K/V still in L2: each call reads its own copy's blocks."""
+    import torch
+
+    inputs = sweep.build_inputs("starcoder2-3b", 3, 40, dev="cpu", copies=3)
+    blocks_per_seq = -(-41 // sweep.BLOCK_SIZE)
+    num_blocks = 3 * blocks_per_seq
+    assert inputs.k.shape[0] == 3 * num_blocks
+    for c, (table, slots) in enumerate(zip(inputs.tables, inputs.slots)):
+        assert sorted(table.flatten().tolist()) == list(range(c * num_blocks, (c + 1) * num_blocks))
+        assert torch.equal(slots // sweep.BLOCK_SIZE, table[:, 39 // sweep.BLOCK_SIZE].long())  # the new token's
+    assert inputs.kv_bytes() == 2 * 3 * 40 * 2 * 128 * 2  # one call's K/V (2 KV heads of 128), not the copies'
