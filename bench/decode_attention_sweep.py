@@ -11,9 +11,11 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
         --shapes 32:768,256:160,256:512 --compile-workers 12 --json sweep.json \\
         [--write-table batchgen/kernels/decode_launches.json]
 
-Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over a random block table (blocks
-scattered as a long run leaves them); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
-Compiling a launch takes ~1-2 s (the full grid: 54 launches a geometry, 72 for MHA geometries), so before timing a
+Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over random block tables (blocks
+scattered as a long run leaves them; the calls cycle through copies of the cache, >= 200 MB together, so no call
+reads K/V left in L2 by the one before); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
+Compiling a launch takes ~1-2 s (the full grid: 42 launches a shape, 70 where few programs add 8-16 splits; 12
+workers compiled 55 in 14-21 s on the H200), so before timing a
 shape `--compile-workers N` processes run every candidate once, filling Triton's on-disk kernel cache, and the
 timing loop's compiles are cache hits (N 0 or 1: no workers; each launch compiles as it is timed). A candidate
 that failed to compile or launch there (too much shared memory) is skipped, with a note.
@@ -65,15 +67,21 @@ CUDA_CORE_TILES = ((16, 2), (32, 2), (32, 4), (64, 4))
 HEAD_BLOCK_TILES = ((16, 2), (16, 4), (32, 4))
 
 
-def launches(grid: str, mha: bool) -> list[DecodeLaunch]:
-    """The candidate launches: 'full' (splits 1-4; tensor-core tiles at 2-3 stages, CUDA-core tiles (`mma=False`)
-    at 2; for MHA geometries, 2 or 4 KV heads a program) or 'small' (one split or two, 2 stages)."""
-    splits, stages = ((1, 2), (2,)) if grid == "small" else ((1, 2, 4), (2, 3))
-    out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, stages)]
-    out += [DecodeLaunch(sp, n, w, 2, False) for sp, (n, w) in itertools.product(splits, CUDA_CORE_TILES)]
-    if mha:
-        out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
-                for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
+def launches(grid: str, mha: bool, programs: int) -> list[DecodeLaunch]:
+    """The candidate launches. 'full': tensor-core tiles at 1-4 context splits and 2-3 stages, and 8-16 splits
+    where (sequences x KV heads) `programs` < 256 would leave SMs idle (Qwen2's 4 and Starcoder2's 2 KV heads);
+    'all': also the CUDA-core tiles (`mma=False`) and, for MHA geometries, 2 or 4 KV heads a program (kernels/
+    paged_decode_heads.py), which lost at every shape of session 10's H200 sweep; 'small': one split or two, 2
+    stages."""
+    if grid == "small":
+        return [DecodeLaunch(sp, n, w, 2) for sp, (n, w) in itertools.product((1, 2), TENSOR_CORE_TILES)]
+    splits = (1, 2, 4, 8, 16) if programs < 256 else (1, 2, 4)
+    out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, (2, 3))]
+    if grid == "all":
+        out += [DecodeLaunch(sp, n, w, 2, False) for sp, (n, w) in itertools.product(splits, CUDA_CORE_TILES)]
+        if mha:
+            out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
+                    for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
     return out
 
 
@@ -274,7 +282,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
     ap.add_argument("--shapes", default="32:768,256:160,256:512", help="sequences:context pairs")
-    ap.add_argument("--grid", choices=("full", "small"), default="full")
+    ap.add_argument("--grid", choices=("full", "all", "small"), default="full")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
     ap.add_argument("--write-table", metavar="PATH",
@@ -298,7 +306,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             num_seqs, context = (int(x) for x in shape.split(":"))
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
-            candidates = launches(args.grid, mha=num_heads == num_kv_heads)
+            candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads)
             failed = {}
             if pool:
                 t0 = time.time()
