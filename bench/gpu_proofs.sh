@@ -15,6 +15,8 @@
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
+#   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b, cuBLASLt vs the per-bucket
+#                                       # BLAS choice (graphs_async_auto), same run (~4 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
@@ -60,6 +62,9 @@ for section in "${sections[@]}"; do
                  starcoder2-3b mistral-7b qwen3-8b; do
         step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$LOGS/w1-$g.json"; done ;;
+    blas) for g in phi3-mini qwen2-7b starcoder2-3b; do  # the per-bucket BLAS choice (cublas / cublaslt, timed)
+        step "w1-auto-$g" 120 "${BG[@]}" --new-tokens 1024 --variants graphs_async,graphs_async_auto \
+          --model-geometry "$g" --json "$LOGS/w1-auto-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
@@ -83,6 +88,6 @@ for section in "${sections[@]}"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
