@@ -29,6 +29,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+
+    from batchgen.kernels.rmsnorm import add_residual_row
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
@@ -41,9 +43,7 @@ if triton is not None:
         mask = cols < num_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # rounded like a torch add
-            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+            x = add_residual_row(x, res_ptr + row * stride_res + cols, mask)
         xf = x.to(tl.float32)  # the rounded sum, as torch's layer_norm reads it
         mean = tl.sum(xf, axis=0) / num_cols  # masked columns load 0: they add nothing
         diff = tl.where(mask, xf - mean, 0.0)  # ... but would add mean^2 to the variance: zeroed

@@ -29,6 +29,15 @@ except ImportError:  # installs without Triton (CPU) use the reference
 
 if triton is not None:
     @triton.jit
+    def add_residual_row(x, res_ptrs, mask):
+        """The pre-norm residual add of one row: residual <- x + residual, rounded to the residual's dtype as a
+        torch add rounds it, stored in place; returns the sum (the row the norm reads). Norm kernels share it."""
+        r = tl.load(res_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(res_ptrs, x, mask=mask)
+        return x
+
+    @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_cols, eps, x_scale, stride_x, stride_res, stride_out,
                         HAS_RESIDUAL: tl.constexpr, HAS_X_SCALE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
                         WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr):
@@ -39,9 +48,7 @@ if triton is not None:
         if HAS_X_SCALE:  # the product rounded to the activation dtype, then the add (two roundings, as eager)
             x = (x.to(tl.float32) * x_scale).to(x.dtype)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # rounded like a torch add
-            tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+            x = add_residual_row(x, res_ptr + row * stride_res + cols, mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
