@@ -18,7 +18,7 @@
 #   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b, cuBLASLt vs the per-bucket
 #                                       # BLAS choice (graphs_async_auto), same run (~4 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
-#   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 (block, cuBLAS default) and the job at 256 vs bf16
+#   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 per GEMM path (blockwise, triton, splitk) and the job at 256
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
 #   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
@@ -69,7 +69,8 @@ for section in "${sections[@]}"; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
     fp8) step fp8_tests 90 python3 -m pytest -q tests/test_fp8_kernels.py -rfE -p no:cacheprovider
-         step w1_fp8 100 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async --json "$LOGS/w1_fp8.json"
+         step w1_fp8 200 "${BG[@]}" --new-tokens 1024 --weights fp8 --json "$LOGS/w1_fp8.json" \
+           --variants graphs_async_fp8_blockwise,graphs_async_fp8_triton,graphs_async_fp8_splitk
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$LOGS/job_bf16.json"
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$LOGS/job_fp8.json" ;;
     fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \

@@ -117,6 +117,52 @@ def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says
     assert torch.equal(out, linear_ref(x.reshape(15, 512), w, s, group_n, group_k, bias).reshape(3, 5, 256))
 
 
+def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(monkeypatch):
+    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels.fp8_gemm import forced_path
+
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    for path in ("triton", "splitk", "blockwise"):  # an 8B layer's block-scaled weight: that path at any M
+        for auto in ("blockwise", "triton", "splitk"):
+            assert forced_path(path, auto, CUDA0, bf16, 6144, 4096, 128, 128) == path
+        for auto in ("reference", "rowwise"):  # CPU, weight-only, per channel: their own path
+            assert forced_path(path, auto, CUDA0, bf16, 6144, 4096, 1, None) == auto
+    assert forced_path("auto", "triton", CUDA0, bf16, 6144, 4096, 32, 32) == "triton"
+    with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise: .*scale blocks 32 x 32"):
+        forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 32, 32)  # cuBLASLt takes 128x128 blocks only
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
+    with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise"):
+        forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 128, 128)  # a torch build without it
+    with pytest.raises(ValueError, match="engine.fp8_gemm: 'fast' is not one of"):
+        forced_path("fast", "triton", CUDA0, bf16, 6144, 4096, 128, 128)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 512, generator=g)
+    w, s = quantize_weight(torch.randn(256, 512, generator=g) * 0.02, 128, 128)
+    assert torch.equal(fp8_linear(x, w, s, 128, 128, path="splitk"), linear_ref(x, w, s, 128, 128))  # CPU: reference
+    assert forced_path("splitk", "reference", cpu, bf16, 256, 512, 128, 128) == "reference"
+
+
+def test_engine_fp8_gemm_reaches_the_fused_decoders_gemm_and_bad_values_are_refused_naming_the_key():
+    import functools
+
+    from pydantic import ValidationError
+
+    from conftest import make_model
+
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.engine import Engine
+    from batchgen.models.fp8 import linear
+
+    model = make_model("llama")
+    decoder = Engine(model, None, EngineConfig(num_kv_blocks=8, fp8_gemm="splitk")).runner.decode_forward
+    assert isinstance(decoder.linear, functools.partial) and decoder.linear.func is linear
+    assert decoder.linear.keywords == {"fp8_path": "splitk"}
+    assert Engine(model, None, EngineConfig(num_kv_blocks=8)).runner.decode_forward.linear is linear
+    with pytest.raises(ValidationError, match="fp8_gemm"):
+        EngineConfig(fp8_gemm="fast")
+
+
 def test_triton_launch_configs_tuned_per_shape_only_where_the_sweep_measured_them():
     from batchgen.kernels.fp8_gemm import CONFIGS, GemmConfig, gemm_config
 
@@ -221,10 +267,14 @@ def test_fp8_linear_replays_from_a_cuda_graph(monkeypatch, path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["block", "block128", "channel"])
-def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,fp8_gemm", [("block", "auto"), ("block128", "auto"), ("channel", "auto"),
+                                          ("block128", "triton"), ("block128", "splitk"), ("block", "splitk")])
+def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp_path, fmt, fp8_gemm):
     """32x32 blocks: the Triton GEMM; 128x128 blocks (hidden 512, MLP 1024): cuBLASLt's block-wise _scaled_mm
-    where supported; per channel: row-wise _scaled_mm. max_num_seqs 8: four graph buckets, few Triton compiles."""
+    where supported; per channel: row-wise _scaled_mm; engine.fp8_gemm forcing a block-scaled path. max_num_seqs
+    8: four graph buckets, few Triton compiles."""
+    from batchgen.kernels.fp8_gemm import forced_path
+
     from conftest import make_model, make_tokenizer, random_prompts
     from fp8_checkpoints import save_fp8_checkpoint
 
@@ -242,12 +292,16 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     outs = []
     for graphs, async_pipeline in ((False, False), (True, True)):
-        engine = Engine(model, tok, EngineConfig(cuda_graphs=graphs, async_pipeline=async_pipeline, max_num_seqs=8))
+        engine = Engine(model, tok, EngineConfig(cuda_graphs=graphs, async_pipeline=async_pipeline, max_num_seqs=8,
+                                                 fp8_gemm=fp8_gemm))
         assert engine.decode_path == "fused"
         qkv = engine.runner.decode_forward.layers[0].qkv_weight
         want = {"block": "triton", "channel": "rowwise",
                 "block128": "blockwise" if blockwise_scaled_mm_supported(0) else "triton"}[fmt]
-        assert gemm_path(CUDA0, torch.bfloat16, *qkv.shape, qkv.group_n, qkv.group_k, qkv.act_quant) == want
+        auto = gemm_path(CUDA0, torch.bfloat16, *qkv.shape, qkv.group_n, qkv.group_k, qkv.act_quant)
+        assert auto == want
+        assert forced_path(fp8_gemm, auto, CUDA0, torch.bfloat16, *qkv.shape, qkv.group_n, qkv.group_k) == \
+            (want if fp8_gemm == "auto" else fp8_gemm)
         outs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
         engine.close()
     assert outs[0] == outs[1]

@@ -40,6 +40,10 @@ class EngineConfig(BaseModel):
     # batch-invariant kernels (models/registry.py build_deterministic): a row's tokens do not depend on the other
     # rows of its steps, max_num_seqs, max_num_batched_tokens, prefix-cache hits, preemption or the worker count
     deterministic: bool = False
+    # FP8 block-scaled projections on CUDA (kernels/fp8_gemm.py): auto = gemm_path's measured choice; blockwise
+    # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8_splitk.py) at every
+    # batch size. Same checkpoint semantics (activations quantised per token and 128 columns) on every path
+    fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = "auto"
 
     @model_validator(mode="after")
     def _deterministic_needs_the_fused_decoder(self) -> EngineConfig:

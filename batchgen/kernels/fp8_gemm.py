@@ -240,6 +240,26 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+FORCED_PATHS = ("blockwise", "triton", "splitk")  # engine.fp8_gemm's values besides "auto"
+
+
+def forced_path(path: str, auto: str, device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int,
+                group_k: int | None) -> str:
+    """The path a GEMM takes under engine.fp8_gemm `path`, given gemm_path's `auto` choice: a forced path applies
+    where the auto choice is one of the block-scaled paths (so CPU, weight-only and per-channel weights keep
+    theirs); "blockwise" where cuBLASLt cannot take these scales raises, naming the key."""
+    if path == "auto" or auto not in FORCED_PATHS:
+        return auto
+    if path not in FORCED_PATHS:
+        raise ValueError(f"engine.fp8_gemm: {path!r} is not one of auto, {', '.join(FORCED_PATHS)}")
+    if path == "blockwise" and not (blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k)
+                                    and blockwise_scaled_mm_supported(_device_index(device))):
+        raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm cannot take this weight "
+                         f"([{n}, {k}], {dtype}, scale blocks {group_n} x {group_k}) on this device and torch "
+                         f"build; use auto, triton or splitk")
+    return path
+
+
 def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None,
               act_quant: bool, rows: int | None = None) -> str:
     """Which path fp8_linear takes for `rows` (None: any count) activations of `dtype` on `device` times a weight
@@ -256,14 +276,17 @@ def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None,
-               bias: torch.Tensor | None = None, act_quant: bool = True, scale_ub: float | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, act_quant: bool = True, scale_ub: float | None = None,
+               path: str = "auto") -> torch.Tensor:
     """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype, by gemm_path's choice. act_quant
-    False: a weight-only checkpoint, the reference path everywhere."""
+    False: a weight-only checkpoint, the reference path everywhere. `path` (engine.fp8_gemm) "blockwise", "triton"
+    or "splitk": that path for block-scaled weights on CUDA at every M (others: gemm_path's choice)."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     n, k = weight.shape
-    path = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant, x2.shape[0])
+    auto = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant, x2.shape[0])
+    path = forced_path(path, auto, x.device, x.dtype, n, k, group_n, group_k)
     if path == "reference":
         out = linear_ref(x2, weight, scale, group_n, group_k, bias)
     elif path == "rowwise":

@@ -77,12 +77,13 @@ class Fp8Weight:
         return self.weight.shape
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+           fp8_path: str = "auto") -> torch.Tensor:
     """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8_gemm.py) for an
-    Fp8Weight. Every projection of the fused blocks goes through here."""
+    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight.weight, weight.scale, weight.group_n, weight.group_k, bias, weight.act_quant,
-                          weight.scale_ub)
+                          weight.scale_ub, path=fp8_path)
     return F.linear(x, weight, bias)
 
 
