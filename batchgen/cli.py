@@ -226,8 +226,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           transformers: Annotated[str, typer.Option(
               help="Also run transformers: seed: 'sync,async' (generate_batch); mixed: 'async'.")] = "",
           variants: Annotated[str, typer.Option(
-              help="seed: our engine's variants: eager, graphs, graphs_transformers, compiled, graphs_async, "
-                   "graphs_async_cublas, graphs_async_auto (per-bucket BLAS choice), compiled_async.")] = "graphs",
+              help="seed: our engine's variants, comma-separated (batchgen/bench/seed.py VARIANTS: eager, graphs, "
+                   "graphs_async, graphs_async_auto (per-bucket BLAS choice), graphs_async_fp8_splitk (engine."
+                   "fp8_gemm) and others; an unknown name lists them).")] = "graphs",
           max_num_seqs: Annotated[Optional[int], typer.Option(
               help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,
           transformers_time_limit: Annotated[Optional[float], typer.Option(
@@ -295,6 +296,13 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         raise typer.Exit(EXIT_USER_ERROR)
     if workload != "job" and (ab_set or job_set or compare):
         typer.echo("batchgen: error: --ab-set, --job-set and --compare apply to --workload job only", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    from batchgen.bench.seed import VARIANTS
+
+    unknown = [v for v in variants.split(",") if v not in VARIANTS]
+    if workload == "seed" and unknown:  # before a model is built: the bench's variants are EngineConfig overrides
+        typer.echo(f"batchgen: error: --variants: unknown {', '.join(map(repr, unknown))} (one of "
+                   f"{', '.join(VARIANTS)})", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
     if workload == "mixed" and model_geometry != "llama-8b":
         typer.echo("batchgen: error: the mixed workload runs the llama-8b geometry only", err=True)

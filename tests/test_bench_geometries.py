@@ -46,6 +46,16 @@ def test_bench_refuses_an_unknown_geometry_before_looking_for_a_gpu():
     assert result.exit_code == 2 and "--model-geometry must be one of llama-8b" in result.output
 
 
+def test_bench_refuses_an_unknown_variant_before_building_a_model():
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--variants", "graphs_async,graphs_async_fp8_fast"])
+    assert result.exit_code == 2 and "--variants: unknown 'graphs_async_fp8_fast'" in result.output
+    assert "graphs_async_fp8_splitk" in result.output  # the list it prints is the bench's own
+
+
 def test_the_seed_floor_of_llama_8b_counts_weights_kv_and_prefill():
     """W1's floor with session 7's ceilings (4.25 TB/s, 793 TFLOP/s): 4.55 s, as bench/RESULTS.md reports."""
     from batchgen.bench.seed import Ceilings, floor_seconds
