@@ -5,6 +5,8 @@
 # The logs and JSON reports go to $LOGS (/tmp/gpu_proofs_logs) and, after every step, into one archive
 # $OUT/proofs.tgz (the device returns at most 8 files from $OUT).
 #   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~7 min; two files need `datasets`: skipped)
+#   bash bench/gpu_proofs.sh newtests   # the GPU tests of session 10's kernels: decode attention (q/k norm fused), FP8
+#                                       # paths forced by engine.fp8_gemm, the fused LayerNorm (~3 min)
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
@@ -46,6 +48,8 @@ for section in "${sections[@]}"; do
   case $section in
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
+    newtests) step new_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_fp8_kernels.py \
+                tests/test_layernorm_kernel.py -rfE -p no:cacheprovider ;;
     logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$LOGS/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$LOGS/moe_seed.json" ;;
@@ -89,6 +93,6 @@ for section in "${sections[@]}"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
