@@ -152,7 +152,7 @@ sys.path.insert(0, "tests")
 from conftest import make_model
 from batchgen.models.registry import DECODERS
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-# llama: rotary in the attention kernel; qwen3: rope_kv (q/k norm) first; gemma: (1 + w) norms, GELU-tanh gate;
+# llama: rotary in the attention kernel; qwen3: its q/k norm there too; gemma: (1 + w) norms, GELU-tanh gate;
 # phi3: checkpoint-fused weights; olmo2: whole-q/k norms in place, fp32 rotary; granite: multipliers;
 # starcoder2: LayerNorm, biases, plain GELU MLP
 for arch in sys.argv[1:]:

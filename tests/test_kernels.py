@@ -103,11 +103,12 @@ def test_paged_decode_kernel_writes_every_output_element():
 
 
 def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-                          num_splits=None, seed=0, sliding_window=None, softcap=None, launch=None):
+                          num_splits=None, seed=0, sliding_window=None, softcap=None, launch=None, qk_norm=None):
     """paged_decode_rope_attention against rope_kv_ref + the attention reference: the output, and the caches
-    (the new tokens' K/V written, nothing else touched)."""
+    (the new tokens' K/V written, nothing else touched). qk_norm: None, "qwen3" or "gemma3" (unit_offset): a
+    QKNorm with random weights, applied by both."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
-    from batchgen.kernels.rope_kv import rope_kv_ref
+    from batchgen.kernels.rope_kv import QKNorm, rope_kv_ref
 
     _, k_cache, v_cache, block_tables, lens = _case(len(seq_lens), num_heads, num_kv_heads, head_dim, block_size,
                                                     seq_lens, dtype, device, seed)
@@ -116,23 +117,36 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     angle = torch.rand(len(seq_lens), head_dim // 2, generator=g) * 6.0
     cos = torch.cat([angle.cos()] * 2, -1).to(device, dtype)
     sin = torch.cat([angle.sin()] * 2, -1).to(device, dtype)
+    if qk_norm is not None:  # Qwen3: w * norm(x); Gemma3: (1 + w) * norm(x), its w an offset from 1
+        assert qk_norm in ("qwen3", "gemma3")
+        weights = torch.randn(2, head_dim, generator=g) * (0.5 if qk_norm == "gemma3" else 1.0)
+        qk_norm = QKNorm(weights.to(device, dtype), 1e-6, unit_offset=qk_norm == "gemma3")
     # a block in no block table (_case leaves 3 spare blocks, at random places): padding rows write there
     trash_block = max(set(range(k_cache.shape[0])) - set(block_tables.flatten().tolist()))
     pos = (lens.long() - 1).clamp(min=0)
     slots = torch.where(lens > 0, block_tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size
                         + pos % block_size, trash_block * block_size)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q = rope_kv_ref(qkv, cos, sin, slots, k_ref, v_ref, num_heads, num_kv_heads)
+    q = rope_kv_ref(qkv, cos, sin, slots, k_ref, v_ref, num_heads, num_kv_heads, qk_norm)
     ref = _reference(q, k_ref, v_ref, block_tables, lens, head_dim ** -0.5, sliding_window, softcap)
     out = paged_decode_rope_attention(qkv, cos, sin, slots, k_cache, v_cache, block_tables, lens, head_dim ** -0.5,
                                       num_heads, num_splits=num_splits, sliding_window=sliding_window, softcap=softcap,
-                                      launch=launch)
+                                      launch=launch, qk_norm=qk_norm)
     assert not out.isnan().any()
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, f"relative error {err:.2e}"
     # the reference also writes padding rows' K/V to the trash block
     real = torch.arange(k_cache.shape[0], device=k_cache.device) != trash_block
-    torch.testing.assert_close(k_cache[real], k_ref[real], atol=1e-6, rtol=0)
+    # keys normalised and rotated as rope_kv_ref does; with a q/k norm the fp32 sum of squares may be summed in
+    # another order than torch's mean (fp32: rstd within an ulp; bf16: now and then a normalised value one ulp
+    # away, which the rotation may leave as an absolute difference of up to an ulp of the value)
+    if qk_norm is None or dtype == torch.float32:
+        torch.testing.assert_close(k_cache[real], k_ref[real], atol=1e-6, rtol=0 if qk_norm is None else 1e-5)
+    else:
+        torch.testing.assert_close(k_cache[real], k_ref[real], atol=0.1, rtol=1.6e-2)
+        written = slots[lens > 0]  # the new keys' rows: a rounding unlike rope_kv's would differ in many values
+        new_k, new_ref = (c.flatten(0, 1)[written] for c in (k_cache, k_ref))
+        assert (new_k != new_ref).float().mean() < 1e-2, "the new keys differ from rope_kv_ref's in many values"
     torch.testing.assert_close(v_cache[real], v_ref[real], atol=0, rtol=0)
 
 
@@ -174,9 +188,42 @@ except ValueError as e:
 print("ok")
 """
 
+# Qwen3's and Gemma3's per-head q/k RMSNorm before the rotation, inside the fused kernel
+QK_NORM_ROPE_ATTENTION_INTERPRET_SCRIPT = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_rope_attention
+from batchgen.kernels.paged_decode import DecodeLaunch
+for norm in ("qwen3", "gemma3"):
+    for splits in (1, 2, 4):  # GQA 4 (a tl.dot tile padded to 16 rows), a padding row, the new token in each split
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits, qk_norm=norm)
+    # head_dim 24 (masked columns 24..31 out of the sum of squares), a group of 3 (a padded query row), windows
+    # and soft-capping as Gemma2/3 layers; the group's rows on CUDA cores (mma=False)
+    for splits in (1, 2):
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=6, num_kv_heads=2, head_dim=24,
+                              block_size=8, num_splits=splits, qk_norm=norm)
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_heads=6, num_kv_heads=2,
+                              head_dim=24, num_splits=splits, sliding_window=12, softcap=0.5, qk_norm=norm)
+        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
+                              launch=DecodeLaunch(splits, 16, 2, mma=False), qk_norm=norm)
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], head_dim=96, sliding_window=20, qk_norm=norm,
+                          launch=DecodeLaunch(4, 16, 2, None, True, heads_first=True))
+try:  # the several-heads kernel has no q/k norm
+    _check_rope_attention("cpu", torch.float32, 1e-5, [5], num_heads=4, num_kv_heads=4, qk_norm="qwen3",
+                          launch=DecodeLaunch(1, 16, 2, heads_per_program=2))
+    raise SystemExit("heads_per_program took a q/k norm")
+except ValueError as e:
+    assert "no q/k norm" in str(e), e
+print("ok")
+"""
+
 
 def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_triton_interpreter():
     run_under_interpreter(ROPE_ATTENTION_INTERPRET_SCRIPT)
+
+
+def test_decode_attention_with_fused_qk_norm_rope_and_kv_write_matches_reference_under_triton_interpreter():
+    run_under_interpreter(QK_NORM_ROPE_ATTENTION_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -202,6 +249,21 @@ def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(h
         launch = replace(launch, heads_per_program=4)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["qwen3-8b", "gemma3-12b"])
+@pytest.mark.parametrize("seq_lens", [[1, 5, 300, 4096, 8448, 17, 0, 2048], [769] * 32,
+                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 20])
+def test_decode_attention_with_fused_qk_norm_and_rope_at_qwen3_and_gemma3_heads_bf16_on_gpu(model, seq_lens):
+    """Qwen3-8B (32 / 8 heads of 128, its q/k norm) and Gemma3-12B (16 / 8 heads of 256, its (1 + w) q/k norm, a
+    1024-token sliding layer) with the default launch."""
+    if model == "qwen3-8b":
+        _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128,
+                              qk_norm="qwen3")
+    else:
+        _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=16, num_kv_heads=8, head_dim=256,
+                              sliding_window=1024, qk_norm="gemma3")
 
 
 # ---- fused decode-step kernels: rmsnorm (+ residual; Gemma, OLMo2 roundings), rotary + K/V write, gated activation ---

@@ -17,6 +17,7 @@ from batchgen.attention.kv_cache import KVCache
 from batchgen.kernels.invariant_attention import query_attention_rows
 from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from batchgen.kernels.paged_prefill import paged_prefill_attention
+from batchgen.kernels.rope_kv import QKNorm
 
 
 @dataclass
@@ -69,13 +70,14 @@ def attend_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 scale: float, num_heads: int, sliding_window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-    """Rotary embedding, K/V cache write and decode attention in one Triton kernel (CUDA only; callers on CPU
-    run `kernels.rope_kv.rope_kv` and `decode`). qkv: [B, (H + 2 Hkv) D]; cos/sin: [B, D]. Returns [B, H, D]."""
+                softcap: float | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """Rotary embedding (after the per-head q/k RMSNorm `qk_norm`, if any: Qwen3, Gemma3), K/V cache write and
+    decode attention in one Triton kernel (CUDA only; callers on CPU run `kernels.rope_kv.rope_kv` and `decode`).
+    qkv: [B, (H + 2 Hkv) D]; cos/sin: [B, D]. Returns [B, H, D]."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
 
     return paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       num_heads, sliding_window=sliding_window, softcap=softcap)
+                                       num_heads, sliding_window=sliding_window, softcap=softcap, qk_norm=qk_norm)
 
 
 def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -1,7 +1,8 @@
-"""The Triton pieces the paged decode kernels share: rotary loads, the online softmax over a split's K/V tiles,
-and a split's partials to and from the fp32 workspace. Used by kernels/paged_decode.py (per KV head),
-kernels/paged_decode_heads.py (several MHA heads a program) and kernels/invariant_attention.py (one query row
-at a time, whose batch invariance is exactly attend_tiles' fixed tile order)."""
+"""The Triton pieces the paged decode kernels share: rotary loads (with or without Qwen3's / Gemma3's per-head q/k
+norm), the online softmax over a split's K/V tiles, and a split's partials to and from the fp32 workspace. Used by
+kernels/paged_decode.py (per KV head), kernels/paged_decode_heads.py (several MHA heads a program) and
+kernels/invariant_attention.py (one query row at a time, whose batch invariance is exactly attend_tiles' fixed tile
+order)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.paged_prefill import softcapped
-from batchgen.kernels.rope_kv import rotate_rounded
+from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
 
 
 @triton.jit
@@ -18,6 +19,23 @@ def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
     x = tl.load(ptrs, mask=mask, other=0.0)
     xp = tl.load(partner_ptrs, mask=mask, other=0.0)
     return rotate_rounded(x, xp, cos, sin, sign)
+
+
+@triton.jit
+def normed_rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign, w_ptr, d, partner, norm_eps,
+                        HEAD_DIM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """rotated_load of heads RMS-normalised first, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P]
+    or [D_P], one head a row; masked columns load as 0, so the fp32 sum of squares covers the HEAD_DIM real ones),
+    x[d] and its partner x[partner[d]] each normalised with the row's rstd and the norm weight (w_ptr: HEAD_DIM
+    values) at d and at partner[d], then rotated."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    f = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(f * f, axis=-1, keep_dims=True) / HEAD_DIM + norm_eps)
+    return rotate_rounded(qk_norm_rounded(x, rstd, w, UNIT_OFFSET), qk_norm_rounded(xp, rstd, w_partner, UNIT_OFFSET),
+                          cos, sin, sign)
 
 
 @triton.jit

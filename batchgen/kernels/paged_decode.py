@@ -17,7 +17,11 @@ and transformers' sliding masks) narrows every split's range to the window, so K
 `paged_decode_rope_attention` also does rope_kv's work (kernels/rope_kv.py) in the same kernel, saving a
 launch per layer: queries are rotated as they are loaded from the QKV projection, and the program whose
 split holds the new token rotates its key, writes key and value to the token's cache slot, and attends to
-them from registers (no program reads that slot in this step, so the write races with nothing).
+them from registers (no program reads that slot in this step, so the write races with nothing). With a
+`QKNorm` (Qwen3, Gemma3) each query head and the new key are first RMS-normalised over the head dim, with
+rope_kv's rounding (the same Triton helpers: rope_kv.qk_norm_rounded, then rotate_rounded; up to the order
+of the fp32 sum of squares); the values are not normalised. The several-heads kernel (MHA only) has no q/k
+norm: `_launch` refuses that combination.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
-from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, rope_tables,
-                                          rotated_load, split_range, store_partials)
+from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated_load,
+                                          rope_tables, rotated_load, split_range, store_partials)
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
+from batchgen.kernels.rope_kv import QKNorm
 
 
 @triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
@@ -39,13 +44,14 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
+    qk_norm_ptr, norm_eps,  # HAS_QK_NORM only: QKNorm's [2, HEAD_DIM] weights (q row, k row) and eps
     scale, softcap, window, heads_first,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_cs,
     stride_kn, stride_kb, stride_kh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
 ):
     # heads_first (a runtime flag: no recompile): the grid is (KV heads, sequences, splits), so the programs the
     # GPU runs side by side read the same tokens' K/V rows for neighbouring heads (contiguous in the cache), not
@@ -66,15 +72,22 @@ def _decode_split_kernel(
     q_mask = g_mask[:, None] & d_mask[None, :]
     if FUSE_ROPE:  # q_ptr is the QKV projection [B, (H + 2 Hkv) D]; this step's K/V are not cached yet
         partner, sign, cos, sin = rope_tables(cos_ptr, sin_ptr, b, stride_cs, d, d_mask, HEAD_DIM)
-        q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
-                         sign[None, :])  # [GROUP_P, D_P]
         end = tl.minimum(end, seq_len - 1)
         # The new token's K/V, loaded before the loop so their latency hides behind it (only the program
         # whose split holds the new position uses them; -1 for an empty row: none does, nothing is written).
         new_pos = seq_len - 1
         has_new = (new_pos >= start) & (new_pos < start + chunk)
         k_row = q_ptr + b * stride_qb + (GROUP * num_kv_heads + h) * HEAD_DIM
-        k_new = rotated_load(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign)
+        if HAS_QK_NORM:  # Qwen3 / Gemma3: each q row (a query head) and the key RMS-normalised, then rotated
+            q = normed_rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :],
+                                    sin[None, :], sign[None, :], qk_norm_ptr, d, partner, norm_eps, HEAD_DIM,
+                                    QK_UNIT_OFFSET)  # [GROUP_P, D_P]
+            k_new = normed_rotated_load(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign,
+                                        qk_norm_ptr + HEAD_DIM, d, partner, norm_eps, HEAD_DIM, QK_UNIT_OFFSET)
+        else:
+            q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
+                             sign[None, :])  # [GROUP_P, D_P]
+            k_new = rotated_load(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign)
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
@@ -162,19 +175,21 @@ def paged_decode_rope_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     launch: DecodeLaunch | None = None,  # None: default_launch with num_splits
+    qk_norm: QKNorm | None = None,  # Qwen3 / Gemma3: each q and k head RMS-normalised before the rotation
 ) -> torch.Tensor:  # [B, H, D]
-    """rope_kv (without Qwen3's q/k norm) followed by paged_decode_attention, in one kernel."""
+    """rope_kv (its q/k norm included) followed by paged_decode_attention, in one kernel."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert qk_norm is None or (qk_norm.weights.shape == (2, head_dim) and qk_norm.weights.is_contiguous())
     launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits,
                                       group=num_heads // num_kv_heads)
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
-                   launch, sliding_window, softcap)
+                   launch, sliding_window, softcap, qk_norm)
 
 
 def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale, launch: DecodeLaunch,
-            sliding_window=None, softcap=None) -> torch.Tensor:
+            sliding_window=None, softcap=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
     num_seqs = q_src.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_splits, block_n = launch.num_splits, launch.block_n
@@ -186,6 +201,9 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     if heads > 1 and (group != 1 or num_kv_heads % heads or heads & (heads - 1)):
         raise ValueError(f"DecodeLaunch.heads_per_program {heads}: for MHA models (one query head a KV head; here "
                          f"{group}) with a power of two dividing the {num_kv_heads} KV heads")
+    if heads > 1 and qk_norm is not None:
+        raise ValueError(f"DecodeLaunch.heads_per_program {heads}: the several-heads kernel has no q/k norm "
+                         f"(Qwen3, Gemma3); one KV head a program")
     group_p = triton.next_power_of_2(group)
     if launch.mma and heads == 1:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
@@ -220,13 +238,15 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     else:
         grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
         _decode_split_kernel[grid](
-            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
+            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots,
+            *(qk_norm[:2] if qk_norm is not None else (q_src, 0.0)), scale,
             softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
             out.stride(1), stride_cs,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
             NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_WINDOW=sliding_window is not None, **options,
+            HAS_WINDOW=sliding_window is not None, HAS_QK_NORM=qk_norm is not None,
+            QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset, **options,
         )
     if num_splits == 1:
         return out

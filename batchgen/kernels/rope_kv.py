@@ -10,6 +10,10 @@ Rotation as transformers' `apply_rotary_pos_emb` (rotate-half layout, cos/sin [T
 x * cos + rotate_half(x) * sin, with each product and the sum rounded to the activation dtype, as the
 eager model rounds them; with `rotate_fp32` (OLMo2, whose rotary tables stay fp32) the rotation is taken in
 fp32 and rounded once.
+
+On CUDA decode steps (without rotate_fp32) the decode attention kernel does this work itself
+(kernels/paged_decode.py: paged_decode_rope_attention, through the same rotate_rounded and qk_norm_rounded);
+this kernel serves packed steps, the deterministic path and OLMo2.
 """
 
 from __future__ import annotations
@@ -48,6 +52,19 @@ if triton is not None:
         return (a + sign * b).to(x.dtype)
 
     @triton.jit
+    def qk_norm_rounded(x, rstd, w, UNIT_OFFSET: tl.constexpr):
+        """A QKNorm of x (activation dtype) given its row's rstd and the weight w (fp32), rounded as the eager
+        module: Qwen3's w * (x * rstd) with the normalised value rounded first, or (UNIT_OFFSET) Gemma3's
+        (x * rstd) * (1 + w) in fp32, rounded once. The one q/k norm formula of every kernel (paged_decode.py
+        too)."""
+        f = x.to(tl.float32)
+        if UNIT_OFFSET:
+            y = (f * rstd) * (1.0 + w)
+        else:
+            y = w * (f * rstd).to(x.dtype).to(tl.float32)
+        return y.to(x.dtype)
+
+    @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                         qk_norm_ptr, norm_eps,
                         stride_qkv, stride_cs,
@@ -73,12 +90,8 @@ if triton is not None:
                 rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + norm_eps)
                 w1 = tl.load(w_row + i, mask=m, other=0.0).to(tl.float32)
                 w2 = tl.load(w_row + half + i, mask=m, other=0.0).to(tl.float32)
-                if QK_UNIT_OFFSET:
-                    x1 = ((f1 * rstd) * (1.0 + w1)).to(dtype)
-                    x2 = ((f2 * rstd) * (1.0 + w2)).to(dtype)
-                else:
-                    x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-                    x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+                x1 = qk_norm_rounded(x1, rstd, w1, QK_UNIT_OFFSET)
+                x2 = qk_norm_rounded(x2, rstd, w2, QK_UNIT_OFFSET)
             c1 = tl.load(cos_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
             c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)

@@ -101,9 +101,11 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                qk_norm: QKNorm | None = None, rotate_fp32: bool = False,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
-    [B, H D]. `qk_norm` and `rotate_fp32` (the rotation in fp32, rounded once: OLMo2) keep the rotary in its own
-    kernel; otherwise on CUDA a decode step's rotary and cache write run inside the attention kernel. A packed
-    step writes its K/V with the rotary, then attends (prefill kernel; decode kernel for its decode rows).
+    [B, H D]. On CUDA a decode step's rotary and cache write run inside the attention kernel, `qk_norm` (the
+    per-head q/k RMSNorm before the rotation: Qwen3, Gemma3) included; `rotate_fp32` (the rotation in fp32,
+    rounded once: OLMo2) keeps the rotary in its own kernel (rope_kv), as do the CPU reference, the
+    deterministic path (`step.invariant`: every row's key read back from the cache) and packed steps, which
+    write their K/V with the rotary, then attend (prefill kernel; decode kernel for their decode rows).
     `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3)."""
     window = {"sliding_window": sliding_window, "softcap": softcap}
     if step.invariant:  # every row alike, its key read back from the cache (no fused rotary decode kernel)
@@ -115,9 +117,9 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale, **window)
-    elif step.use_triton and qk_norm is None and not rotate_fp32:
+    elif step.use_triton and not rotate_fp32:
         attn = backend.decode_rope(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, step.block_tables,
-                                   step.seq_lens, scale, num_heads, **window)  # [B, H, D]
+                                   step.seq_lens, scale, num_heads, qk_norm=qk_norm, **window)  # [B, H, D]
     else:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]

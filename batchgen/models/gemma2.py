@@ -10,8 +10,9 @@ Layers alternate sliding-window attention (`sliding_window` tokens, as transform
 sees keys after p - window) with global attention (config.layer_types); the decode and prefill kernels bound
 their reads to the window, so K/V outside it are never read. The softmax scale is query_pre_attn_scalar ** -0.5.
 Gemma2 soft-caps the attention scores (attn_logit_softcapping) and the logits (final_logit_softcapping);
-Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, inside the rotary + K/V write
-kernel: kernels/rope_kv.py's QKNorm; the decode attention then runs without a fused rotary) and rotates sliding and global layers with their own rotary
+Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, kernels/rope_kv.py's QKNorm: on a
+decode step inside the fused rotary + K/V write + attention kernel, kernels/paged_decode.py, as Gemma2's rotary;
+on packed steps inside the rotary + K/V write kernel) and rotates sliding and global layers with their own rotary
 tables (local base 10k, global base 1M with linear scaling), which transformers' rotary module makes per layer
 type. Gemma3's multimodal model (model type "gemma3") and its bidirectional variant are not covered.
 """
@@ -93,7 +94,7 @@ class Gemma2Layer:
     layer_type: str  # "sliding_attention" | "full_attention": which rotary table and window
     sliding_window: int | None  # tokens a query sees on a sliding layer; None on global layers
     softcap: float | None  # Gemma2's attention soft-capping
-    qk_norm: QKNorm | None  # Gemma3: per-head norms of q and k ((1 + w) rounding), inside the rotary kernel
+    qk_norm: QKNorm | None  # Gemma3: per-head norms of q and k ((1 + w) rounding), inside the rotary kernels
 
 
 class Gemma2Decoder(LlamaDecoder):
