@@ -307,3 +307,5 @@ def test_an_odd_vocabulary_gets_a_padded_lm_head_over_the_same_bytes_and_matches
     assert packed.shape == logits.shape and packed.is_contiguous()
     torch.testing.assert_close(packed, logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(torch.tensor([ids])).logits[0], logits, atol=0, rtol=0)  # transformers unchanged
+    again = Engine(model, None, EngineConfig(num_kv_blocks=8)).runner.decode_forward.lm_head  # a second engine
+    assert again.weight.data_ptr() == head.weight.data_ptr() and model.lm_head.weight.shape[0] == 509

@@ -235,9 +235,11 @@ class PaddedHead:
             t = getattr(head, name)
             padded = None
             if t is not None:
-                padded = t.detach().new_zeros((rows, *t.shape[1:]))  # padding rows: zero logits, trimmed
-                padded[:vocab] = t.detach()
-                t.data = padded[:vocab]
+                padded = _padded_storage(t, rows)  # a second engine on the same model: the first one's
+                if padded is None:
+                    padded = t.detach().new_zeros((rows, *t.shape[1:]))  # padding rows: zero logits, trimmed
+                    padded[:vocab] = t.detach()
+                    t.data = padded[:vocab]
             setattr(self, name, padded)  # weight [V_pad, E]; bias [V_pad] or None
 
     @staticmethod
@@ -249,4 +251,13 @@ class PaddedHead:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weight, self.bias)[:, :self.vocab_size].contiguous()  # [S, V]
+
+
+def _padded_storage(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The [rows, ...] tensor `t` is the leading rows of, when an earlier PaddedHead made it so (t starts its
+    storage, which holds `rows` rows exactly); else None."""
+    row_bytes = t[0].numel() * t.element_size()
+    if t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != rows * row_bytes:
+        return None
+    return t.detach().new_empty(0).set_(t.untyped_storage(), 0, (rows, *t.shape[1:]))
 
