@@ -22,6 +22,8 @@
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 per GEMM path (blockwise, triton, splitk) and the job at 256
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
+#   bash bench/gpu_proofs.sh fp8bigjob  # issue 19: the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
+#                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
 #   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (not default) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
@@ -79,6 +81,12 @@ for section in "${sections[@]}"; do
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$LOGS/job_fp8.json" ;;
     fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
               --model-geometry llama-70b --json "$LOGS/w1_fp8_70b.json" ;;
+    fp8bigjob) rm -rf /tmp/gpu_proofs_work  # a 70B FP8 checkpoint (~70 GB) fits neither the 64 GiB disk nor the
+         # default /dev/shm (half the 128 GiB of RAM): the job's model folder lives in a /dev/shm grown to 100 GiB
+         mount -o remount,size=100G /dev/shm && df -h /dev/shm | tail -1
+         step job_fp8_70b 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /dev/shm/bg70 --profile-steps 0 \
+           --seqs 256 --penalties 1.0 --rows 500 --model-geometry llama-70b --weights fp8 --json "$LOGS/job_fp8_70b.json"
+         rm -rf /dev/shm/bg70 ;;
     tp) step tp_tests 200 python3 -m pytest -q -m gpu tests/test_bench_tensor_parallel.py tests/test_tensor_parallel.py \
           -rfE -p no:cacheprovider
         step tp2_70b 380 "${BG[@]}" --tensor-parallel 2 --model-geometry llama-70b --new-tokens 1024 \
@@ -93,6 +101,6 @@ for section in "${sections[@]}"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
