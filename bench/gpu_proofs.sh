@@ -21,6 +21,7 @@
 #                                       # BLAS choice (graphs_async_auto), same run (~4 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 per GEMM path (blockwise, triton, splitk) and the job at 256
+#   bash bench/gpu_proofs.sh fp8profile # issue 19: an FP8 W1 decode step's kernels, block-wise and split-K (~3 min)
 #   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
 #   bash bench/gpu_proofs.sh fp8bigjob  # issue 19: the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
@@ -79,6 +80,9 @@ for section in "${sections[@]}"; do
            --variants graphs_async_fp8_blockwise,graphs_async_fp8_triton,graphs_async_fp8_splitk
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$LOGS/job_bf16.json"
          step job_fp8 200 "${JOB[@]}" --rows 1000 --weights fp8 --json "$LOGS/job_fp8.json" ;;
+    fp8profile) for path in blockwise splitk; do  # where an FP8 W1 step goes (quantisation, GEMMs, the rest)
+        step "profile-fp8-$path" 120 python3 bench/profile_decode.py --weights fp8 --fp8-gemm "$path" --batch 32 \
+          --context 768 --json "$LOGS/profile-fp8-$path.json"; done ;;
     fp8big) step w1_fp8_70b 400 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
               --model-geometry llama-70b --json "$LOGS/w1_fp8_70b.json" ;;
     fp8bigjob) rm -rf /tmp/gpu_proofs_work  # a 70B FP8 checkpoint (~70 GB) fits neither the 64 GiB disk nor the
@@ -101,6 +105,6 @@ for section in "${sections[@]}"; do
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done

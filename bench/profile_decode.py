@@ -173,18 +173,24 @@ def main() -> None:
     ap.add_argument("--model-geometry", default="llama-8b", help="the model's shape (batchgen/bench/geometries.py)")
     ap.add_argument("--engine-only", action="store_true",
                     help="skip the isolated GEMM and attention benches (their shapes are Llama-8B's)")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "fp8-channel"),
+                    help="the layers' projections: bf16, or an FP8 checkpoint's (bench/fp8_weights.py); implies "
+                         "--engine-only")
+    ap.add_argument("--fp8-gemm", default="auto", choices=("auto", "blockwise", "triton", "splitk"),
+                    help="engine.fp8_gemm: the FP8 block-scaled GEMM path")
     ap.add_argument("--deterministic", action="store_true",
                     help="profile engine.deterministic's step (batch-invariant kernels); implies --engine-only")
     args = ap.parse_args()
     ceilings = measure_ceilings()
     report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context,
-                    "geometry": args.model_geometry, "deterministic": args.deterministic}
-    if not (args.engine_only or args.deterministic):
+                    "geometry": args.model_geometry, "deterministic": args.deterministic, "weights": args.weights,
+                    "fp8_gemm": args.fp8_gemm}
+    if not (args.engine_only or args.deterministic or args.weights != "bf16"):
         isolated_benches(args, report)
-    model = build_model(geometry=args.model_geometry)
+    model = build_model(geometry=args.model_geometry, weights=args.weights)
     engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True, async_pipeline=False,
                                               compile=args.compile, deterministic=args.deterministic,
-                                              fused_decoder=not args.transformers_forward))
+                                              fused_decoder=not args.transformers_forward, fp8_gemm=args.fp8_gemm))
     if args.deterministic:  # each kind of weight's GEMM, as the build's self-check chose it
         report["gemm_paths"] = engine.runner.decode_forward.linear.summary()
         print("GEMM paths:", report["gemm_paths"], flush=True)
