@@ -20,12 +20,14 @@ it faster than cuBLAS block-wise); bench/fp8_gemm.py times it (column `splitk`) 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
+# shared with kernels/skinny_gemm.py; num_sms and split_sizes re-exported (fp8_gemm and the benches import them here)
+from batchgen.kernels.splitk_common import (block_m_for, device_sms, num_sms, reduce_splits, split_count, split_sizes,
+                                           store_tile, workspace)
 
 try:
     import triton
@@ -33,8 +35,7 @@ try:
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
-MAX_BLOCK_M = 64  # row tile: M's power of two (>= 16, tl.dot's least); larger M runs several row tiles
-REDUCE_BLOCK = 1024  # elements of [M, N] per program of the reduction kernel
+__all__ = ["SplitKConfig", "num_sms", "split_sizes", "splitk_config", "splitk_matmul", "splitk_scaled_matmul"]
 
 
 class SplitKConfig(NamedTuple):
@@ -44,31 +45,11 @@ class SplitKConfig(NamedTuple):
     stages: int
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def block_m_for(m: int) -> int:
-    return min(MAX_BLOCK_M, max(16, 1 << (m - 1).bit_length()))
-
-
-def split_sizes(k_blocks: int, splits: int) -> tuple[int, int]:
-    """(k blocks per split, splits launched) for `splits` requested over k_blocks scale blocks."""
-    per_split = -(-k_blocks // max(1, min(splits, k_blocks)))
-    return per_split, -(-k_blocks // per_split)
-
-
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
     """Default launch config: 64-column tiles; the fewest splits that divide K's scale blocks evenly and give
     >= 2 programs per SM (1 where the column tiles alone do: gate_up); 5 stages (4 at BLOCK_M 64)."""
     block_n = 64
-    k_blocks = -(-k // block_k)
-    tiles = -(-n // block_n) * -(-m // block_m_for(m))
-    splits = 1
-    if tiles < 2 * sms:
-        even = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and tiles * d >= 2 * sms]
-        splits = even[0] if even else k_blocks
+    splits = split_count(m, n, -(-k // block_k), block_n, sms)
     return SplitKConfig(block_n, splits, 4, 5 if block_m_for(m) <= 32 else 4)
 
 
@@ -99,12 +80,7 @@ if triton is not None:
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        store_tile(acc, bias_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, HAS_BIAS, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
@@ -122,19 +98,6 @@ if triton is not None:
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                           BLOCK_K)
 
-    @triton.jit
-    def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, N, MN, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BLOCK: tl.constexpr):
-        """c [M, N] = (sum over s = 0, 1, ... of partial [s, M, N], in that order, fp32) + bias, rounded once."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < MN
-        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
 
 def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
                   group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -146,13 +109,12 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     if m == 0:
         return out
     if config is None:
-        sms = num_sms(xq.device.index or 0) if xq.is_cuda else 132
-        config = splitk_config(m, n, k, block_k, sms)
+        config = splitk_config(m, n, k, block_k, device_sms(xq))
     cfg = SplitKConfig(*config)
     block_m = block_m_for(m)
     per_split, splits = split_sizes(-(-k // block_k), cfg.splits)
     # one split: the GEMM kernel writes the output; else fp32 partials [splits, M, N], reduced in split order
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
+    part = workspace(out, splits)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
     _splitk_kernel[grid](xq, x_scale, weight, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
@@ -160,10 +122,7 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                          stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.warps,
                          num_stages=cfg.stages)
-    if splits > 1:
-        _splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            part, bias if bias is not None else part, out, n, m * n, SPLITS=splits, HAS_BIAS=bias is not None,
-            BLOCK=REDUCE_BLOCK, num_warps=4)
+    reduce_splits(part, bias, out)
     return out
 
 

@@ -1,0 +1,103 @@
+"""What the split-K GEMMs for decode-sized M (<= 64) share: kernels/fp8_splitk.py (FP8 W8A8) and
+kernels/skinny_gemm.py (bf16 / fp16 / fp32).
+
+The scheme: program (column tile, split, row tile) accumulates in fp32 over its range of K blocks; with SPLITS > 1
+it writes its fp32 partial to a workspace [SPLITS, M, N] (torch.empty: no memset, no host sync, CUDA-graph
+capturable) and a second small kernel sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32
+and rounds once to the output dtype. No atomics: deterministic, independent of program order. With SPLITS 1 the
+GEMM kernel does that epilogue itself (`store_tile`, one launch).
+
+SPLITS per (M, N, K) (`split_count`): the fewest that divide K's blocks evenly and give >= 2 programs per SM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without Triton (CPU) use the references
+    triton = None
+
+MAX_BLOCK_M = 64  # row tile: M's power of two (>= 16, tl.dot's least); larger M runs several row tiles
+REDUCE_BLOCK = 1024  # elements of [M, N] per program of the reduction kernel
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_m_for(m: int) -> int:
+    return min(MAX_BLOCK_M, max(16, 1 << (m - 1).bit_length()))
+
+
+def split_sizes(k_blocks: int, splits: int) -> tuple[int, int]:
+    """(k blocks per split, splits launched) for `splits` requested over k_blocks blocks: none empty."""
+    per_split = -(-k_blocks // max(1, min(splits, k_blocks)))
+    return per_split, -(-k_blocks // per_split)
+
+
+def split_count(m: int, n: int, k_blocks: int, block_n: int, sms: int) -> int:
+    """The fewest splits dividing k_blocks evenly with (column tiles x row tiles x splits) >= 2 programs per SM;
+    1 where the tiles alone do (gate_up); k_blocks where no divisor reaches it."""
+    tiles = -(-n // block_n) * -(-m // block_m_for(m))
+    if tiles >= 2 * sms:
+        return 1
+    even = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and tiles * d >= 2 * sms]
+    return even[0] if even else k_blocks
+
+
+def device_sms(t: torch.Tensor) -> int:
+    """SMs of t's GPU (132, an H100 / H200, off CUDA: the interpreter's launches are sized as on the GPU)."""
+    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda \
+        else 132
+
+
+def workspace(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where the GEMM kernel writes: `out` itself with one split, else fp32 partials [splits, M, N] (no memset:
+    every element is written by exactly one program)."""
+    if splits == 1:
+        return out
+    return torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+
+
+if triton is not None:
+    @triton.jit
+    def store_tile(acc, bias_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tile (pid_m, pid_n) of c [M, N] (row stride stride_cm) = acc [BLOCK_M, BLOCK_N] fp32 (+ bias in fp32),
+        rounded once to c's dtype; rows / columns past the edge are not stored."""
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols % N).to(tl.float32)[None, :]
+        out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @triton.jit
+    def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, N, MN, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """c [M, N] = (sum over s = 0, 1, ... of partial [s, M, N], in that order, fp32) + bias, rounded once."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] (contiguous) = sum of part [S, M, N] over S in split order + bias: no-op when part is out (one
+    split: the GEMM kernel wrote the output and added the bias itself)."""
+    if part is out:
+        return
+    m, n = out.shape
+    _splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        part, bias if bias is not None else part, out, n, m * n, SPLITS=part.shape[0], HAS_BIAS=bias is not None,
+        BLOCK=REDUCE_BLOCK, num_warps=4)
