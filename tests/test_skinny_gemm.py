@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from batchgen.engine.config import EngineConfig
 from batchgen.kernels.skinny_gemm import skinny_config, skinny_linear
+from batchgen.kernels.splitk_common import split_count, split_sizes
 from batchgen.models import fp8
 
 NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
@@ -56,17 +57,21 @@ def test_skinny_linear_matches_f_linear_in_fp32_under_triton_interpreter():
     run_under_interpreter(INTERPRET_SCRIPT, timeout=600)
 
 
-def test_skinny_default_configs_fill_the_gpu_with_even_splits():
+def test_skinny_default_configs_fill_the_gpu_with_few_splits():
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-              "phi3_qkv": (9216, 3072), "qwen2_o": (3584, 3584)}
+              "phi3_qkv": (9216, 3072), "qwen2_o": (3584, 3584), "qwen2_down": (3584, 18944)}
     for name, (n, k) in shapes.items():
         for m in (1, 16, 32, 64):
             cfg = skinny_config(m, n, k, 2, 132)
-            blocks = -(-k // cfg.block_k)
-            assert blocks % cfg.splits == 0, (name, m, cfg)
-            assert -(-n // cfg.block_n) * cfg.splits >= 2 * 132 or cfg.splits == blocks, (name, m, cfg)
+            blocks, tiles = -(-k // cfg.block_k), -(-n // cfg.block_n)
+            assert split_sizes(blocks, cfg.splits)[1] == cfg.splits, (name, m, cfg)  # none empty
+            assert tiles * cfg.splits >= 2 * 132 and (cfg.splits == 1 or tiles * (cfg.splits - 1) < 2 * 132 or
+                                                      blocks % cfg.splits == 0), (name, m, cfg)
             assert cfg.block_n in (64, 128) and cfg.block_k in (128, 256) and cfg.warps == 4 and cfg.stages >= 4
     assert skinny_config(32, 28672, 4096).splits == 1  # gate_up: the column tiles alone fill the GPU
+    # Qwen2-7B's down: 148 blocks of 128 = 4 x 37; 5 uneven splits (30 + 30 + 30 + 30 + 28), not 37 even ones
+    assert skinny_config(32, 3584, 18944).splits == 5 and split_count(32, 3584, 148, 64, 132) == 5
+    assert split_count(32, 4096, 112, 64, 132) == 7  # the 8B down: 7 even splits (5 would do; 7 <= 2 x 5)
 
 
 def test_skinny_linear_cpu_reference_and_row_limit():

@@ -46,7 +46,7 @@ class SkinnyConfig(NamedTuple):
 def skinny_config(m: int, n: int, k: int, itemsize: int = 2, sms: int = 132) -> SkinnyConfig:
     """Default launch config (not yet tuned on a GPU): 64-column tiles; 16-bit inputs: BLOCK_K 256 at BLOCK_M 16
     (4 stages, ~160 KB of shared memory), else 128 (5 stages at BLOCK_M 32, 4 at 64); fp32: BLOCK_K 64. Splits:
-    splitk_common.split_count (the fewest dividing K's blocks evenly with >= 2 programs per SM)."""
+    splitk_common.split_count (the fewest giving >= 2 programs per SM, even over K's blocks where cheap)."""
     block_n, block_m = 64, block_m_for(m)
     if itemsize > 2:
         block_k, stages = 64, 3

@@ -7,7 +7,8 @@ capturable) and a second small kernel sums the partials in split order 0, 1, ...
 and rounds once to the output dtype. No atomics: deterministic, independent of program order. With SPLITS 1 the
 GEMM kernel does that epilogue itself (`store_tile`, one launch).
 
-SPLITS per (M, N, K) (`split_count`): the fewest that divide K's blocks evenly and give >= 2 programs per SM.
+SPLITS per (M, N, K) (`split_count`): the fewest that give >= 2 programs per SM, dividing K's blocks evenly where
+that costs at most twice as many splits.
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ def split_sizes(k_blocks: int, splits: int) -> tuple[int, int]:
 
 
 def split_count(m: int, n: int, k_blocks: int, block_n: int, sms: int) -> int:
-    """The fewest splits dividing k_blocks evenly with (column tiles x row tiles x splits) >= 2 programs per SM;
-    1 where the tiles alone do (gate_up); k_blocks where no divisor reaches it."""
+    """Splits for (column tiles x row tiles x splits) >= 2 programs per SM: 1 where the tiles alone do (gate_up);
+    else the fewest dividing k_blocks evenly, unless that is over twice the least that reaches it (K's blocks
+    with few small divisors: Qwen2-7B's down, 148 = 4 x 37), then that least, split unevenly (split_sizes: the
+    last split shorter, none empty)."""
     tiles = -(-n // block_n) * -(-m // block_m_for(m))
     if tiles >= 2 * sms:
         return 1
-    even = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and tiles * d >= 2 * sms]
-    return even[0] if even else k_blocks
+    need = min(k_blocks, -(-2 * sms // tiles))
+    even = next(d for d in range(need, k_blocks + 1) if k_blocks % d == 0)
+    return even if even <= 2 * need else split_sizes(k_blocks, need)[1]
 
 
 def device_sms(t: torch.Tensor) -> int:
