@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from batchgen.bench.graph_timing import capture_graph  # noqa: E402
 from batchgen.bench.seed import build_model, measure_ceilings, seed_prompts  # noqa: E402
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.engine import Engine  # noqa: E402
@@ -47,13 +48,7 @@ def event_ms(fn, reps: int) -> float:
 
 def graph_ms(fn, reps: int = 10) -> float:
     """Per-call device time of `fn` replayed from a CUDA graph (no host launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return event_ms(graph.replay, 5) / reps
+    return event_ms(capture_graph(fn, reps).replay, 5) / reps
 
 
 def kernel_table(replay, reps: int = 3) -> tuple[list[tuple[str, int, float]], float]:

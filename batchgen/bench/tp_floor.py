@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from batchgen.bench.geometries import decode_bytes
+from batchgen.bench.graph_timing import capture_graph
 from batchgen.bench.seed import Ceilings
 
 
@@ -94,13 +95,8 @@ def measure_collective_latency(tp, num_rows: int, config, dtype: torch.dtype = t
 
 
 def _graphed_seconds(collective, per_graph: int, num_replays: int) -> float:
-    for _ in range(3):  # outside capture first: NCCL's communicator and buffers exist before a graph records them
-        collective()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            collective()
+    # warm-up outside capture first: NCCL's communicator and buffers exist before a graph records them
+    graph = capture_graph(collective, per_graph, warmup=3)
     for _ in range(3):
         graph.replay()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(num_replays + 1)]

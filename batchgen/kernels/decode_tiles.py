@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.paged_prefill import softcapped
+from batchgen.kernels.paged_prefill import paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
 
 
@@ -105,11 +105,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
     for n0 in tl.range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_P]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, h, stride_kn, stride_kb, stride_kh, d,
+                             d_mask, BLOCK_SIZE)  # [BLOCK_N, D_P] each
         if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
             scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)

@@ -42,6 +42,19 @@ if triton is not None:
         return softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
 
     @triton.jit
+    def paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok,
+                      BLOCK_SIZE: tl.constexpr):
+        """K and V [BLOCK_N, D_P] of KV head h at token positions pos [BLOCK_N] of one sequence (table_ptr: its
+        block-table row), zeros where not pos_ok or past the head dim. Shared with the decode kernels
+        (kernels/decode_tiles.py)."""
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
         scale, softcap, window,
@@ -84,12 +97,8 @@ if triton is not None:
         for n0 in tl.range(kv_start, kv_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pos_ok = pos < kv_end
-            block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + pos // BLOCK_SIZE, mask=pos_ok,
-                            other=0).to(tl.int64)
-            kv_row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
-            kv_mask = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, pos,
+                                 pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] fp32
             if HAS_SOFTCAP:
                 s = softcapped(s, softcap)
