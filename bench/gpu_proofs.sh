@@ -39,6 +39,10 @@ OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/gpu_proofs_logs}; mkdir -p "$LOGS"
 DEADLINE=${DEADLINE:-585}
 TOK=${TOK:-.bench-assets/tokenizer}
+# the geometries (and variants) of the 'families' and 'blas' sections, narrowed by setting these
+FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b starcoder2-3b mistral-7b qwen3-8b}
+BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
+BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto,graphs_async_triton_gemm}
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
@@ -67,12 +71,11 @@ for section in "${sections[@]}"; do
              --geometries starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
-    families) for g in gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b \
-                 starcoder2-3b mistral-7b qwen3-8b; do
+    families) for g in $FAMILIES; do
         step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$LOGS/w1-$g.json"; done ;;
-    blas) for g in phi3-mini qwen2-7b starcoder2-3b; do  # the per-bucket BLAS choice (cublas / cublaslt, timed)
-        step "w1-auto-$g" 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async,graphs_async_auto,graphs_async_triton_gemm \
+    blas) for g in $BLAS_GEOMS; do  # the per-bucket BLAS choice (cublas / cublaslt, timed)
+        step "w1-auto-$g" 150 "${BG[@]}" --new-tokens 1024 --variants "$BLAS_VARIANTS" \
           --model-geometry "$g" --json "$LOGS/w1-auto-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
