@@ -245,8 +245,8 @@ def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(h
 
     num_heads, num_kv_heads, head_dim = heads
     launch = replace(default_launch(len(seq_lens), num_kv_heads, head_dim), mma=mma, heads_first=heads_first)
-    if num_heads == num_kv_heads and not mma and heads_first:  # MHA: also several KV heads a program
-        launch = replace(launch, heads_per_program=4)
+    if num_heads == num_kv_heads and not mma and not heads_first:  # MHA: also several KV heads a program (the
+        launch = replace(launch, heads_per_program=4)                 # heads-first order is for one head a program)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
 
