@@ -77,11 +77,16 @@ def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_whole_scale_blo
 CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index only: no GPU needed
 
 
-def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows_and_not_by_default(monkeypatch):
+def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
     bf16 = torch.bfloat16
-    assert fp8_gemm.SPLITK_MAX_ROWS == 0  # not the default until a GPU run shows it faster
-    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 1) == "blockwise"
+    assert fp8_gemm.SPLITK_MAX_ROWS == 32  # the decode rows at which the H200 measured it fastest (W1)
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 1) == "splitk"
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 33) == "blockwise"
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 32) == "splitk"
+    assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 33) == "triton"
+    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
     monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 64)
     for rows in (1, 32, 64):
         assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, rows) == "splitk"

@@ -18,10 +18,11 @@ README "FP8 checkpoints"):
     b_scale[None, :] per k block. (The first version fused the quantisation into the GEMM: every column program
     re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
     work dominated.)
-  - "splitk" (block scales, M <= SPLITK_MAX_ROWS; NOT a default yet: SPLITK_MAX_ROWS is 0 until a GPU run shows
-    it faster): the same quantiser, then kernels/fp8_splitk.py's split-K GEMM (programs over column tiles x K
-    ranges of whole scale blocks, >= 2 per SM, fp32 partials summed in a fixed order by a second kernel), for
-    decode, where the one-program-per-column-tile GEMMs stream the weight at 1.0-1.4 TB/s.
+  - "splitk" (block scales, M <= SPLITK_MAX_ROWS, ahead of "blockwise" and "triton"): the same quantiser, then
+    kernels/fp8_splitk.py's split-K GEMM (programs over column tiles x K ranges of whole scale blocks, >= 2 per SM,
+    fp32 partials summed in a fixed order by a second kernel), for decode, where the one-program-per-column-tile
+    GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the H200 (session 11, W1 at 32 rows, forced paths in one
+    run): split-K 5.27 s against the Triton GEMM's 6.20 s; cuBLAS block-wise did not pass its probe there.
 
 Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), replaced for the weight
 shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (committed here: no
@@ -77,9 +78,10 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
     (6144, 4096): {32: GemmConfig(16, 32, 8, 4, 4)},  # q/k/v fused: 0.0182 ms vs the default's 0.0220 at M 32
     (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
 }
-# The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: 0, off, until a GPU
-# run (bench/fp8_gemm.py: column splitk) shows it faster than the block-wise _scaled_mm / the Triton GEMM.
-SPLITK_MAX_ROWS = 0
+# The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
+# a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
+# (64 rows untimed) the block-wise _scaled_mm where its probe passes, else the Triton GEMM.
+SPLITK_MAX_ROWS = 32
 
 
 def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:

@@ -14,8 +14,8 @@ sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32 and ro
 (as linear_ref rounds its fp32 result once). No atomics: the result does not depend on program order, and the
 bf16 output equals the fp32 output rounded. With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
 
-Not fp8_gemm's default path: `gemm_path` picks it only for M <= fp8_gemm.SPLITK_MAX_ROWS (0 until a GPU run shows
-it faster than cuBLAS block-wise); bench/fp8_gemm.py times it (column `splitk`) and sweeps its configs.
+fp8_gemm's default path for block-scaled weights at M <= fp8_gemm.SPLITK_MAX_ROWS (32: the rows at which a GPU run
+measured it faster end to end); bench/fp8_gemm.py times it (column `splitk`) and sweeps its configs.
 """
 
 from __future__ import annotations
