@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from batchgen.kernels import fp8_gemm
 from batchgen.kernels.fp8_gemm import (GemmConfig, block_scaled_matmul, blockwise_scaled_mm,
-                                       blockwise_scaled_mm_fits, blockwise_scaled_mm_supported, gemm_config,
+                                       blockwise_scaled_mm_fits, blockwise_scaled_mm_supported, blockwise_unsupported_reason,
+                                       gemm_config,
                                        rowwise_scaled_mm, w8a8_matmul)
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
 from batchgen.kernels.fp8_splitk import SplitKConfig, split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul
@@ -237,7 +238,8 @@ def main() -> None:
     sweep_m = [int(v) for v in args.sweep_rows.split(",") if v] if args.sweep else None
     cublas = blockwise_scaled_mm_supported(0)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"cuBLASLt block-wise _scaled_mm: {'yes' if cublas else 'no'}", flush=True)
+          f"cuBLASLt block-wise _scaled_mm: {'yes' if cublas else 'no: ' + blockwise_unsupported_reason(0)}",
+          flush=True)
     rows, sweeps = [], []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

@@ -132,7 +132,9 @@ def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(
     with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise: .*scale blocks 32 x 32"):
         forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 32, 32)  # cuBLASLt takes 128x128 blocks only
     monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
-    with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise"):
+    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_WHY_NOT", {0: "torch._scaled_mm raised RuntimeError: no"})
+    with pytest.raises(ValueError, match=r"engine.fp8_gemm: blockwise: .*unavailable on this device and torch .*"
+                                         r"\(torch._scaled_mm raised RuntimeError: no\); use auto"):
         forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 128, 128)  # a torch build without it
     with pytest.raises(ValueError, match="engine.fp8_gemm: 'fast' is not one of"):
         forced_path("fast", "triton", CUDA0, bf16, 6144, 4096, 128, 128)
@@ -207,10 +209,34 @@ def test_group_quantiser_on_gpu():
     assert (q.float() - q_ref.float()).abs().max() <= 32  # equal up to one fp8 ulp (32 in the top binade)
 
 
+def test_blockwise_probe_says_why_not(monkeypatch):
+    """The probe's answer carries its reason (bench reports and engine.fp8_gemm's refusal print it): off sm90, the
+    error torch._scaled_mm raised (its type and first line), or a wrong result."""
+    from batchgen.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_SUPPORTED", {})
+    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_WHY_NOT", {})
+    if not torch.cuda.is_available():
+        assert fp8_gemm.blockwise_unsupported_reason(0) == "not an sm90 GPU"
+        assert fp8_gemm._BLOCKWISE_SUPPORTED == {0: False}
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration\nmore detail")
+
+    monkeypatch.setattr(torch, "_scaled_mm", raises)
+    cpu = torch.device("cpu")
+    assert fp8_gemm._probe_blockwise(cpu) == "torch._scaled_mm raised RuntimeError: Invalid scaling configuration"
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: torch.zeros(a.shape[0], b.shape[1]))
+    assert fp8_gemm._probe_blockwise(cpu).startswith("wrong result at M = 1: relative error 1 ")
+
+
 @pytest.mark.gpu
 def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_where_supported():
+    from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason
+
     if not blockwise_scaled_mm_supported(0):
-        pytest.skip("torch._scaled_mm has no 1x128 x 128x128 block-wise scaling here (needs sm90, cuBLASLt >= 12.9)")
+        pytest.skip(f"torch._scaled_mm's 1x128 x 128x128 block-wise scaling is off here: "
+                    f"{blockwise_unsupported_reason(0)}")
     for m in (1, 3, 256):
         x, w, s = _case(m, 6144, 4096, 128, 128)
         out = blockwise_scaled_mm(x, w, s)

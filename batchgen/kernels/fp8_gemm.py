@@ -166,6 +166,7 @@ def block_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 # cannot change while the process lives (it depends on the GPU and the torch / cuBLASLt build only). Tests
 # monkeypatch blockwise_scaled_mm_supported itself rather than writing here.
 _BLOCKWISE_SUPPORTED: dict[int, bool] = {}
+_BLOCKWISE_WHY_NOT: dict[int, str] = {}  # device index -> why the probe said no (the error, or the wrong result)
 
 
 def blockwise_scaled_mm_supported(device_index: int) -> bool:
@@ -179,19 +180,30 @@ def blockwise_scaled_mm_supported(device_index: int) -> bool:
     if device_index in _BLOCKWISE_SUPPORTED:
         return _BLOCKWISE_SUPPORTED[device_index]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) != (9, 0):
-        supported = False
+        why_not = "not an sm90 GPU"
     else:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("batchgen: the block-wise _scaled_mm probe ran inside a CUDA-graph capture; call "
                                "kernels.fp8_gemm.blockwise_scaled_mm_supported(device) before capturing")
-        supported = _probe_blockwise(torch.device("cuda", device_index))
-    _BLOCKWISE_SUPPORTED[device_index] = supported
-    return supported
+        why_not = _probe_blockwise(torch.device("cuda", device_index))
+    _BLOCKWISE_SUPPORTED[device_index] = not why_not
+    if why_not:
+        _BLOCKWISE_WHY_NOT[device_index] = why_not
+    return not why_not
 
 
-def _probe_blockwise(dev: torch.device) -> bool:
+def blockwise_unsupported_reason(device_index: int) -> str:
+    """Why block-wise _scaled_mm is off on this device (probing it first, see blockwise_scaled_mm_supported), or ""
+    where it is on: the probe's error or wrong result, for messages and bench reports."""
+    if blockwise_scaled_mm_supported(device_index):
+        return ""
+    return _BLOCKWISE_WHY_NOT.get(device_index, "the probe said no")
+
+
+def _probe_blockwise(dev: torch.device) -> str:
     """One tiny blockwise_scaled_mm per row count, checked against the emulated W8A8 reference (torch ops only:
-    no Triton, the activations quantised by the torch reference into the layout quantize_groups writes)."""
+    no Triton, the activations quantised by the torch reference into the layout quantize_groups writes).
+    Returns "" where every row count is right, else why not (the error's type and first line, or the error)."""
     g = torch.Generator().manual_seed(0)
     n, k = 128, 512  # K / 128 = 4: the weight scale's row stride, a multiple of 4 as cuBLASLt's 128x128 layout needs
     w, w_scale = quantize_weight(torch.randn(n, k, generator=g), 128, 128)
@@ -203,11 +215,13 @@ def _probe_blockwise(dev: torch.device) -> bool:
             x_scale = x_scale.t().contiguous().t()  # [M, K / 128], strides (1, M): cuBLAS's 1x128 layout
             out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
             ref = linear_ref(x, w, w_scale, 128, 128, act_group=128).float()
-            if not ((out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()).item():
-                return False
-        return True
-    except (RuntimeError, TypeError, ValueError):
-        return False
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            if not err <= 1e-2:
+                return f"wrong result at M = {m}: relative error {err:.3g} against the W8A8 reference"
+        return ""
+    except (RuntimeError, TypeError, ValueError) as e:
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        return f"torch._scaled_mm raised {type(e).__name__}: {first_line}"
 
 
 def blockwise_scaled_mm_fits(dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None) -> bool:
@@ -254,11 +268,13 @@ def forced_path(path: str, auto: str, device: torch.device, dtype: torch.dtype, 
         return auto
     if path not in FORCED_PATHS:
         raise ValueError(f"engine.fp8_gemm: {path!r} is not one of auto, {', '.join(FORCED_PATHS)}")
-    if path == "blockwise" and not (blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k)
-                                    and blockwise_scaled_mm_supported(_device_index(device))):
+    if path == "blockwise" and not blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k):
         raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm cannot take this weight "
-                         f"([{n}, {k}], {dtype}, scale blocks {group_n} x {group_k}) on this device and torch "
-                         f"build; use auto, triton or splitk")
+                         f"([{n}, {k}], {dtype}, scale blocks {group_n} x {group_k}: it needs 128 x 128 blocks, bf16, "
+                         f"K and N multiples of 16 and K / 128 a multiple of 4); use auto, triton or splitk")
+    if path == "blockwise" and (why_not := blockwise_unsupported_reason(_device_index(device))):
+        raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm is unavailable on this "
+                         f"device and torch {torch.__version__} ({why_not}); use auto, triton or splitk")
     return path
 
 
