@@ -230,6 +230,34 @@ def test_blockwise_probe_says_why_not(monkeypatch):
     assert fp8_gemm._probe_blockwise(cpu).startswith("wrong result at M = 1: relative error 1 ")
 
 
+def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_the_padding(monkeypatch):
+    """cuBLASLt's 1x128 block-wise kernels need M % 4 == 0, unchecked by torch: _blockwise_mm pads the fp8 rows
+    (zeros) and their column-major scales (ones) and slices the output back. A stand-in for torch._scaled_mm that
+    insists on the layout cuBLASLt takes computes the scaled product in fp32."""
+    from batchgen.kernels import fp8_gemm
+
+    seen = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        m, k = a.shape
+        assert m % 4 == 0 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+        seen.append(m)
+        a_scale = scale_a.repeat_interleave(128, 1)
+        b_scale = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :b.shape[1]]
+        return ((a.float() * a_scale) @ (b.float() * b_scale)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(0)
+    w, s = quantize_weight(torch.randn(256, 512, generator=g) * 0.02, 128, 128)
+    for m in (1, 3, 4, 5, 16):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+        xq, xs = quantize_groups_ref(x, 128)
+        out = fp8_gemm._blockwise_mm(xq, xs.t().contiguous().t(), w, s, torch.bfloat16)
+        assert out.shape == (m, 256), m
+        assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
+    assert seen == [4, 4, 4, 8, 16]
+
+
 @pytest.mark.gpu
 def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_where_supported():
     from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason

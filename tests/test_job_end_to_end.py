@@ -56,7 +56,8 @@ def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_mo
     assert last["rows_done"] == 13
     # where the loop's time went: engine steps, admitting rows, commits (3 shards here), garbage collection
     assert last["step_s"] > 0 and last["admit_s"] > 0 and last["commit_s"] > 0 and last["gc_s"] >= 0
-    assert set(report["loop_s"]) == {"step", "admit", "commit", "gc"}
+    assert set(report["loop_s"]) == {"step", "admit", "commit", "gc", "triton_compile"}
+    assert last["compile_s"] >= 0 and isinstance(report["triton_kernels_compiled"], dict)
 
 
 def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind():
@@ -77,6 +78,41 @@ def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind(
     before = totals.gc_s
     gc.collect()
     assert totals.gc_s == before
+
+
+def test_compile_timer_times_each_triton_build_chains_the_previous_hooks_and_puts_them_back():
+    """Triton calls knobs.runtime.jit_cache_hook before building a kernel specialisation and
+    jit_post_compile_hook after (keyword arguments key= and fn=, a JitFunctionInfo); here the hooks are called as
+    Triton calls them, since CPU tests build no kernels (the interpreter has no JIT)."""
+    import time
+    from collections import namedtuple
+
+    from triton import knobs
+
+    from batchgen.job.metrics import CompileTimer, Totals
+
+    Info = namedtuple("JitFunctionInfo", "module name jit_function")
+    calls = []
+    prev = (lambda **kw: calls.append(("before", kw["key"])), lambda **kw: calls.append(("after", kw["key"])))
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = prev
+    try:
+        totals = Totals()
+        timer = CompileTimer(totals)
+        for name, key in (("_decode_kernel", ("i32", 16)), ("_decode_kernel", ("i32", 1)), ("_sample", ("f32",))):
+            fn = Info("batchgen.kernels.x", name, None)
+            assert knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="", compile={}, is_manual_warmup=False,
+                                                already_compiled=False) is None  # None: build it
+            time.sleep(0.01)
+            knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr="", compile={}, is_manual_warmup=False,
+                                                already_compiled=False)
+        assert totals.compiled_kernels == {"_decode_kernel": 2, "_sample": 1} and totals.compile_s >= 0.03
+        assert calls == [("before", ("i32", 16)), ("after", ("i32", 16)), ("before", ("i32", 1)),
+                         ("after", ("i32", 1)), ("before", ("f32",)), ("after", ("f32",))]
+        timer.remove()
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == prev
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
 
 
 def test_second_run_skips_everything_and_status_reports_completion(tmp_path, tiny_model_dir):

@@ -188,6 +188,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         "host_ms_per_step": round(1e3 * (e["schedule_cpu_s"] + e["prepare_cpu_s"]) / steps, 2),
         # device time of the steps over the loop's wall time: below 1, the device waited for the host
         "gpu_busy": round(e.get("gpu_busy_s", 0.0) / report["wall_s"], 3),
+        # Triton builds in the loop (the first timed run's slowness, issue 18): seconds and kernels specialised
+        "triton_compile_s": report["loop_s"].get("triton_compile", 0.0),
+        "triton_kernels_compiled": report.get("triton_kernels_compiled", {}),
         "limit_s": round(limit, 2), "limit_tok_s": round(tokens / limit, 1),
         "x_limit": round(report["wall_s"] / limit, 2),
     }

@@ -26,6 +26,10 @@ class Totals:
     admit_s: float = 0.0  # reading, rendering and tokenizing rows, and adding them to the engine
     commit_s: float = 0.0  # writing and fsyncing shards, manifest lines
     gc_s: float = 0.0  # Python's cyclic garbage collector, wherever it ran (see GcTimer)
+    # Triton kernels specialised during the loop (see CompileTimer): a shape the engine's warm-up never reached
+    # compiles (or loads from Triton's disk cache) on the host in the middle of the run, the GPU waiting
+    compile_s: float = 0.0
+    compiled_kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> specialisations built
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rejects_by_class: dict[str, int] = field(default_factory=dict)
 
@@ -66,6 +70,49 @@ class GcTimer:
             gc.callbacks.remove(self)
 
 
+class CompileTimer:
+    """Adds the time of every Triton JIT build (a compile, or a load from Triton's disk cache) to
+    `totals.compile_s`, counted per kernel in `totals.compiled_kernels`, while installed. Triton's two runtime
+    hooks (knobs.runtime.jit_cache_hook before a build, jit_post_compile_hook after it) are process-wide single
+    slots: installed by the meter, the previous hooks kept and called, and put back by remove()."""
+
+    def __init__(self, totals: Totals) -> None:
+        self.totals = totals
+        self._started: dict[object, float] = {}
+        try:
+            from triton import knobs
+        except ImportError:  # installs without Triton build no kernels
+            self._runtime = None
+            return
+        self._runtime = knobs.runtime
+        self._prev = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
+        self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._before, self._after
+
+    @staticmethod
+    def _build(kwargs: dict) -> tuple:
+        fn = kwargs.get("fn")  # triton's JitFunctionInfo(module, name, jit_function)
+        return getattr(fn, "module", None), getattr(fn, "name", "?"), kwargs.get("key")
+
+    def _before(self, *args, **kwargs):
+        self._started[self._build(kwargs)] = time.perf_counter()
+        prev = self._prev[0]
+        return prev(*args, **kwargs) if prev else None  # a true answer skips the build: the previous hook's call
+
+    def _after(self, *args, **kwargs):
+        build = self._build(kwargs)
+        started = self._started.pop(build, None)
+        if started is not None:
+            self.totals.compile_s += time.perf_counter() - started
+            self.totals.compiled_kernels[build[1]] = self.totals.compiled_kernels.get(build[1], 0) + 1
+        prev = self._prev[1]
+        return prev(*args, **kwargs) if prev else None
+
+    def remove(self) -> None:
+        if self._runtime is not None and self._runtime.jit_cache_hook == self._before:
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._prev
+            self._runtime = None
+
+
 class ThroughputMeter:
     def __init__(self, log_path: Path, expected_rows: int | None, interval_s: float = 5.0,
                  show_progress: bool = True) -> None:
@@ -75,6 +122,7 @@ class ThroughputMeter:
         self.interval_s = interval_s
         self.totals = Totals()
         self._gc_timer = GcTimer(self.totals)
+        self._compile_timer = CompileTimer(self.totals)
         self.start = time.monotonic()
         self._last_t = self.start
         self._last_gen = 0
@@ -110,7 +158,7 @@ class ThroughputMeter:
             "gen_tok_s_overall": round(t.generated_tokens / max(now - self.start, 1e-9), 2),
             "rows_s_window": round((t.rows_done - self._last_rows) / window, 3),
             "step_s": round(t.step_s, 3), "admit_s": round(t.admit_s, 3), "commit_s": round(t.commit_s, 3),
-            "gc_s": round(t.gc_s, 3), "rss_mib": round(rss_mib(), 1),
+            "gc_s": round(t.gc_s, 3), "compile_s": round(t.compile_s, 3), "rss_mib": round(rss_mib(), 1),
             **engine_stats,
         }
         with open(self.log_path, "a") as f:
@@ -119,4 +167,5 @@ class ThroughputMeter:
 
     def close(self) -> None:
         self._gc_timer.remove()
+        self._compile_timer.remove()
         self._bar.close()

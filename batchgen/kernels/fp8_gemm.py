@@ -213,7 +213,7 @@ def _probe_blockwise(dev: torch.device) -> str:
             x = torch.randn(m, k, generator=g).to(dev, torch.bfloat16)
             xq, x_scale = quantize_groups_ref(x, 128)
             x_scale = x_scale.t().contiguous().t()  # [M, K / 128], strides (1, M): cuBLAS's 1x128 layout
-            out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+            out = _blockwise_mm(xq, x_scale, w, w_scale, torch.bfloat16)
             ref = linear_ref(x, w, w_scale, 128, 128, act_group=128).float()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             if not err <= 1e-2:
@@ -232,13 +232,33 @@ def blockwise_scaled_mm_fits(dtype: torch.dtype, n: int, k: int, group_n: int, g
             and (-(-k // 128)) % 4 == 0)
 
 
+def _blockwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with 1x128 activation and 128x128 weight block scales: xq [M, K] fp8 with x_scale [M, K / 128]
+    (strides (1, M)), weight [N, K] fp8 with scale [N / 128, K / 128] row-major -> [M, N]. Hazard: cuBLASLt's
+    block-wise kernels need M a multiple of 4 and torch does not check it (a wrong result or an error, not a
+    message; vLLM and TransformerEngine pad likewise): other row counts run padded with zero rows of scale 1, and
+    the padding's output rows are dropped."""
+    m, k = xq.shape
+    padded_m = -(-m // 4) * 4
+    if padded_m != m:
+        xq_padded = xq.new_zeros(padded_m, k)
+        xq_padded[:m] = xq
+        scale_padded = x_scale.new_ones(x_scale.shape[1], padded_m).t()  # [Mp, K / 128], strides (1, Mp)
+        scale_padded[:m] = x_scale
+        xq, x_scale = xq_padded, scale_padded
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=out_dtype)
+    return out if padded_m == m else out[:m]
+
+
 def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         bias: torch.Tensor | None = None, scale_ub: float | None = None) -> torch.Tensor:
     """W8A8 with 128x128 block weight scales through torch._scaled_mm (cuBLASLt): x [M, K] bf16 quantised per
     token and 128 columns (quantize_groups: its column-major scales are cuBLAS's 1x128 layout), the weight's
-    [N / 128, K / 128] row-major scales transposed as its 128x128 layout. Only where blockwise_scaled_mm_supported."""
+    [N / 128, K / 128] row-major scales transposed as its 128x128 layout (_blockwise_mm). Only where
+    blockwise_scaled_mm_supported."""
     xq, x_scale = quantize_groups(x, 128, scale_ub)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    out = _blockwise_mm(xq, x_scale, weight, scale, x.dtype)
     return out if bias is None else out.add_(bias)
 
 
