@@ -6,8 +6,7 @@
 # $OUT/proofs.tgz (the device returns at most 8 files from $OUT).
 #   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~7 min; two files need `datasets`: skipped)
 #   bash bench/gpu_proofs.sh newtests   # the GPU tests of session 10's kernels: decode attention (q/k norm fused), FP8
-#                                       # paths forced by engine.fp8_gemm, the fused LayerNorm, the bf16 split-K GEMM;
-#                                       # then bench/skinny_gemm.py against F.linear (~5 min)
+#                                       # paths forced by engine.fp8_gemm, the fused LayerNorm
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
 #   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
@@ -18,8 +17,8 @@
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
-#   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt, the per-bucket
-#                                       # BLAS choice and the bf16 split-K GEMM (engine.decode_gemm), same run (~6 min)
+#   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
+#                                       # BLAS choice, same run (~4 min)
 #   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # issue 19: FP8 W1 per GEMM path (blockwise, triton, splitk) and the job at 256
 #   bash bench/gpu_proofs.sh fp8profile # issue 19: an FP8 W1 decode step's kernels, block-wise and split-K (~3 min)
@@ -42,7 +41,7 @@ TOK=${TOK:-.bench-assets/tokenizer}
 # the geometries (and variants) of the 'families' and 'blas' sections, narrowed by setting these
 FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b starcoder2-3b mistral-7b qwen3-8b}
 BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
-BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto,graphs_async_triton_gemm}
+BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto}
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
@@ -57,8 +56,7 @@ for section in "${sections[@]}"; do
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
     newtests) step new_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_fp8_kernels.py \
-                tests/test_layernorm_kernel.py tests/test_skinny_gemm.py -rfE -p no:cacheprovider
-              step skinny_gemm 150 python3 bench/skinny_gemm.py --json "$LOGS/skinny_gemm.json" ;;
+                tests/test_layernorm_kernel.py -rfE -p no:cacheprovider ;;
     logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$LOGS/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$LOGS/moe_seed.json" ;;

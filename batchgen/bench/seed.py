@@ -101,8 +101,6 @@ VARIANTS = {  # name -> EngineConfig overrides
     "graphs_async_fp8_blockwise": dict(cuda_graphs=True, async_pipeline=True, fp8_gemm="blockwise"),
     "graphs_async_fp8_triton": dict(cuda_graphs=True, async_pipeline=True, fp8_gemm="triton"),
     "graphs_async_fp8_splitk": dict(cuda_graphs=True, async_pipeline=True, fp8_gemm="splitk"),
-    # bf16 projections at <= 64 rows through kernels/skinny_gemm.py (engine.decode_gemm; opt-in, unmeasured)
-    "graphs_async_triton_gemm": dict(cuda_graphs=True, async_pipeline=True, decode_gemm="triton_splitk"),
 }
 
 

@@ -44,10 +44,6 @@ class EngineConfig(BaseModel):
     # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8_splitk.py) at every
     # batch size. Same checkpoint semantics (activations quantised per token and 128 columns) on every path
     fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = "auto"
-    # bf16 / fp16 projections of the fused decoders at <= 64 rows on CUDA (decode steps of <= 64 sequences): blas
-    # (F.linear, cuBLASLt in the graphs) or triton_splitk (kernels/skinny_gemm.py: split-K, deterministic reduce).
-    # Opt-in, not yet measured end to end; the LM head and larger batches stay on F.linear
-    decode_gemm: Literal["blas", "triton_splitk"] = "blas"
 
     @model_validator(mode="after")
     def _deterministic_needs_the_fused_decoder(self) -> EngineConfig:
@@ -66,9 +62,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"engine.deterministic runs every GEMM on {default} at a fixed row count, eager and "
                              f"graphed alike (a GEMM's bits depend on the library); engine.graph_blas_library: "
                              f"{self.graph_blas_library} cannot be combined with it (leave it at {default})")
-        if self.decode_gemm != "blas":
-            raise ValueError(f"engine.deterministic pins its own batch-invariant GEMMs (kernels/fixed_row_gemm.py); "
-                             f"engine.decode_gemm: {self.decode_gemm} cannot be combined with it (leave it at blas)")
         return self
 
     @model_validator(mode="after")

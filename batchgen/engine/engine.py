@@ -86,7 +86,7 @@ class Engine:
                                       compile=config.compile, fused_decoder=config.fused_decoder,
                                       blas_library=config.graph_blas_library, max_num_seqs=config.max_num_seqs,
                                       tensor_parallel=tp, deterministic=config.deterministic,
-                                      fp8_gemm=config.fp8_gemm, decode_gemm=config.decode_gemm)
+                                      fp8_gemm=config.fp8_gemm)
         except BaseException:
             self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
             raise

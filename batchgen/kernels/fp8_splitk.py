@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
-# shared with kernels/skinny_gemm.py; num_sms and split_sizes re-exported (fp8_gemm and the benches import them here)
+# the split rule, tile epilogue and reduce (splitk_common.py); num_sms and split_sizes re-exported (fp8_gemm and the
+# benches import them here)
 from batchgen.kernels.splitk_common import (block_m_for, device_sms, num_sms, reduce_splits, split_count, split_sizes,
                                            store_tile, workspace)
 

@@ -1,5 +1,5 @@
-"""What the split-K GEMMs for decode-sized M (<= 64) share: kernels/fp8_splitk.py (FP8 W8A8) and
-kernels/skinny_gemm.py (bf16 / fp16 / fp32).
+"""The split-K machinery of kernels/fp8_splitk.py (the FP8 W8A8 GEMM for decode-sized M, <= 64), kept apart
+from its FP8 specifics.
 
 The scheme: program (column tile, split, row tile) accumulates in fp32 over its range of K blocks; with SPLITS > 1
 it writes its fp32 partial to a workspace [SPLITS, M, N] (torch.empty: no memset, no host sync, CUDA-graph

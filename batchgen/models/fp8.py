@@ -20,11 +20,8 @@ import torch.nn.functional as F
 
 from batchgen.kernels.fp8_gemm import fp8_linear
 from batchgen.kernels.fp8_quant import FP8_DTYPE
-from batchgen.kernels.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS, skinny_linear
 
-__all__ = ["Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason", "use_skinny"]
-
-PLAIN_GEMMS = ("blas", "triton_splitk")  # engine.decode_gemm's values
+__all__ = ["Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
 
 
 class Fp8Linear(torch.nn.Module):
@@ -80,26 +77,13 @@ class Fp8Weight:
         return self.weight.shape
 
 
-def use_skinny(x: torch.Tensor, weight: torch.Tensor, plain_gemm: str) -> bool:
-    """Whether a plain weight's GEMM runs kernels/skinny_gemm.py: engine.decode_gemm triton_splitk, x [M, K] on
-    CUDA with M <= 64 rows (decode steps of <= 64 sequences), bf16 / fp16 x and weight of one dtype."""
-    if plain_gemm not in PLAIN_GEMMS:
-        raise ValueError(f"engine.decode_gemm {plain_gemm!r}: one of {', '.join(PLAIN_GEMMS)}")
-    return (plain_gemm == "triton_splitk" and x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
-           fp8_path: str = "auto", plain_gemm: str = "blas") -> torch.Tensor:
-    """x [..., K] @ weight^T + bias: F.linear for a plain weight (or, with `plain_gemm` (engine.decode_gemm)
-    triton_splitk where use_skinny says, the split-K skinny_linear), the FP8 GEMM (kernels/fp8_gemm.py) for an
-    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here; with the
-    defaults a plain weight takes F.linear exactly as before."""
+           fp8_path: str = "auto") -> torch.Tensor:
+    """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8_gemm.py) for an
+    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight.weight, weight.scale, weight.group_n, weight.group_k, bias, weight.act_quant,
                           weight.scale_ub, path=fp8_path)
-    if plain_gemm != "blas" and use_skinny(x, weight, plain_gemm) and (bias is None or bias.dtype == x.dtype):
-        return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -102,10 +102,9 @@ class Gemma2Decoder(LlamaDecoder):
     activation = "gelu_tanh"
 
     def __init__(self, model: torch.nn.Module, kv_cache, use_triton: bool, shard=None,
-                 deterministic: bool = False, fp8_gemm: str = "auto",
-                 decode_gemm: str = "blas") -> None:
+                 deterministic: bool = False, fp8_gemm: str = "auto") -> None:
         self._types = _layer_types(model)
-        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm, decode_gemm)
+        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm)
         self.per_type_rotary = _per_layer_type(self.rotary)
         self.final_softcap = getattr(self.config, "final_logit_softcapping", None)
 

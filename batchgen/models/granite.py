@@ -35,9 +35,8 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 class GraniteDecoder(LlamaDecoder):
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
-                 deterministic: bool = False, fp8_gemm: str = "auto",
-                 decode_gemm: str = "blas") -> None:
-        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm, decode_gemm)
+                 deterministic: bool = False, fp8_gemm: str = "auto") -> None:
+        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm)
         self.embedding_multiplier = float(self.config.embedding_multiplier)
         self.branch_scale = float(self.config.residual_multiplier)  # applied inside the add + norm kernel
         self.logits_scaling = float(self.config.logits_scaling)

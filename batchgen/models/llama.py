@@ -152,8 +152,7 @@ class LlamaDecoder(DecodeForward):
     branch_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
-                 shard: Shard | None = None, deterministic: bool = False, fp8_gemm: str = "auto",
-                 decode_gemm: str = "blas") -> None:
+                 shard: Shard | None = None, deterministic: bool = False, fp8_gemm: str = "auto") -> None:
         cfg = model.config.get_text_config()
         inner = model.model
         self.name = "fused, batch-invariant" if deterministic else "fused"
@@ -164,13 +163,9 @@ class LlamaDecoder(DecodeForward):
         # the per-query kernel; norms, rotary and activations are per row already (one program or element each).
         # The InvariantLinear is this decoder's own: it holds each weight's self-checked choice of kernel
         self.deterministic = deterministic
-        # set before the layers read it; fp8_gemm (engine.fp8_gemm): the FP8 projections' GEMM path; decode_gemm
-        # (engine.decode_gemm): the plain projections' at <= 64 rows on CUDA (models/fp8.use_skinny). Only the
-        # non-default ones are bound: with both defaults it is the plain function. The LM head (_head) is not here
-        paths = {key: value for key, value, default in (("fp8_path", fp8_gemm, "auto"),
-                                                         ("plain_gemm", decode_gemm, "blas")) if value != default}
-        self.linear = InvariantLinear() if deterministic else \
-            functools.partial(plain_or_fp8_linear, **paths) if paths else plain_or_fp8_linear
+        # set before the layers read it; fp8_gemm (engine.fp8_gemm): the FP8 projections' GEMM path
+        self.linear = InvariantLinear() if deterministic else plain_or_fp8_linear if fp8_gemm == "auto" else \
+            functools.partial(plain_or_fp8_linear, fp8_path=fp8_gemm)
         # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard

@@ -58,9 +58,8 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 class Phi3Decoder(LlamaDecoder):
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
-                 deterministic: bool = False, fp8_gemm: str = "auto",
-                 decode_gemm: str = "blas") -> None:
-        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm, decode_gemm)
+                 deterministic: bool = False, fp8_gemm: str = "auto") -> None:
+        super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm)
         self.cos_table = self.sin_table = None  # [L, D] each: LongRoPE's short-factor rotary of positions < L
         if getattr(self.rotary, "rope_type", "default") == "longrope":
             num_positions = original_max_positions(self.config)  # >= max_model_len (unsupported_reason)

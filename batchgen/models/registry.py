@@ -41,13 +41,10 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, max_model_len: int,
                          fused_decoder: bool = True, compile: bool = False, shard: Shard | None = None,
-                         deterministic: bool = False, fp8_gemm: str = "auto",
-                         decode_gemm: str = "blas") -> DecodeForward:
+                         deterministic: bool = False, fp8_gemm: str = "auto") -> DecodeForward:
     """The decode forward for this model. A fused decoder that fails its first step on the device warns and
     falls back to transformers' modules (with a `shard` or `deterministic`: raises instead, see build_sharded
-    and build_deterministic). `fp8_gemm`: engine.fp8_gemm, the fused decoder's FP8 GEMM path; `decode_gemm`:
-    engine.decode_gemm, its plain projections' GEMM at <= 64 rows on CUDA (the sharded and deterministic decoders
-    keep theirs)."""
+    and build_deterministic). `fp8_gemm`: engine.fp8_gemm, the fused decoder's FP8 GEMM path."""
     dev = kv_cache.k_cache.device
     if is_fp8(model.config) and dev.type == "cuda":
         # the FP8 GEMMs' one probe (a sync) runs here, before any CUDA-graph capture: fp8_gemm.gemm_path reads it
@@ -60,7 +57,7 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
         unsupported_reason(model, max_model_len)
     if reason is None:
         fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton,
-                                                                        fp8_gemm=fp8_gemm, decode_gemm=decode_gemm)
+                                                                        fp8_gemm=fp8_gemm)
         reason = fused.check(kv_cache)
         if reason is None:
             return fused

@@ -69,7 +69,7 @@ class ModelRunner:
                  cuda_graphs: bool = False, max_graph_batch: int = 256, max_model_len: int = 8192,
                  compile: bool = False, fused_decoder: bool = True,
                  blas_library: str | None = "cublaslt", *, max_num_seqs: int, tensor_parallel=None,
-                 deterministic: bool = False, fp8_gemm: str = "auto", decode_gemm: str = "blas") -> None:
+                 deterministic: bool = False, fp8_gemm: str = "auto") -> None:
         self.model = model
         # distributed.TensorParallelGroup or None: every rank runs this runner over its shard; rank 0 sends each
         # step's plan to the others first (distributed/plan.py) and, on close, STOP
@@ -101,8 +101,7 @@ class ModelRunner:
         self.decode_forward = build_decode_forward(model, kv_cache, self.use_triton, max_model_len,
                                                    fused_decoder=fused_decoder, compile=compile,
                                                    shard=tensor_parallel.shard() if tensor_parallel else None,
-                                                   deterministic=deterministic, fp8_gemm=fp8_gemm,
-                                                   decode_gemm=decode_gemm)
+                                                   deterministic=deterministic, fp8_gemm=fp8_gemm)
         self.graphs = None
         if cuda_graphs and self.use_triton:
             from batchgen.runner.cuda_graphs import DecodeGraphs
