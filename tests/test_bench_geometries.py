@@ -131,3 +131,16 @@ def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
     assert window_tok_s(log, 1000, 0.45, 0.55) == pytest.approx(2500.0)
     assert window_tok_s(log, 1000, 0.9, 1.0) == pytest.approx(1250.0)
     assert window_tok_s(log, 1000, 0.999, 1.0) is None  # one record: no rate
+
+
+def test_the_seed_summary_lists_a_refused_variant_beside_the_ones_that_ran():
+    """A variant whose engine setting the device refuses (engine.fp8_gemm: blockwise without cuBLASLt's block-wise
+    scaling) is a row saying so; the table still shows the floor and the other runs."""
+    from batchgen.bench.seed import summary_table
+
+    report = {"floor_s": 2.0, "floor_tok_s": 100.0,
+              "ours_sync_graphs_async_fp8_blockwise": {"refused": "engine.fp8_gemm: blockwise: ..."},
+              "ours_sync_graphs_async_fp8_splitk": {"wall_s": 3.0, "tok_s": 66.7, "kernels_per_decode_step": 537}}
+    lines = summary_table(report).splitlines()
+    assert lines[2].split() == ["ours_sync_graphs_async_fp8_blockwise", "refused"]
+    assert lines[3].split() == ["ours_sync_graphs_async_fp8_splitk", "3.00", "67", "1.50", "537"]

@@ -136,6 +136,10 @@ def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(
     with pytest.raises(ValueError, match=r"engine.fp8_gemm: blockwise: .*unavailable on this device and torch .*"
                                          r"\(torch._scaled_mm raised RuntimeError: no\); use auto"):
         forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 128, 128)  # a torch build without it
+    with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise: .*RuntimeError: no"):
+        fp8_gemm.refuse_unavailable("blockwise", 0)  # what the decoders' build calls: an error, not a fallback
+    for path in ("auto", "triton", "splitk"):
+        fp8_gemm.refuse_unavailable(path, 0)
     with pytest.raises(ValueError, match="engine.fp8_gemm: 'fast' is not one of"):
         forced_path("fast", "triton", CUDA0, bf16, 6144, 4096, 128, 128)
     g = torch.Generator().manual_seed(0)

@@ -213,7 +213,15 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
               "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens}
     reference_tokens = None
     for variant in variants.split(","):
-        r = report[f"ours_sync_{variant}"] = run_ours(model, prompts, new_tokens, max_num_seqs, variant)
+        try:
+            r = run_ours(model, prompts, new_tokens, max_num_seqs, variant)
+        except ValueError as e:  # a setting this device refuses (engine.fp8_gemm: blockwise without cuBLASLt's
+            if "engine." not in str(e):  # block-wise scaling): recorded, and the other variants still run
+                raise
+            report[f"ours_sync_{variant}"] = {"refused": str(e)}
+            print(f"ours_sync_{variant} refused: {e}", flush=True)
+            continue
+        report[f"ours_sync_{variant}"] = r
         distinct = r.pop("_distinct_experts", None)
         if distinct:
             from batchgen.bench.moe_floor import routed_floor_seconds, routed_step_bytes, sparse_layers
@@ -228,7 +236,10 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
         report["floor_s"], report["floor_tok_s"] = floor, requests * new_tokens / floor
         reference_tokens = score_variant(r, floor, reference_tokens)
         print(f"ours_sync_{variant}", json.dumps(r), flush=True)
-    ours = report[f"ours_sync_{variants.split(',')[0]}"]
+    ran = [report[f"ours_sync_{v}"] for v in variants.split(",") if "refused" not in report[f"ours_sync_{v}"]]
+    if not ran:
+        raise ValueError(f"every variant was refused: {variants}")
+    ours = ran[0]
     for mode in filter(None, transformers_modes.split(",")):
         torch.cuda.empty_cache()
         report[f"transformers_{mode}"] = r = run_transformers(model, prompts, new_tokens, mode)
@@ -260,6 +271,9 @@ def summary_table(report: dict) -> str:
     rows.append(("floor", f"{floor:.2f}", f"{report['floor_tok_s']:.0f}", "1.00", ""))
     for key in [k for k in report if k.startswith(("ours", "transformers"))]:
         r = report[key]
+        if "refused" in r:
+            rows.append((key, "refused", "", "", ""))
+            continue
         rows.append((key, f"{r['wall_s']:.2f}", f"{r['tok_s']:.0f}", f"{r['wall_s'] / floor:.2f}",
                      str(r.get("kernels_per_decode_step", ""))))
     return "\n".join(f"{a:<24}{b:>10}{c:>10}{d:>9}{e:>14}" for a, b, c, d, e in rows)

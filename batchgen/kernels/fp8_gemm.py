@@ -292,10 +292,17 @@ def forced_path(path: str, auto: str, device: torch.device, dtype: torch.dtype, 
         raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm cannot take this weight "
                          f"([{n}, {k}], {dtype}, scale blocks {group_n} x {group_k}: it needs 128 x 128 blocks, bf16, "
                          f"K and N multiples of 16 and K / 128 a multiple of 4); use auto, triton or splitk")
-    if path == "blockwise" and (why_not := blockwise_unsupported_reason(_device_index(device))):
+    refuse_unavailable(path, _device_index(device))
+    return path
+
+
+def refuse_unavailable(path: str, device_index: int) -> None:
+    """engine.fp8_gemm `path` forced on CUDA device `device_index`: raises ValueError, naming the key and the probe's
+    reason, where it is "blockwise" and this device and torch build have no block-wise _scaled_mm. The decoders'
+    build calls it before the first step (a forced path the device lacks is an error, not a fallback)."""
+    if path == "blockwise" and (why_not := blockwise_unsupported_reason(device_index)):
         raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm is unavailable on this "
                          f"device and torch {torch.__version__} ({why_not}); use auto, triton or splitk")
-    return path
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None,

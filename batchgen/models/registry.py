@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported
+from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.fp8_scheme import EXPERT_KEYS, is_fp8
@@ -47,8 +47,11 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
     and build_deterministic). `fp8_gemm`: engine.fp8_gemm, the fused decoder's FP8 GEMM path."""
     dev = kv_cache.k_cache.device
     if is_fp8(model.config) and dev.type == "cuda":
-        # the FP8 GEMMs' one probe (a sync) runs here, before any CUDA-graph capture: fp8_gemm.gemm_path reads it
-        blockwise_scaled_mm_supported(dev.index if dev.index is not None else torch.cuda.current_device())
+        # the FP8 GEMMs' one probe (a sync) runs here, before any CUDA-graph capture: fp8_gemm.gemm_path reads it;
+        # a forced engine.fp8_gemm path the device lacks raises here rather than fall back below
+        device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+        blockwise_scaled_mm_supported(device_index)
+        refuse_unavailable(fp8_gemm, device_index)
     if shard is not None:
         return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
     if deterministic:
