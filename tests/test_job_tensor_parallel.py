@@ -79,9 +79,10 @@ def test_a_size_that_does_not_divide_the_heads_exits_2_naming_the_key_before_wei
     (dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], **{k: v for k, v in LLAMA.items()
                                                                    if k not in ("model_type", "architectures")}),
      "not built for model type 'olmo2'"),
-    (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
-          **{k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures")}),
-     "mixture-of-experts models (model type 'qwen2_moe') is not built"),
+    (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4, moe_intermediate_size=33,
+          shared_expert_intermediate_size=64, **{k: v for k, v in LLAMA.items()
+                                                 if k not in ("model_type", "architectures")}),
+     "moe_intermediate_size (33)"),  # the experts split along their intermediate dimension
 ])
 def test_models_that_cannot_be_split_are_refused_from_their_config(tmp_path, config, message):
     model = _config_only_model(tmp_path / "m", **config)

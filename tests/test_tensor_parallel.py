@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 processes): the sharded engine's greedy fp32 output is token-identical to the
 unsharded engine's, through chunked prefill, decode steps and preemption, sync and async; every rank samples the
-same tokens (also with temperature and penalties); models that cannot be split are refused up front."""
+same tokens (also with temperature and penalties); mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared
+expert and a dense layer, Mixtral) split every expert; models that cannot be split are refused up front."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ SCENARIOS = [
     ("gemma2", {}, dict(max_num_batched_tokens=16, async_pipeline=False), GREEDY),
     ("starcoder2", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
     ("granite", {}, dict(async_pipeline=True), SAMPLED),
+    # mixture-of-experts: every expert split along its intermediate dimension, the router whole on each rank
+    ("qwen3_moe", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
+    ("qwen2_moe", {"mlp_only_layers": [1]}, dict(async_pipeline=False), GREEDY),  # shared expert, a dense layer
+    ("mixtral", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
 ]
 BASE = dict(num_kv_blocks=128, block_size=8, max_num_seqs=4)
 
@@ -127,3 +132,37 @@ def test_sigterm_to_the_launcher_kills_its_ranks(tmp_path):
     alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
              open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert children and not alive, (children, alive)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_each_ranks_expert_slices_sum_to_the_whole_sparse_block(arch):
+    """shard_model_ splits every expert along its intermediate dimension (gate and up rows, down columns) and the
+    shared expert like a dense MLP, the router whole: the ranks' sparse blocks (transformers' own forward over the
+    split weights) sum to the unsplit block's output."""
+    import copy
+
+    import torch
+
+    from batchgen.models.weights import shard_model_
+
+    def block_out(mlp, h):
+        out = mlp(h)
+        return out[0] if isinstance(out, tuple) else out  # [1, T, H]
+
+    model = make_model(arch)
+    h = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = model.model.layers[0].mlp
+    with torch.no_grad():
+        full = block_out(whole, h)
+        summed, down_slices = torch.zeros_like(full), []
+        for rank in range(2):
+            shard = copy.deepcopy(model)
+            shard_model_(shard, rank, 2)
+            mlp = shard.model.layers[0].mlp
+            e, two_i, hidden = whole.experts.gate_up_proj.shape
+            assert mlp.experts.gate_up_proj.shape == (e, two_i // 2, hidden)
+            assert torch.equal(mlp.gate.weight, whole.gate.weight)  # the router whole on every rank
+            down_slices.append(mlp.experts.down_proj)
+            summed += block_out(mlp, h)
+    assert torch.equal(torch.cat(down_slices, dim=2), whole.experts.down_proj)
+    torch.testing.assert_close(summed, full, rtol=1e-5, atol=1e-6)

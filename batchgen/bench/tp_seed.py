@@ -24,6 +24,7 @@ def bench_reason(size: int, workload: str, geometry: str, weights: str, variants
     is touched), or None. Phrased as one sentence naming --tensor-parallel."""
     from batchgen.bench.geometries import model_config
     from batchgen.bench.seed import VARIANTS, seed_engine_config
+    from batchgen.models.fp8_scheme import EXPERT_KEYS
     from batchgen.models.registry import tensor_parallel_reason
 
     option = f"--tensor-parallel {size}"
@@ -35,7 +36,11 @@ def bench_reason(size: int, workload: str, geometry: str, weights: str, variants
         return f"{option} runs bf16 weights only, not --weights {weights} (FP8 weight scales are not sharded)"
     if transformers:
         return f"{option}: transformers' runs need the whole model on one GPU; leave out --transformers"
-    reason = tensor_parallel_reason(model_config(geometry), size)
+    config = model_config(geometry)
+    reason = tensor_parallel_reason(config, size)
+    if reason is None and any(getattr(config, k, None) for k in EXPERT_KEYS):  # the engine splits MoE models
+        reason = ("the tensor-parallel bench's floor counts dense weights; mixture-of-experts geometries (their "
+                  "routed-bytes floor) run on one GPU")
     if reason is not None:
         return f"{option} with --model-geometry {geometry}: {reason}"
     for variant in variants.split(","):

@@ -69,10 +69,11 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
 
 
 # ---- tensor parallelism: which fused decoders read a Shard (models/weights.py) -----------------------------------
-# the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP) and Gemma2's. Not here:
-# OLMo2 (its q/k RMSNorm spans all heads: a sharded norm needs its own sum over ranks) and MoE models.
+# the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP: for MoE blocks, their
+# experts split along the intermediate dimension, the sum of the ranks' partial outputs) and Gemma2's. Not here:
+# OLMo2 (its q/k RMSNorm spans all heads: a sharded norm needs its own sum over ranks).
 TENSOR_PARALLEL_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
-                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
+                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES, *qwen_moe.MODEL_TYPES, *mixtral.MODEL_TYPES)
 
 
 def tensor_parallel_reason(config, size: int) -> str | None:
@@ -84,8 +85,6 @@ def tensor_parallel_reason(config, size: int) -> str | None:
     model_type = text.model_type
     if is_fp8(config):
         return "tensor parallelism over FP8 checkpoints is not built (their weight scales are not sharded)"
-    if any(getattr(text, k, None) for k in EXPERT_KEYS):
-        return f"tensor parallelism of mixture-of-experts models (model type {model_type!r}) is not built"
     if model_type not in DECODERS:
         return (f"tensor parallelism needs a fused decoder; model type {model_type!r} runs transformers' modules "
                 f"(fused decoders with tensor parallelism: {', '.join(sorted(TENSOR_PARALLEL_TYPES))})")

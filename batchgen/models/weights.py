@@ -11,6 +11,9 @@ h // (H / Hkv) on every rank); q/k/v and gate/up are column-parallel (their outp
 down row-parallel (their input columns sliced), so each layer needs one sum over ranks after o_proj and one
 after down (`Shard.all_reduce`, called by the decoders); the LM head is split by vocabulary rows
 (`VocabParallelHead` gathers the logits on every rank); embeddings and norms stay whole on every rank.
+Mixture-of-experts layers split every expert the same way (`_experts_`): each rank holds a 1/N slice of every
+expert's intermediate dimension (gate/up rows, down columns) and of the shared expert's, the router whole, so
+every rank routes alike and the block's output is a partial sum, summed by the same all-reduce as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def divisibility_reason(config, size: int) -> str | None:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                       ("intermediate_size", getattr(text, "intermediate_size", None))):
+                       ("intermediate_size", getattr(text, "intermediate_size", None)),
+                       ("moe_intermediate_size", getattr(text, "moe_intermediate_size", None)),  # the experts'
+                       ("shared_expert_intermediate_size", getattr(text, "shared_expert_intermediate_size", None))):
         if value is not None and value % size:
             return f"it does not divide the model's {key} ({value})"
     return None
@@ -140,6 +145,11 @@ def shard_model_(model: torch.nn.Module, rank: int, size: int, copy: bool = Fals
                 for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows), (attn.v_proj, kv_rows)):
                     _rows_(lin, [(0, rows)], rank, size, copy)
             _columns_(attn.o_proj, rank, size)
+            if hasattr(mlp, "experts"):  # a sparse MoE block: every expert split, the router whole
+                _experts_(mlp.experts, rank, size)
+                mlp = getattr(mlp, "shared_expert", None)  # Qwen2-MoE's, a gated MLP split as below
+                if mlp is None:
+                    continue
             if hasattr(mlp, "gate_up_proj"):  # checkpoint-fused [gate; up] (Phi-3): each half sliced, joined
                 inter = mlp.gate_up_proj.weight.shape[0] // 2
                 _rows_(mlp.gate_up_proj, [(0, inter), (inter, inter)], rank, size)
@@ -169,6 +179,21 @@ def _rows_(lin: torch.nn.Linear, parts: list[tuple[int, int]], rank: int, size: 
         pieces = [t[start + rank * (rows // size):start + (rank + 1) * (rows // size)] for start, rows in parts]
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         _set(lin, name, joined.clone() if copy and len(pieces) == 1 else joined)
+
+
+def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
+    """Keep rank's 1/size of every expert's intermediate dimension I (transformers 5.x's 3-D parameters): of
+    gate_up [E, 2 I, H] the rank's gate rows then its up rows (joined), of down [E, H, I] its columns; transposed
+    layouts ([E, H, 2 I], [E, I, H]) on their own axes. Copies (contiguous), so the whole tensors can be freed."""
+    transposed = getattr(experts, "is_transposed", False)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    axis = 2 if transposed else 1  # gate_up's 2 I axis (down's I axis: the other of 1 and 2)
+    part = gate_up.shape[axis] // 2 // size
+    pieces = [gate_up.narrow(axis, start + rank * part, part) for start in (0, gate_up.shape[axis] // 2)]
+    _set(experts, "gate_up_proj", torch.cat(pieces, dim=axis))
+    _set(experts, "down_proj", down.narrow(3 - axis, rank * part, part).clone(memory_format=torch.contiguous_format))
+    if hasattr(experts, "intermediate_dim"):
+        experts.intermediate_dim = part
 
 
 def _columns_(lin: torch.nn.Linear, rank: int, size: int) -> None:
