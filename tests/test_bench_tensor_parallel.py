@@ -138,7 +138,6 @@ def _bench(size: int, *args: str):
     (["--model-geometry", "mixtral-8x7b"], "--tensor-parallel 2 with --model-geometry mixtral-8x7b: the "
                                            "tensor-parallel bench's floor counts dense weights"),
     (["--model-geometry", "qwen3-30b-a3b"], "mixture-of-experts geometries (their routed-bytes floor) run on one GPU"),
-    (["--model-geometry", "olmo2-7b"], "not built for model type 'olmo2'"),
     (["--weights", "fp8"], "--tensor-parallel 2 runs bf16 weights only, not --weights fp8"),
     (["--variants", "graphs_async,compiled"], "--tensor-parallel 2 with variant 'compiled'"),
     (["--transformers", "sync"], "leave out --transformers"),

@@ -76,9 +76,6 @@ def test_a_size_that_does_not_divide_the_heads_exits_2_naming_the_key_before_wei
     (dict(LLAMA, intermediate_size=129), "intermediate_size (129)"),
     (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=2, n_head=4),
      "tensor parallelism needs a fused decoder; model type 'gpt2' runs transformers' modules"),
-    (dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], **{k: v for k, v in LLAMA.items()
-                                                                   if k not in ("model_type", "architectures")}),
-     "not built for model type 'olmo2'"),
     (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4, moe_intermediate_size=33,
           shared_expert_intermediate_size=64, **{k: v for k, v in LLAMA.items()
                                                  if k not in ("model_type", "architectures")}),
@@ -91,6 +88,19 @@ def test_models_that_cannot_be_split_are_refused_from_their_config(tmp_path, con
     with pytest.raises(JobError, match="engine.tensor_parallel_size 2") as e:
         ranks.check_before_launch(spec)
     assert message in str(e.value)
+
+
+def test_a_fused_decoder_not_listed_for_tensor_parallelism_is_refused_naming_the_list(monkeypatch):
+    """A new family's fused decoder runs split only once it is listed (its layers sum over the ranks where they
+    must): until then the config is refused, naming the families that are."""
+    from transformers import LlamaConfig
+
+    from batchgen.models import registry
+
+    monkeypatch.setattr(registry, "TENSOR_PARALLEL_TYPES", ("qwen3",))
+    reason = registry.tensor_parallel_reason(LlamaConfig(**{k: v for k, v in LLAMA.items() if k not in (
+        "model_type", "architectures")}), 2)
+    assert reason == "tensor parallelism is not built for model type 'llama''s fused decoder (built for: qwen3)"
 
 
 def test_more_gpus_than_exist_or_than_divide_into_groups_are_refused(tmp_path, tiny_model_dir):

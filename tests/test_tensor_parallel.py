@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, 2 processes): the sharded engine's greedy fp32 output is token-identical to the
 unsharded engine's, through chunked prefill, decode steps and preemption, sync and async; every rank samples the
 same tokens (also with temperature and penalties); mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared
-expert and a dense layer, Mixtral) split every expert; models that cannot be split are refused up front."""
+expert and a dense layer, Mixtral) split every expert; OLMo2's q/k norms span the ranks; models that cannot be split
+are refused up front."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SCENARIOS = [
     ("phi3", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
     ("gemma2", {}, dict(max_num_batched_tokens=16, async_pipeline=False), GREEDY),
     ("starcoder2", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
+    ("olmo2", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),  # q/k norms over all heads
     ("granite", {}, dict(async_pipeline=True), SAMPLED),
     # mixture-of-experts: every expert split along its intermediate dimension, the router whole on each rank
     ("qwen3_moe", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),

@@ -12,6 +12,12 @@ its weight in fp32 and rounds once (blocks.Norm "rms_fp32_weight"), and the rota
 rotation is taken in fp32 and rounded once (rope_kv's rotate_fp32; that keeps the rotary out of the decode
 attention kernel). Per layer: QKV GEMM -> q/k norms in place in the QKV output -> rotary + K/V write ->
 attention -> o GEMM -> norm, add -> gate/up GEMM -> SiLU*up -> down GEMM -> norm, add.
+
+Tensor parallelism: a rank holds H / N query heads and Hkv / N KV heads, and the matching slices of the q/k norm
+weights (models/weights.py shard_model_), so the norm's mean of squares spans the ranks: each rank sums its
+columns' squares in fp32, the sums are added over the ranks (one all-reduce of [B, 2] a layer), and each rank
+normalises its own columns (`_sharded_qk_norm`). The post-norms act on whole rows after the sums over ranks, as
+the Llama layers' norms do.
 """
 
 from __future__ import annotations
@@ -80,12 +86,25 @@ class Olmo2Decoder(LlamaDecoder):
             k_cache, v_cache = self.kv_cache.layer(i)
             qkv = self.linear(residual, layer.qkv_weight, layer.qkv_bias)  # [B, (H + 2 Hkv) D]
             q, k = qkv[:, :q_cols], qkv[:, q_cols:q_cols + k_cols]  # [B, H D], [B, Hkv D]: strided views
-            add_norm(q, layer.q_norm, None, tri, out=q)  # in place: each row is read whole before it is written
-            add_norm(k, layer.k_norm, None, tri, out=k)
+            if self.shard is None:
+                add_norm(q, layer.q_norm, None, tri, out=q)  # in place: each row is read whole before it is written
+                add_norm(k, layer.k_norm, None, tri, out=k)
+            else:
+                self._sharded_qk_norm(q, k, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, step, geo.num_heads, geo.num_kv_heads, layer.scale,
                               rotate_fp32=True)  # [B, H D]
             o = self.linear(attn, layer.o_weight, layer.o_bias)  # [B, E]
-            residual.add_(add_norm(o, layer.post_attention_norm, None, tri))
+            residual.add_(add_norm(self._reduce(o), layer.post_attention_norm, None, tri))
             mlp = layer.mlp(residual, tri)  # [B, E]
-            residual.add_(add_norm(mlp, layer.post_mlp_norm, None, tri))
+            residual.add_(add_norm(self._reduce(mlp), layer.post_mlp_norm, None, tri))
         return add_norm(residual, self.final_norm, None, tri)
+
+    def _sharded_qk_norm(self, q: torch.Tensor, k: torch.Tensor, layer: Olmo2Layer) -> None:
+        """OLMo2's q and k norms over the whole projection when this rank holds 1/N of its columns: q [B, H D / N]
+        and k [B, Hkv D / N] (views into the QKV output) normalised in place, rounded as the unsplit norm
+        (rms_fp32_weight: fp32 throughout, the weight multiplied in fp32, rounded once)."""
+        sums = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=1)  # [B, 2] fp32
+        sums = self._reduce(sums)  # every rank's columns
+        for x, norm, col in ((q, layer.q_norm, 0), (k, layer.k_norm, 1)):
+            variance = sums[:, col:col + 1] / (x.shape[1] * self.shard.size)  # [B, 1]
+            x.copy_((norm.weight.float() * (x.float() * torch.rsqrt(variance + norm.eps))).to(x.dtype))

@@ -70,10 +70,11 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
 
 # ---- tensor parallelism: which fused decoders read a Shard (models/weights.py) -----------------------------------
 # the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP: for MoE blocks, their
-# experts split along the intermediate dimension, the sum of the ranks' partial outputs) and Gemma2's. Not here:
-# OLMo2 (its q/k RMSNorm spans all heads: a sharded norm needs its own sum over ranks).
+# experts split along the intermediate dimension, the sum of the ranks' partial outputs), Gemma2's and OLMo2's (its
+# q/k RMSNorm over all heads: the sums of squares added over the ranks)
 TENSOR_PARALLEL_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
-                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES, *qwen_moe.MODEL_TYPES, *mixtral.MODEL_TYPES)
+                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES, *qwen_moe.MODEL_TYPES, *mixtral.MODEL_TYPES,
+                         *olmo2.MODEL_TYPES)
 
 
 def tensor_parallel_reason(config, size: int) -> str | None:

@@ -145,6 +145,9 @@ def shard_model_(model: torch.nn.Module, rank: int, size: int, copy: bool = Fals
                 for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows), (attn.v_proj, kv_rows)):
                     _rows_(lin, [(0, rows)], rank, size, copy)
             _columns_(attn.o_proj, rank, size)
+            for norm, rows in ((getattr(attn, "q_norm", None), q_rows), (getattr(attn, "k_norm", None), kv_rows)):
+                if norm is not None and norm.weight.shape[0] == rows:  # over the whole projection (OLMo2), not
+                    _rows_(norm, [(0, rows)], rank, size, copy)       # per head (Qwen3's [D]): the rank's heads'
             if hasattr(mlp, "experts"):  # a sparse MoE block: every expert split, the router whole
                 _experts_(mlp.experts, rank, size)
                 mlp = getattr(mlp, "shared_expert", None)  # Qwen2-MoE's, a gated MLP split as below
@@ -173,7 +176,7 @@ def _rows_(lin: torch.nn.Linear, parts: list[tuple[int, int]], rank: int, size: 
     """Keep rank's 1/size of each (start, rows) part of the output rows (weight and bias). One part: a view
     unless `copy`; several: joined, a copy."""
     for name in ("weight", "bias"):
-        t = getattr(lin, name)
+        t = getattr(lin, name, None)  # a norm (OLMo2's q/k) has no bias
         if t is None:
             continue
         pieces = [t[start + rank * (rows // size):start + (rank + 1) * (rows // size)] for start, rows in parts]
