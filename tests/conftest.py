@@ -145,6 +145,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, repetition_pena
     return generated
 
 
+def hf_token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' log-prob of each of `tokens` after `prompt` and the tokens before it [len(tokens)]."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
 def random_prompts(lengths, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]

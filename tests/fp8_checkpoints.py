@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
-               "c_fc", "c_proj")  # Phi3 checkpoint-fused, Starcoder2 MLP
+               "c_fc", "c_proj", "w1", "w2", "w3")  # Phi3 checkpoint-fused, Starcoder2 MLP, Mixtral's experts
 FP8_MAX = 448.0
 
 
@@ -85,7 +85,7 @@ def save_fp8_checkpoint(model, tokenizer, folder: Path, fmt: str) -> Path:
     else:
         raise ValueError(fmt)
     state = {}
-    for key, value in model.state_dict().items():
+    for key, value in _checkpoint_tensors(model).items():
         state.update(quantize(key, value.detach()) if _is_projection(key) else {key: value.detach()})
     folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(model.config)
@@ -96,6 +96,22 @@ def save_fp8_checkpoint(model, tokenizer, folder: Path, fmt: str) -> Path:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     return folder
+
+
+def _checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` holds: its state dict, but for mixture-of-experts models what
+    save_pretrained writes (each expert's 2-D projections under the checkpoint's own names, e.g. Mixtral's
+    block_sparse_moe.experts.<e>.w1, as real checkpoints store them; transformers 5.x models hold 3-D experts)."""
+    if not any("experts" in name for name, _ in model.named_modules()):
+        return model.state_dict()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        tensors = {}
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            tensors.update(load_file(str(path)))
+    return tensors
 
 
 def dequantized_copy(model, folder: Path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, make_model, make_tokenizer, random_prompts
+from conftest import hf_greedy, hf_token_logprobs, make_model, make_tokenizer, random_prompts
 from fp8_checkpoints import dequantized_copy, save_fp8_checkpoint
 
 from batchgen.engine.config import EngineConfig
@@ -47,14 +47,6 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return [r.samples[0].token_ids for r in results], [r.samples[0].logprobs for r in results]
 
 
-def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The model's log-prob of each of `tokens` after `prompt` and the tokens before it [len(tokens)]."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-    return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 @pytest.mark.parametrize("arch,fmt", [("llama", "block"), ("qwen3", "block"), ("llama", "channel"),
                                       ("qwen3", "channel"), ("llama", "tensor"), ("qwen2", "fbgemm"),
                                       # checkpoint-fused qkv/gate_up; biased plain MLP; sandwich norms; q/k norms
@@ -65,10 +57,10 @@ def test_fp8_checkpoint_generates_the_dequantized_transformers_tokens_sync_and_a
     prompts = random_prompts([5, 9, 13, 17], vocab_size=len(tok), seed=3)
     ref = _reference(model, folder, fmt)
     want = [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
-    want_logp = [_logprobs(ref, p, t) for p, t in zip(prompts, want)]
+    want_logp = [hf_token_logprobs(ref, p, t) for p, t in zip(prompts, want)]
     # the test can fail: quantisation moves this model's log-probs far past the tolerance below, so matching
     # them proves the FP8 weights and scales, not just the model
-    assert max((_logprobs(model, p, t) - lp).abs().max() for p, t, lp in zip(prompts, want, want_logp)) > 1e-3
+    assert max((hf_token_logprobs(model, p, t) - lp).abs().max() for p, t, lp in zip(prompts, want, want_logp)) > 1e-3
     fp8 = load_model(str(folder), "float32", "cpu")
     for async_pipeline in (False, True):
         engine = Engine(fp8, tok, EngineConfig(async_pipeline=async_pipeline, max_num_batched_tokens=16))
@@ -139,14 +131,6 @@ def test_unsupported_fp8_quantization_config_is_a_clear_error_naming_model_path(
     with pytest.raises(JobError) as e:
         load_model(str(folder), "float32", "cpu")
     assert f"model.path {str(folder)!r}" in str(e.value) and words in str(e.value)
-
-
-def test_fp8_checkpoint_of_a_mixture_of_experts_model_is_refused_up_front(tmp_path):
-    tok = make_tokenizer()
-    moe = make_model("qwen3_moe", vocab_size=len(tok))
-    folder = save_fp8_checkpoint(moe, tok, tmp_path / "moe", "channel")
-    with pytest.raises(JobError, match="mixture-of-experts model .*FP8 expert weights are not built"):
-        load_model(str(folder), "float32", "cpu")
 
 
 def test_a_job_runs_on_an_fp8_checkpoint_and_validate_refuses_a_bad_one(tmp_path):

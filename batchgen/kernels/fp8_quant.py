@@ -15,6 +15,8 @@ activation_scale_ub first), q = clamp(x / scale, +-448) rounded to nearest even.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,25 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 CHANNEL_ACT_GROUP = 128  # activation group of the Triton GEMMs over per-channel weights (group_k None)
 AMAX_EPS = 1e-10  # floor of a row's (group's) absolute max: an all-zero row gets a tiny scale, not a 0 / 0
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One (possibly fused) FP8 projection as the fused decoders hold it (models/fp8.py), or a layer's FP8 experts
+    (a leading expert dimension E on both tensors, kernels/moe.py). Invariant: scale's shape follows (group_n,
+    group_k) and weight's as models/fp8.Fp8Linear's does."""
+
+    weight: torch.Tensor  # [N, K] (experts: [E, N, K]) float8_e4m3fn
+    # [N, 1] fp32 (group_k None) or [ceil(N / group_n), ceil(K / group_k)] fp32 (experts: [E, ...])
+    scale: torch.Tensor
+    group_n: int
+    group_k: int | None
+    act_quant: bool
+    scale_ub: float | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
 
 
 def _expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], group_n: int, group_k: int | None) -> torch.Tensor:

@@ -13,15 +13,13 @@ different per-tensor scales fuse into one per-channel weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.fp8_gemm import fp8_linear
-from batchgen.kernels.fp8_quant import FP8_DTYPE
+from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight
 
-__all__ = ["Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
+__all__ = ["Fp8Experts", "Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
 
 
 class Fp8Linear(torch.nn.Module):
@@ -60,21 +58,51 @@ class Fp8Linear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8 {scales}, act_quant={self.act_quant}"
 
 
-@dataclass(frozen=True)
-class Fp8Weight:
-    """One (possibly fused) FP8 projection as the fused decoders hold it. Invariant: scale's shape follows
-    (group_n, group_k) and weight's as Fp8Linear's does."""
+class Fp8Experts(torch.nn.Module):
+    """A mixture-of-experts layer's experts kept in FP8, in place of transformers 5.x's experts module (same
+    layout: gate_up [E, 2 I, H], the gate rows then the up rows; down [E, H, I]) with block scales [E, 2 I / group_n,
+    H / group_k] and [E, H / group_n, I / group_k] (group_n must divide I: the gate and up blocks stay apart).
+    runner/fp8_loader.py fills it from the checkpoint's per-expert tensors; the fused MoE decoders read `weights()`;
+    its forward (transformers' sparse block: prefill of unfused paths, the fallback decode) runs the same
+    kernels/moe.fused_experts."""
 
-    weight: torch.Tensor  # [N, K] float8_e4m3fn
-    scale: torch.Tensor  # [N, 1] fp32 (group_k None) or [ceil(N / group_n), ceil(K / group_k)] fp32
-    group_n: int
-    group_k: int | None
-    act_quant: bool
-    scale_ub: float | None = None
+    # the layout flags models/moe.py reads from transformers' experts modules
+    is_transposed = False
+    is_concatenated = True
+    has_bias = False
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
+    def __init__(self, num_experts: int, hidden: int, inter: int, group_n: int, group_k: int, act_quant: bool,
+                 scale_ub: float | None, activation: str, device: torch.device | str) -> None:
+        super().__init__()
+        if inter % group_n:
+            raise ValueError(f"expert intermediate size {inter} is not a multiple of the scale blocks' {group_n} rows")
+        self.group_n, self.group_k, self.act_quant, self.scale_ub = group_n, group_k, act_quant, scale_ub
+        self.activation = activation
+        self.intermediate_dim = inter
+
+        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate_up_proj = param(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE)  # [E, 2 I, H] fp8
+        self.gate_up_proj_scale = param(num_experts, 2 * inter // group_n, -(-hidden // group_k), dtype=torch.float32)
+        self.down_proj = param(num_experts, hidden, inter, dtype=FP8_DTYPE)  # [E, H, I] fp8
+        self.down_proj_scale = param(num_experts, -(-hidden // group_n), -(-inter // group_k), dtype=torch.float32)
+
+    def weights(self) -> tuple[Fp8Weight, Fp8Weight]:
+        """(gate_up, down) as kernels/moe.py takes FP8 experts."""
+        return tuple(Fp8Weight(w, s, self.group_n, self.group_k, self.act_quant, self.scale_ub)
+                     for w, s in ((self.gate_up_proj, self.gate_up_proj_scale), (self.down_proj, self.down_proj_scale)))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        from batchgen.kernels.moe import fused_experts  # kernels/moe.py imports nothing of the models layer
+
+        return fused_experts(hidden_states, *self.weights(), top_k_index, top_k_weights, self.activation,
+                             use_triton=hidden_states.is_cuda)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"experts={e}, hidden={h}, inter={two_i // 2}, fp8 blocks {self.group_n}x{self.group_k}"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 # config keys that give a model's expert count (any mixture-of-experts family); registry.py reads them too
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# mixture-of-experts families whose FP8 experts load (models/fp8.Fp8Experts in place of transformers 5.x's 3-D
+# experts module) and run (the fused MoE decoders, models/moe.py)
+FP8_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,23 @@ def parse(config) -> Fp8Scheme:
     q = _qconfig(config)
     method = quant_method(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(text, k, None) for k in EXPERT_KEYS):
-        raise UnsupportedFp8(f"quantization_config.quant_method {method!r} on a mixture-of-experts model "
-                             f"({text.model_type}): FP8 expert weights are not built (the grouped expert GEMMs read "
-                             f"bf16); use a bf16 checkpoint")
     if method == "fp8":
-        return _fine_grained(q)
-    if method == "fbgemm_fp8":
+        scheme = _fine_grained(q)
+    elif method == "fbgemm_fp8":
         ub = q.get("activation_scale_ub")
-        return Fp8Scheme(method, 1, None, True, "weight_scale", None if ub is None else float(ub))
-    return _compressed_tensors(q)
+        scheme = Fp8Scheme(method, 1, None, True, "weight_scale", None if ub is None else float(ub))
+    else:
+        scheme = _compressed_tensors(q)
+    if any(getattr(text, k, None) for k in EXPERT_KEYS):
+        if text.model_type not in FP8_MOE_TYPES:
+            raise UnsupportedFp8(f"quantization_config.quant_method {method!r} on a mixture-of-experts model of type "
+                                 f"{text.model_type!r}: FP8 experts are built for {', '.join(FP8_MOE_TYPES)}")
+        if scheme.group_k is None or not scheme.act_quant:
+            raise UnsupportedFp8(f"quantization_config ({scheme.describe()}) on a mixture-of-experts model: FP8 "
+                                 f"mixture-of-experts checkpoints are built for block-wise scales with dynamic "
+                                 f"activations (quant_method fp8 with weight_block_size, or compressed-tensors "
+                                 f"block / group weights); use such a checkpoint or a bf16 one")
+    return scheme
 
 
 def _qconfig(config) -> dict | None:

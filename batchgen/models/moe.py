@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP
+from batchgen.models.fp8 import Fp8Experts, Fp8Weight
 from batchgen.models.llama import LlamaDecoder, layout_reason
 from batchgen.kernels.moe import fused_experts
 from batchgen.kernels.moe_routing import combine_accumulators
@@ -35,8 +36,9 @@ class SparseMoE:
     """One layer's sparse MLP block: the router, the routed experts and an optional shared expert."""
 
     router_weight: torch.Tensor  # [E, H]
-    gate_up: torch.Tensor  # [E, 2 I, H]: per expert the gate rows, then the up rows (a view, any strides)
-    down: torch.Tensor  # [E, H, I]
+    # [E, 2 I, H]: per expert the gate rows, then the up rows (a view, any strides); FP8 experts: an Fp8Weight
+    gate_up: torch.Tensor | Fp8Weight
+    down: torch.Tensor | Fp8Weight  # [E, H, I]
     top_k: int
     renormalize: bool  # divide the top-k probabilities by their sum (norm_topk_prob; always for Mixtral)
     weights_fp32: bool  # routing weights stay fp32 (Mixtral) or are rounded to the activation dtype (Qwen)
@@ -74,9 +76,12 @@ class SparseMoE:
         return out + torch.sigmoid(F.linear(h, self.shared_gate_weight)) * shared  # as Qwen2MoeSparseMoeBlock
 
 
-def expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
     """(gate_up [E, 2 I, H], down [E, H, I]) of a transformers 5.x experts module: its own parameters, or
-    transposed views of them where the module stores them transposed."""
+    transposed views of them where the module stores them transposed; an FP8 checkpoint's Fp8Experts: its
+    Fp8Weights."""
+    if isinstance(experts, Fp8Experts):
+        return experts.weights()
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if getattr(experts, "is_transposed", False):  # [E, H, 2 I] and [E, I, H]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
@@ -138,7 +143,7 @@ class MoEDecoder(LlamaDecoder):
         routed-bytes floor reads them (batchgen/bench/moe_floor.py)."""
         sparse = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         num_experts = sparse[0].gate_up.shape[0]
-        counts = torch.zeros(len(self.layers), num_experts, dtype=torch.int64, device=sparse[0].gate_up.device)
+        counts = torch.zeros(len(self.layers), num_experts, dtype=torch.int64, device=sparse[0].router_weight.device)
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.routed_counts = counts[i]

@@ -7,9 +7,10 @@ How: the model is built from its config (quantization_config removed) with its p
 (buffers real: the rotary tables), every Linear whose `.weight` the checkpoint stores in float8_e4m3fn is replaced
 by an Fp8Linear, then each safetensors tensor is read straight to the target device and assigned (fp8 weights and
 their fp32 scales as they are, per-tensor scales expanded per channel; everything else cast to the model dtype).
-The checkpoint's names must be the model's own (true of Llama, Mistral, Qwen2/3, Gemma, Phi3 ... in transformers 5);
-a tensor the model lacks, or a parameter the checkpoint lacks, is an error naming them. Peak memory: the
-checkpoint's bytes on the device, one tensor at a time on the host.
+The checkpoint's names must be the model's own (true of Llama, Mistral, Qwen2/3, Gemma, Phi3 ... in transformers 5),
+but for mixture-of-experts layers: their per-expert tensors go into the model's 3-D experts, FP8 ones kept FP8
+(fp8_experts.py). A tensor the model lacks, or a parameter the checkpoint lacks, is an error naming them. Peak
+memory: the checkpoint's bytes on the device, one tensor at a time on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from batchgen.errors import JobError
 from batchgen.models.fp8 import Fp8Linear
 from batchgen.models.fp8_scheme import Fp8Scheme, UnsupportedFp8, parse
+from batchgen.runner.fp8_experts import EXPERT_KEY, ExpertAssembler, model_key
 
 _FP8_DTYPE_NAMES = {"F8_E4M3"}  # safetensors' name for float8_e4m3fn
 # tensors a checkpoint may carry that this loader reads past: static activation scales (activations are quantised
@@ -59,8 +61,9 @@ def load_fp8_model(source: str, config, dtype: torch.dtype, device: torch.device
     bad = [k for k, d in dtypes.items() if d.startswith("F8_") and d not in _FP8_DTYPE_NAMES]
     if bad:
         raise JobError(f"model.path {source!r}: tensor {bad[0]} is {dtypes[bad[0]]}; batchgen runs float8_e4m3fn")
-    fp8_modules = sorted(k.removesuffix(".weight") for k, d in dtypes.items()
-                         if d in _FP8_DTYPE_NAMES and k.endswith(".weight"))
+    fp8_weights = [model_key(k) for k, d in dtypes.items() if d in _FP8_DTYPE_NAMES and k.endswith(".weight")]
+    fp8_experts = {m["owner"] for m in map(EXPERT_KEY.match, fp8_weights) if m is not None}  # 3-D FP8 experts
+    fp8_modules = sorted(k.removesuffix(".weight") for k in fp8_weights if not EXPERT_KEY.match(k))  # Fp8Linears
     plain = copy.deepcopy(config)
     del plain.quantization_config
     with parameters_on_meta():
@@ -68,7 +71,9 @@ def load_fp8_model(source: str, config, dtype: torch.dtype, device: torch.device
     model.config.quantization_config = config.quantization_config  # kept: the output fingerprint records it
     for name in fp8_modules:
         _replace_linear(model, name, scheme, dtype, source)
-    _assign_tensors(model, files, set(fp8_modules), scheme, dtype, device, source)
+    experts = ExpertAssembler(model, scheme, fp8_experts, device, dtype, source)
+    _assign_tensors(model, files, set(fp8_modules), experts, scheme, dtype, device, source)
+    experts.finish()
     if any(p.is_meta for p in model.parameters()) and getattr(plain.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -140,24 +145,28 @@ def _replace_linear(model: torch.nn.Module, name: str, scheme: Fp8Scheme, dtype:
     model.set_submodule(name, fp8)
 
 
-def _assign_tensors(model: torch.nn.Module, files: list[Path], fp8_modules: set[str], scheme: Fp8Scheme,
-                    dtype: torch.dtype, device: torch.device, source: str) -> None:
-    """Each checkpoint tensor into its module, read to `device` one at a time."""
+def _assign_tensors(model: torch.nn.Module, files: list[Path], fp8_modules: set[str], experts: ExpertAssembler,
+                    scheme: Fp8Scheme, dtype: torch.dtype, device: torch.device, source: str) -> None:
+    """Each checkpoint tensor into its module (experts' into their 3-D slices), read to `device` one at a time."""
     from safetensors import safe_open
 
     unexpected = []
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for key in f.keys():
+            for stored in f.keys():
+                key = model_key(stored)
+                if EXPERT_KEY.match(key):
+                    experts.put(key, f.get_tensor(stored))
+                    continue
                 owner, _, leaf = key.rpartition(".")
                 if owner in fp8_modules and leaf == scheme.scale_key:
-                    _set(model, owner, "weight_scale", _canonical_scale(f.get_tensor(key), model.get_submodule(owner),
-                                                                        key, source))
+                    scale = _canonical_scale(f.get_tensor(stored), model.get_submodule(owner), key, source)
+                    _set(model, owner, "weight_scale", scale)
                 elif owner in fp8_modules and leaf == "weight":
-                    _set(model, owner, "weight", f.get_tensor(key))
+                    _set(model, owner, "weight", f.get_tensor(stored))
                 elif key.endswith(_SKIPPED_SUFFIXES):
                     continue
-                elif not _set(model, owner, leaf, f.get_tensor(key), dtype):
+                elif not _set(model, owner, leaf, f.get_tensor(stored), dtype):
                     unexpected.append(key)
     if unexpected:
         raise JobError(f"model.path {source!r}: {len(unexpected)} checkpoint tensors are not {type(model).__name__}'s "
