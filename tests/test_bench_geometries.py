@@ -76,8 +76,11 @@ def test_the_fp8_floor_counts_projection_weights_at_one_byte_and_the_lm_head_at_
     head = 128256 * 4096
     assert bf16.dense_weight_bytes - fp8.dense_weight_bytes == (bf16.dense_weight_bytes - 2 * head) // 2
     assert fp8.dense_params == bf16.dense_params and fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        decode_bytes(model_config("mixtral-8x7b"), projection_bytes=1)
+    # MoE: the experts and the projections at one byte; the LM head, norms and routers at two
+    bf16, fp8 = decode_bytes(model_config("qwen3-30b-a3b")), decode_bytes(model_config("qwen3-30b-a3b"), 2, 1)
+    assert fp8.expert_bytes * 2 == bf16.expert_bytes == 3 * 2048 * 768 * 2
+    head, routers, norms = 151936 * 2048, 48 * 128 * 2048, 2048 + 48 * (2 * 2048 + 2 * 128)
+    assert bf16.dense_weight_bytes - fp8.dense_weight_bytes == (bf16.dense_weight_bytes - 2 * (head + routers + norms)) // 2
 
 
 @pytest.mark.parametrize("weights", ["fp8", "fp8-channel"])
@@ -97,6 +100,31 @@ def test_a_bench_fp8_model_saves_as_a_checkpoint_that_loads_back_equal(tmp_path,
     q = loaded.model.layers[1].self_attn.q_proj
     built = model.model.layers[1].self_attn.q_proj
     assert isinstance(q, Fp8Linear) and torch.equal(q.weight.float(), built.weight.float())
+    ids = torch.tensor([[5, 17, 200, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_bench_fp8_moe_model_saves_per_expert_tensors_that_load_back_equal(tmp_path):
+    """`bench --weights fp8 --model-geometry qwen3-30b-a3b` at a tiny size: the experts built as Fp8Experts (one byte
+    a weight, 128 x 128 blocks), saved per expert as checkpoints store them, loaded back to the same bytes and
+    logits (CPU)."""
+    from batchgen.bench.fp8_weights import build_fp8_model, save_fp8_checkpoint
+    from batchgen.models.fp8 import Fp8Experts
+    from batchgen.runner.loader import load_model
+
+    config = model_config("qwen3-30b-a3b", vocab_size=300, hidden_size=128, moe_intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=4, num_experts_per_tok=2)
+    model = build_fp8_model(config, "fp8", device="cpu")
+    built = model.model.layers[1].mlp.experts
+    assert isinstance(built, Fp8Experts) and built.gate_up_proj.dtype == torch.float8_e4m3fn
+    save_fp8_checkpoint(model, tmp_path / "moe", "fp8", shard_bytes=200_000)
+    loaded = load_model(str(tmp_path / "moe"), "bfloat16", "cpu")
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, Fp8Experts)
+    for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+        assert torch.equal(getattr(experts, name).float(), getattr(built, name).float()), name
     ids = torch.tensor([[5, 17, 200, 3]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from batchgen.kernels.fp8_quant import quantize_weight
-from batchgen.models.fp8 import Fp8Linear
+from batchgen.models.fp8 import Fp8Experts, Fp8Linear
 
 WEIGHTS = ("bf16", "fp8", "fp8-channel")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,8 +44,9 @@ def build_fp8_model(config, weights: str, device: str = "cuda") -> torch.nn.Modu
 
     from batchgen.runner.fp8_loader import parameters_on_meta
 
-    if getattr(config.get_text_config(), "num_experts", None) or getattr(config, "num_local_experts", None):
-        raise ValueError("--weights fp8: FP8 weights of mixture-of-experts geometries are not built")
+    moe = bool(getattr(config.get_text_config(), "num_experts", None) or getattr(config, "num_local_experts", None))
+    if moe and weights != "fp8":
+        raise ValueError(f"--weights {weights}: FP8 mixture-of-experts geometries are built block-wise (--weights fp8)")
     quantization_config(weights)
     group = None if weights == "fp8-channel" else BLOCK
     with parameters_on_meta():
@@ -60,6 +61,9 @@ def build_fp8_model(config, weights: str, device: str = "cuda") -> torch.nn.Modu
             if fp8.bias is not None:
                 fp8.bias.data.zero_()
             model.set_submodule(name, fp8)
+    for name, module in list(model.named_modules()):
+        if name.endswith(".experts") and getattr(module, "gate_up_proj", None) is not None:
+            model.set_submodule(name, _random_fp8_experts(module, config, device, gen))
     for name, param in list(model.named_parameters()):
         if param.is_meta:
             owner, _, leaf = name.rpartition(".")
@@ -72,6 +76,42 @@ def build_fp8_model(config, weights: str, device: str = "cuda") -> torch.nn.Modu
     return model.to(device).eval()
 
 
+def _random_fp8_experts(experts: torch.nn.Module, config, device: str, gen: torch.Generator) -> Fp8Experts:
+    """A layer's experts as Fp8Experts, normal(0, 0.02) weights quantised in 128 x 128 blocks: every expert's
+    rows in one quantisation (2 I and H are multiples of 128 at the real geometries: no block spans experts)."""
+    num_experts, two_inter, hidden = experts.gate_up_proj.shape
+    activation = getattr(config.get_text_config(), "hidden_act", "silu")
+    fp8 = Fp8Experts(num_experts, hidden, two_inter // 2, BLOCK, BLOCK, True, None, activation, device)
+    for weight, scale in ((fp8.gate_up_proj, fp8.gate_up_proj_scale), (fp8.down_proj, fp8.down_proj_scale)):
+        e, n, k = weight.shape
+        assert n % BLOCK == 0, f"expert rows {n} not a multiple of {BLOCK}"
+        w = torch.empty(e * n, k, device=device, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        q, s = quantize_weight(w, BLOCK, BLOCK)
+        weight.data, scale.data = q.view(e, n, k), s.view(e, n // BLOCK, -1)
+    return fp8
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fp8Experts' 3-D tensors as checkpoints store experts: per expert, gate_proj / up_proj / down_proj weights and
+    their weight_scale (renamed to the format's scale key with the Fp8Linears'; runner/fp8_experts.py reads them)."""
+    out = {}
+    for key, value in state.items():
+        owner, _, leaf = key.rpartition(".")
+        if not owner.endswith(".experts") or leaf not in ("gate_up_proj", "gate_up_proj_scale", "down_proj",
+                                                          "down_proj_scale"):
+            out[key] = value
+            continue
+        suffix = "weight_scale" if leaf.endswith("_scale") else "weight"
+        for e in range(value.shape[0]):
+            if leaf.startswith("gate_up"):
+                rows = value.shape[1] // 2
+                out[f"{owner}.{e}.gate_proj.{suffix}"] = value[e, :rows]
+                out[f"{owner}.{e}.up_proj.{suffix}"] = value[e, rows:]
+            else:
+                out[f"{owner}.{e}.down_proj.{suffix}"] = value[e]
+    return out
+
+
 def save_fp8_checkpoint(model: torch.nn.Module, path: Path, weights: str, shard_bytes: int = 5 << 30) -> None:
     """Write `model` (from build_fp8_model) as a `weights` checkpoint: config.json with its quantization_config,
     safetensors shards of at most ~shard_bytes with an index, scales under the format's name."""
@@ -81,7 +121,8 @@ def save_fp8_checkpoint(model: torch.nn.Module, path: Path, weights: str, shard_
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    state = {k.replace(".weight_scale", f".{scale_key}"): v for k, v in model.state_dict().items()}
+    state = {k.replace(".weight_scale", f".{scale_key}"): v
+             for k, v in _per_expert(model.state_dict()).items()}
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     shards, current, size = [], {}, 0

@@ -150,11 +150,9 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     kv_heads = cfg.num_key_value_heads
     num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     if num_experts:
-        if proj != dtype_bytes:
-            raise ValueError("FP8 weights of mixture-of-experts geometries are not built")
-        dense = moe_floor.dense_step_bytes(cfg, dtype_bytes)
+        dense = moe_floor.dense_step_bytes(cfg, dtype_bytes, proj)
         params = moe_floor.dense_step_bytes(cfg, 1)
-        expert, moe_layers = moe_floor.expert_bytes(cfg, dtype_bytes), sum(moe_floor.sparse_layers(cfg))
+        expert, moe_layers = moe_floor.expert_bytes(cfg, proj), sum(moe_floor.sparse_layers(cfg))
         expert_params = moe_floor.expert_bytes(cfg, 1)
     else:
         attention = hidden * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)  # q, o, k, v

@@ -7,7 +7,9 @@ order, no host sync), `routed_step_bytes` turns them into bytes, `routed_floor_s
 
 Geometry from a transformers config: Qwen3-MoE / Qwen2-MoE (num_experts, moe_intermediate_size; dense layers by
 mlp_only_layers / decoder_sparse_step; Qwen2-MoE's shared expert) or Mixtral (num_local_experts,
-intermediate_size), bf16 weights unless `dtype_bytes` says otherwise.
+intermediate_size), bf16 weights unless `dtype_bytes` says otherwise; `projection_bytes` (1: FP8 checkpoints) for
+the projections (q/k/v/o, dense and shared MLPs, the experts) where they differ from the rest (LM head, norms,
+routers).
 """
 
 from __future__ import annotations
@@ -32,34 +34,40 @@ def sparse_layers(cfg) -> list[bool]:
 
 
 def expert_bytes(cfg, dtype_bytes: int = 2) -> int:
-    """One expert's weights: gate, up and down, H x I each."""
+    """One expert's weights: gate, up and down, H x I each, at `dtype_bytes` a weight."""
     _, inter = _experts(cfg)
     return 3 * cfg.hidden_size * inter * dtype_bytes
 
 
-def dense_step_bytes(cfg, dtype_bytes: int = 2) -> int:
-    """The weights every step reads whatever the routing: all but the routed experts and the embedding."""
+def dense_step_bytes(cfg, dtype_bytes: int = 2, projection_bytes: int | None = None) -> int:
+    """The weights every step reads whatever the routing: all but the routed experts and the embedding; the
+    projections at `projection_bytes` (default dtype_bytes) a weight."""
+    proj = projection_bytes or dtype_bytes
     hidden, num_experts = cfg.hidden_size, _experts(cfg)[0]
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     biases = q + 2 * kv if getattr(cfg, "qkv_bias", False) or getattr(cfg, "attention_bias", False) else 0
     qk_norm = 2 * head_dim if cfg.model_type == "qwen3_moe" else 0
-    attention = hidden * (q + 2 * kv) + q * hidden + biases + qk_norm + 2 * hidden  # q/k/v/o, norms
-    total = hidden + cfg.vocab_size * hidden  # the final norm, the LM head (read even when tied)
+    projections, rest = 0, hidden + cfg.vocab_size * hidden  # the final norm, the LM head (read even when tied)
     for sparse in sparse_layers(cfg):
-        total += attention
+        projections += hidden * (q + 2 * kv) + q * hidden  # q/k/v/o
+        rest += biases + qk_norm + 2 * hidden  # their biases, q/k norms, the layer's two norms
         if not sparse:
-            total += 3 * hidden * cfg.intermediate_size
+            projections += 3 * hidden * cfg.intermediate_size
             continue
-        total += num_experts * hidden  # the router
+        rest += num_experts * hidden  # the router
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-        total += 3 * hidden * shared + hidden if shared else 0  # Qwen2-MoE's shared expert and its gate
-    return total * dtype_bytes
+        if shared:  # Qwen2-MoE's shared expert and its gate
+            projections += 3 * hidden * shared
+            rest += hidden
+    return projections * proj + rest * dtype_bytes
 
 
-def routed_step_bytes(distinct_experts: list[int], cfg, dtype_bytes: int = 2) -> list[int]:
+def routed_step_bytes(distinct_experts: list[int], cfg, dtype_bytes: int = 2,
+                      projection_bytes: int | None = None) -> list[int]:
     """Each step's floor bytes of weights, given the distinct (layer, expert) pairs it routed to."""
-    dense, per_expert = dense_step_bytes(cfg, dtype_bytes), expert_bytes(cfg, dtype_bytes)
+    dense = dense_step_bytes(cfg, dtype_bytes, projection_bytes)
+    per_expert = expert_bytes(cfg, projection_bytes or dtype_bytes)
     return [dense + n * per_expert for n in distinct_experts]
 
 

@@ -225,10 +225,12 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
         distinct = r.pop("_distinct_experts", None)
         if distinct:
             from batchgen.bench.moe_floor import routed_floor_seconds, routed_step_bytes, sparse_layers
+            from batchgen.models.fp8_scheme import is_fp8
 
             r["distinct_experts_per_sparse_layer"] = sum(distinct) / len(distinct) / sum(sparse_layers(model.config))
             if floor is None:
-                floor = routed_floor_seconds(model.config, routed_step_bytes(distinct, model.config), requests,
+                proj = 1 if is_fp8(model.config) else None  # FP8 projections and experts: one byte a weight
+                floor = routed_floor_seconds(model.config, routed_step_bytes(distinct, model.config, 2, proj), requests,
                                              prompt_len, new_tokens, ceilings)
         if floor is None:
             raise ValueError(f"geometry {geometry}: the first variant must run the fused MoE forward (its routing "
