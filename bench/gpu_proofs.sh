@@ -9,7 +9,9 @@
 #                                       # paths forced by engine.fp8_gemm, the fused LayerNorm
 #   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
 #   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
-#   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~8 min)
+#   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~7 min)
+#   bash bench/gpu_proofs.sh fp8moe     # issue 19: FP8 MoE GPU tests, then qwen3-30b-a3b W1 in FP8 (never run; ~5 min?)
+#   bash bench/gpu_proofs.sh fp8moejob  # issue 19: qwen3-30b-a3b job at 256 seqs in FP8 (never run; ~6 min?)
 #   bash bench/gpu_proofs.sh longrun    # issue 18: a 20,000-row job's window rates (middle vs last tenths; ~8 min)
 #   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, qwen2-7b, starcoder2-3b, gemma2-9b,
 #                                       # phi3-mini, olmo2-7b at 32:768 and
@@ -61,6 +63,12 @@ for section in "${sections[@]}"; do
     logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$LOGS/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$LOGS/moe_seed.json" ;;
+    fp8moe) step fp8_moe_tests 200 python3 -m pytest -q -m gpu tests/test_fp8_moe.py -rfE -p no:cacheprovider
+         step w1_fp8_moe 300 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
+           --model-geometry qwen3-30b-a3b --json "$LOGS/w1_fp8_moe.json" ;;
+    fp8moejob) rm -rf /tmp/gpu_proofs_work/model  # the 8B's folder: room for the ~31 GB FP8 MoE checkpoint
+         step moe_job_fp8 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --weights fp8 \
+           --json "$LOGS/moe_job_fp8.json" ;;
     moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
          step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$LOGS/moe_job.json"
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
@@ -114,6 +122,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')" 2>&1 | tee "$LOGS/fp8_probe.log"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done
