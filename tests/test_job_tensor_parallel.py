@@ -76,6 +76,8 @@ def test_a_size_that_does_not_divide_the_heads_exits_2_naming_the_key_before_wei
     (dict(LLAMA, intermediate_size=129), "intermediate_size (129)"),
     (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=2, n_head=4),
      "tensor parallelism needs a fused decoder; model type 'gpt2' runs transformers' modules"),
+    (dict(LLAMA, quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]}),
+     "num_attention_heads x head_dim (64) split 2 ways is 32 per rank, not whole FP8 scale blocks of 64 x 64"),
     (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4, moe_intermediate_size=33,
           shared_expert_intermediate_size=64, **{k: v for k, v in LLAMA.items()
                                                  if k not in ("model_type", "architectures")}),

@@ -35,6 +35,11 @@ SCENARIOS = [
     ("qwen2_moe", {"mlp_only_layers": [1]}, dict(async_pipeline=False), GREEDY),  # shared expert, a dense layer
     ("mixtral", {}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
 ]
+# FP8 checkpoints (32 x 32 blocks: every rank's slice whole blocks), loaded from a folder by each rank
+FP8_SCENARIOS = [
+    ("llama", {"num_key_value_heads": 4}, dict(max_num_batched_tokens=16, async_pipeline=True), GREEDY),
+    ("qwen3_moe", {"num_key_value_heads": 4, "moe_intermediate_size": 64}, dict(async_pipeline=False), GREEDY),
+]
 BASE = dict(num_kv_blocks=128, block_size=8, max_num_seqs=4)
 
 
@@ -50,9 +55,13 @@ def _on_ranks(tp, scenarios):
     """Every scenario on this rank: rank 0 generates and digests its sampled ids, the other ranks follow."""
     from batchgen.distributed.follower import follow, token_digest_update
 
+    from batchgen.runner.loader import load_model
+
     out = []
     for arch, overrides, engine_kw, sampling in scenarios:
-        engine = Engine(make_model(arch, **overrides), None, _config(tp.size, engine_kw), tensor_parallel=tp)
+        model = load_model(overrides["fp8_folder"], "float32", "cpu") if "fp8_folder" in overrides else \
+            make_model(arch, **overrides)
+        engine = Engine(model, None, _config(tp.size, engine_kw), tensor_parallel=tp)
         if not tp.is_leader:
             result = follow(engine.runner, tp.plans)
             engine.close()
@@ -90,6 +99,37 @@ def test_two_ranks_generate_what_one_does_and_sample_alike(two_rank_runs, index)
         single = Engine(make_model(arch, **overrides), None, _config(1, engine_kw))
         assert leader[0] == _tokens(single.generate(PROMPTS, sampling))
         single.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_two_rank_runs(tmp_path_factory):
+    from conftest import make_tokenizer
+    from fp8_checkpoints import save_fp8_checkpoint
+
+    from batchgen.distributed.spawn import run_group
+
+    tok = make_tokenizer()
+    scenarios = []
+    for arch, overrides, engine_kw, sampling in FP8_SCENARIOS:
+        folder = save_fp8_checkpoint(make_model(arch, **overrides), tok,  # vocabulary 512: PROMPTS < 500
+                                     tmp_path_factory.mktemp("fp8") / arch, "block")
+        scenarios.append((arch, {"fp8_folder": str(folder)}, engine_kw, sampling))
+    return scenarios, run_group(_on_ranks, 2, scenarios, timeout_s=240)
+
+
+@pytest.mark.parametrize("index", range(len(FP8_SCENARIOS)), ids=[s[0] for s in FP8_SCENARIOS])
+def test_fp8_checkpoints_split_over_two_ranks_generate_what_one_rank_does(fp8_two_rank_runs, index):
+    """FP8 weights and their block scales split with their rows (column-parallel) or columns (row-parallel), FP8
+    experts along their intermediate dimension: 2 ranks' greedy tokens equal 1 rank's over the same checkpoint."""
+    from batchgen.runner.loader import load_model
+
+    scenarios, runs = fp8_two_rank_runs
+    _, overrides, engine_kw, sampling = scenarios[index]
+    leader, follower = runs[0][index], runs[1][index]
+    assert leader[1] == follower[1], "the ranks sampled different tokens"
+    single = Engine(load_model(overrides["fp8_folder"], "float32", "cpu"), None, _config(1, engine_kw))
+    assert leader[0] == _tokens(single.generate(PROMPTS, sampling))
+    single.close()
 
 
 def _sleep_forever(tp):

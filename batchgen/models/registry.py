@@ -13,9 +13,9 @@ from batchgen.attention.kv_cache import KVCache
 from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
-from batchgen.models.fp8_scheme import EXPERT_KEYS, is_fp8
+from batchgen.models.fp8_scheme import EXPERT_KEYS, UnsupportedFp8, is_fp8, parse
 from batchgen.models.transformers_forward import TransformersDecode
-from batchgen.models.weights import Shard, divisibility_reason
+from batchgen.models.weights import Shard, divisibility_reason, fp8_split_reason
 
 # model_type -> (why a model of that type cannot be fused, or None; the decoder class)
 DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
@@ -85,7 +85,13 @@ def tensor_parallel_reason(config, size: int) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = text.model_type
     if is_fp8(config):
-        return "tensor parallelism over FP8 checkpoints is not built (their weight scales are not sharded)"
+        try:
+            scheme = parse(config)
+        except UnsupportedFp8:  # a scheme that cannot run at all: the loader's error (fp8_loader), not this one
+            scheme = None
+        reason = scheme and fp8_split_reason(config, scheme.group_n, scheme.group_k, size)
+        if reason:
+            return reason
     if model_type not in DECODERS:
         return (f"tensor parallelism needs a fused decoder; model type {model_type!r} runs transformers' modules "
                 f"(fused decoders with tensor parallelism: {', '.join(sorted(TENSOR_PARALLEL_TYPES))})")

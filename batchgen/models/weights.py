@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.models.fp8 import Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
+from batchgen.models.fp8 import Fp8Experts, Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
 
 
 def fuse_linears(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
@@ -110,6 +110,31 @@ def divisibility_reason(config, size: int) -> str | None:
     return None
 
 
+def fp8_split_reason(config, group_n: int, group_k: int | None, size: int) -> str | None:
+    """Why an FP8 checkpoint's block scales cannot be split `size` ways, or None: every rank's slice of a
+    column-parallel weight (q, k, v, gate, up, the experts' gate and up) must be whole blocks of group_n rows,
+    and of a row-parallel one (o, down, the experts' down) whole blocks of group_k columns. Per-channel scales
+    (group_k None) split with their rows."""
+    if group_k is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # (what, its size, also the input columns of a row-parallel weight: o_proj's are q's, down's the MLP's)
+    for key, dim, row_parallel in (("num_attention_heads x head_dim", heads * head_dim, True),
+                                   ("num_key_value_heads x head_dim", kv_heads * head_dim, False),
+                                   ("intermediate_size", getattr(text, "intermediate_size", None), True),
+                                   ("moe_intermediate_size", getattr(text, "moe_intermediate_size", None), True),
+                                   ("shared_expert_intermediate_size",
+                                    getattr(text, "shared_expert_intermediate_size", None), True)):
+        per_rank = (dim or 0) // size
+        if dim and (per_rank % group_n or (row_parallel and per_rank % group_k)):
+            return (f"its {key} ({dim}) split {size} ways is {per_rank} per rank, not whole FP8 scale blocks of "
+                    f"{group_n} x {group_k}")
+    return None
+
+
 def local_geometry(geometry, shard: Shard | None):
     """A KVGeometry as one rank holds it: H / N query heads and Hkv / N KV heads (head dim unchanged)."""
     if shard is None or shard.size == 1:
@@ -173,15 +198,21 @@ def _set(lin: torch.nn.Linear, name: str, value: torch.Tensor | None) -> None:
 
 
 def _rows_(lin: torch.nn.Linear, parts: list[tuple[int, int]], rank: int, size: int, copy: bool = True) -> None:
-    """Keep rank's 1/size of each (start, rows) part of the output rows (weight and bias). One part: a view
-    unless `copy`; several: joined, a copy."""
-    for name in ("weight", "bias"):
-        t = getattr(lin, name, None)  # a norm (OLMo2's q/k) has no bias
-        if t is None:
+    """Keep rank's 1/size of each (start, rows) part of the output rows (weight and bias; an Fp8Linear's scale
+    rows too: per channel one a row, block scales one per group_n rows). One part: a view unless `copy`; several:
+    joined, a copy."""
+    scale_rows = (1 if lin.group_k is None else lin.group_n) if isinstance(lin, Fp8Linear) else None
+    for name in ("weight", "bias", "weight_scale"):
+        t = getattr(lin, name, None)  # a norm (OLMo2's q/k) has no bias; only an Fp8Linear has scales
+        if t is None or (name == "weight_scale" and scale_rows is None):
             continue
-        pieces = [t[start + rank * (rows // size):start + (rank + 1) * (rows // size)] for start, rows in parts]
+        per = 1 if name != "weight_scale" else scale_rows  # weight rows a row of t covers
+        pieces = [t[(start + rank * (rows // size)) // per:(start + (rank + 1) * (rows // size)) // per]
+                  for start, rows in parts]
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         _set(lin, name, joined.clone() if copy and len(pieces) == 1 else joined)
+    if isinstance(lin, Fp8Linear):
+        lin.out_features = lin.weight.shape[0]
 
 
 def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
@@ -189,21 +220,35 @@ def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
     gate_up [E, 2 I, H] the rank's gate rows then its up rows (joined), of down [E, H, I] its columns; transposed
     layouts ([E, H, 2 I], [E, I, H]) on their own axes. Copies (contiguous), so the whole tensors can be freed."""
     transposed = getattr(experts, "is_transposed", False)
-    gate_up, down = experts.gate_up_proj, experts.down_proj
     axis = 2 if transposed else 1  # gate_up's 2 I axis (down's I axis: the other of 1 and 2)
-    part = gate_up.shape[axis] // 2 // size
-    pieces = [gate_up.narrow(axis, start + rank * part, part) for start in (0, gate_up.shape[axis] // 2)]
-    _set(experts, "gate_up_proj", torch.cat(pieces, dim=axis))
-    _set(experts, "down_proj", down.narrow(3 - axis, rank * part, part).clone(memory_format=torch.contiguous_format))
+    inter = experts.gate_up_proj.shape[axis] // 2
+    part = inter // size
+    # (name, axis, weight rows or columns per element along it): FP8 experts' scales follow their blocks
+    fp8 = isinstance(experts, Fp8Experts)
+    gate_ups = [("gate_up_proj", axis, 1)] + ([("gate_up_proj_scale", 1, experts.group_n)] if fp8 else [])
+    downs = [("down_proj", 3 - axis, 1)] + ([("down_proj_scale", 2, experts.group_k)] if fp8 else [])
+    for name, dim, per in gate_ups:
+        t = getattr(experts, name)
+        pieces = [t.narrow(dim, (start + rank * part) // per, part // per) for start in (0, inter)]
+        _set(experts, name, torch.cat(pieces, dim=dim))
+    for name, dim, per in downs:
+        t = getattr(experts, name)
+        _set(experts, name, t.narrow(dim, rank * part // per, part // per).clone(memory_format=torch.contiguous_format))
     if hasattr(experts, "intermediate_dim"):
         experts.intermediate_dim = part
 
 
 def _columns_(lin: torch.nn.Linear, rank: int, size: int) -> None:
-    """Keep rank's 1/size of the input columns (a contiguous copy: a column slice is strided); the bias stays
-    on rank 0 only (added once before the sum over ranks)."""
+    """Keep rank's 1/size of the input columns (a contiguous copy: a column slice is strided; an Fp8Linear's
+    block scales likewise, one column per group_k; per-channel scales stay whole); the bias stays on rank 0 only
+    (added once before the sum over ranks)."""
     cols = lin.weight.shape[1] // size
     _set(lin, "weight", lin.weight[:, rank * cols:(rank + 1) * cols].contiguous())
+    if isinstance(lin, Fp8Linear):
+        lin.in_features = cols
+        if lin.group_k is not None:
+            per = lin.group_k
+            _set(lin, "weight_scale", lin.weight_scale[:, rank * cols // per:(rank + 1) * cols // per].contiguous())
     if lin.bias is not None and rank != 0:
         _set(lin, "bias", None)
 

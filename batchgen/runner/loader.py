@@ -192,11 +192,11 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
     if is_fp8(config):
         from batchgen.runner.fp8_loader import load_fp8_model
 
-        if shard is not None:
-            raise JobError(f"model.path {source!r} is an FP8 checkpoint: tensor parallelism over FP8 weights is not "
-                           f"built; set engine.tensor_parallel_size: 1")
-        return load_fp8_model(source, config, resolve_dtype(dtype, dev), dev)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
+        if shard is None:
+            return load_fp8_model(source, config, resolve_dtype(dtype, dev), dev)
+        model = load_fp8_model(source, config, resolve_dtype(dtype, dev), torch.device("cpu"))  # cut on the CPU
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
     if shard is not None:
         from batchgen.models.weights import shard_model_
 
