@@ -68,7 +68,8 @@ for section in "${sections[@]}"; do
            --model-geometry qwen3-30b-a3b --json "$LOGS/w1_fp8_moe.json" ;;
     fp8moejob) rm -rf /tmp/gpu_proofs_work/model  # the 8B's folder: room for the ~31 GB FP8 MoE checkpoint
          step moe_job_fp8 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --weights fp8 \
-           --json "$LOGS/moe_job_fp8.json" ;;
+           --json "$LOGS/moe_job_fp8.json"
+         rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b-fp8 ;;
     moejob) rm -rf /tmp/gpu_proofs_work/model  # the disk (64 GiB) holds one of the 8B and the 61 GB MoE model
          step moe_job 580 "${JOB[@]}" --rows 1000 --model-geometry qwen3-30b-a3b --json "$LOGS/moe_job.json"
          rm -rf /tmp/gpu_proofs_work/model-qwen3-30b-a3b ;;
@@ -91,8 +92,8 @@ for section in "${sections[@]}"; do
          # (split-K at <= 32 rows) against block-wise forced, and the job (M = 256: block-wise where the probe passes)
          step fp8_tests 120 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -rfE -p no:cacheprovider \
            -k "blockwise or probe or block_scaled or group_quantiser or per_channel"
-         python3 -c "from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason as r; \
-print('block-wise _scaled_mm:', r(0) or 'yes')" 2>&1 | tee "$LOGS/fp8_probe.log"
+         step fp8_probe 60 python3 -c "from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason as r; \
+print('block-wise _scaled_mm:', r(0) or 'yes')"
          step w1_fp8 200 "${BG[@]}" --new-tokens 1024 --weights fp8 --json "$LOGS/w1_fp8.json" \
            --variants graphs_async,graphs_async_fp8_blockwise
          step job_bf16 170 "${JOB[@]}" --rows 1000 --json "$LOGS/job_bf16.json"

@@ -122,6 +122,8 @@ def _edit_config(folder: Path, edit) -> None:
 @pytest.mark.parametrize("fmt,edit,words", [
     ("block", lambda q: q.update(scale_fmt="ue8m0"), "quantization_config.scale_fmt 'ue8m0'"),
     ("block", lambda q: q.update(weight_block_size=[128, 100]), "blocks of 100 columns"),
+    ("block", lambda q: q.update(weight_block_size=[16, 16]),  # an fp8 tl.dot needs K >= 32
+     "blocks of 16 columns; batchgen's FP8 GEMMs take a power of two from 32"),
     ("channel", lambda q: q.update(format="pack-quantized"), "quantization_config.format 'pack-quantized'"),
     ("channel", lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"), "num_bits: 4"),
 ])

@@ -164,3 +164,21 @@ def test_fp8_moe_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu
         outs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
         engine.close()
     assert outs[0] == outs[1]
+
+
+def test_an_fp8_moe_checkpoint_with_one_expert_in_another_format_or_missing_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tok = make_tokenizer()
+    folder = save_fp8_checkpoint(make_model("qwen3_moe", vocab_size=len(tok)), tok, tmp_path / "moe", "block")
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    state[key] = state[key].float()  # one expert's up projection left in fp32
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(JobError, match=f"{key} is torch.float32; the layer's other experts are FP8"):
+        load_model(str(folder), "float32", "cpu")
+    del state[key], state[key + "_scale_inv"]
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(JobError, match="the checkpoint lacks expert 3's up weight of model.layers.1.mlp.experts"):
+        load_model(str(folder), "float32", "cpu")

@@ -58,6 +58,7 @@ def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_mo
     assert last["step_s"] > 0 and last["admit_s"] > 0 and last["commit_s"] > 0 and last["gc_s"] >= 0
     assert set(report["loop_s"]) == {"step", "admit", "commit", "gc", "triton_compile"}
     assert last["compile_s"] >= 0 and isinstance(report["triton_kernels_compiled"], dict)
+    assert report["engine_setup_triton_compile_s"] >= 0
 
 
 def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind():
@@ -110,6 +111,17 @@ def test_compile_timer_times_each_triton_build_chains_the_previous_hooks_and_put
         assert calls == [("before", ("i32", 16)), ("after", ("i32", 16)), ("before", ("i32", 1)),
                          ("after", ("i32", 1)), ("before", ("f32",)), ("after", ("f32",))]
         timer.remove()
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == prev
+        # removed out of order: the first timer stops counting at once and only forwards to the hooks before it
+        first, second = CompileTimer(Totals()), CompileTimer(Totals())
+        first.remove()
+        fn = Info("m", "_k", None)
+        knobs.runtime.jit_cache_hook(key=1, fn=fn, repr="", compile={}, is_manual_warmup=False, already_compiled=False)
+        knobs.runtime.jit_post_compile_hook(key=1, fn=fn, repr="", compile={}, is_manual_warmup=False,
+                                            already_compiled=False)
+        assert first.totals.compiled_kernels == {} and second.totals.compiled_kernels == {"_k": 1}
+        assert calls[-2:] == [("before", 1), ("after", 1)]  # still forwarded down the chain
+        second.remove()
         assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == prev
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

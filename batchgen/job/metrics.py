@@ -94,7 +94,8 @@ class CompileTimer:
         return getattr(fn, "module", None), getattr(fn, "name", "?"), kwargs.get("key")
 
     def _before(self, *args, **kwargs):
-        self._started[self._build(kwargs)] = time.perf_counter()
+        if self._runtime is not None:  # removed timers still in the chain (removed out of order) only forward
+            self._started[self._build(kwargs)] = time.perf_counter()
         prev = self._prev[0]
         return prev(*args, **kwargs) if prev else None  # a true answer skips the build: the previous hook's call
 
@@ -108,9 +109,15 @@ class CompileTimer:
         return prev(*args, **kwargs) if prev else None
 
     def remove(self) -> None:
+        """Stop counting; put the previous hooks back where this timer's are still the installed ones (a timer
+        installed later stays installed, and calls through this one, which then only forwards)."""
         if self._runtime is not None and self._runtime.jit_cache_hook == self._before:
-            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._prev
-            self._runtime = None
+            prev = self._prev
+            while isinstance(owner := getattr(prev[0], "__self__", None), CompileTimer) and owner._runtime is None:
+                prev = owner._prev  # skip timers removed out of order: nothing calls through them any more
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = prev
+        self._runtime = None
+        self._started.clear()
 
 
 class ThroughputMeter:

@@ -296,12 +296,16 @@ def forced_path(path: str, auto: str, device: torch.device, dtype: torch.dtype, 
     return path
 
 
+class Fp8PathUnavailable(ValueError):
+    """engine.fp8_gemm forces a path this device and torch build lack; the message names the key and why."""
+
+
 def refuse_unavailable(path: str, device_index: int) -> None:
     """engine.fp8_gemm `path` forced on CUDA device `device_index`: raises ValueError, naming the key and the probe's
     reason, where it is "blockwise" and this device and torch build have no block-wise _scaled_mm. The decoders'
     build calls it before the first step (a forced path the device lacks is an error, not a fallback)."""
     if path == "blockwise" and (why_not := blockwise_unsupported_reason(device_index)):
-        raise ValueError(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm is unavailable on this "
+        raise Fp8PathUnavailable(f"engine.fp8_gemm: blockwise: cuBLASLt's block-wise _scaled_mm is unavailable on this "
                          f"device and torch {torch.__version__} ({why_not}); use auto, triton or splitk")
 
 

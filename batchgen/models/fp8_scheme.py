@@ -98,9 +98,11 @@ def _block(key: str, value, method: str) -> tuple[int, int]:
 
 
 def _check_group_k(key: str, cols: int, method: str) -> None:
-    if cols < 16 or cols & (cols - 1):  # the Triton GEMM's k step is one block: a power of two >= 16
-        raise UnsupportedFp8(f"quantization_config.{key} ({method}): blocks of {cols} columns; batchgen's FP8 GEMM "
-                             f"takes a power of two >= 16 (checkpoints use 128)")
+    # the Triton GEMMs' k step is one block: a power of two, >= 32 (an fp8 tl.dot's K on Hopper) and <= 512 (the
+    # grouped expert GEMM's tiles in shared memory)
+    if cols < 32 or cols > 512 or cols & (cols - 1):
+        raise UnsupportedFp8(f"quantization_config.{key} ({method}): blocks of {cols} columns; batchgen's FP8 GEMMs "
+                             f"take a power of two from 32 to 512 (checkpoints use 128)")
 
 
 def _fine_grained(q: dict) -> Fp8Scheme:

@@ -51,7 +51,9 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
         # a forced engine.fp8_gemm path the device lacks raises here rather than fall back below
         device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         blockwise_scaled_mm_supported(device_index)
-        refuse_unavailable(fp8_gemm, device_index)
+        scheme = parse(model.config)
+        if fused_decoder and not compile and scheme.group_k is not None and scheme.act_quant:  # where it applies
+            refuse_unavailable(fp8_gemm, device_index)
     if shard is not None:
         return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
     if deterministic:

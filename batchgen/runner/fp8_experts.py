@@ -18,6 +18,7 @@ import re
 import torch
 
 from batchgen.errors import JobError
+from batchgen.kernels.fp8_quant import FP8_DTYPE
 from batchgen.models.fp8 import Fp8Experts
 from batchgen.models.fp8_scheme import Fp8Scheme
 
@@ -54,6 +55,12 @@ class ExpertAssembler:
             return False
         owner, expert, part = match["owner"], int(match["expert"]), PART[match["proj"]]
         kind = "weight" if match["leaf"] == "weight" else "scale"
+        fp8 = owner in self.fp8_owners
+        if kind == "scale" and not fp8:
+            raise JobError(f"model.path {self.source!r}: {key}: a scale for experts whose weights are not FP8")
+        if kind == "weight" and fp8 != (tensor.dtype == FP8_DTYPE):
+            raise JobError(f"model.path {self.source!r}: {key} is {tensor.dtype}; the layer's other experts are "
+                           f"{'FP8' if fp8 else 'not FP8'}: one layer's experts must share their format")
         module = self._module(owner)
         if expert >= self.num_experts[owner]:
             raise JobError(f"model.path {self.source!r}: {key}: expert {expert} of a layer with "
@@ -65,7 +72,7 @@ class ExpertAssembler:
             raise JobError(f"model.path {self.source!r}: {key} has shape {tuple(tensor.shape)}; the model's experts "
                            f"take {tuple(piece.shape)}")
         with torch.no_grad():
-            piece.copy_(tensor if kind == "scale" or owner in self.fp8_owners else tensor.to(self.dtype))
+            piece.copy_(tensor if kind == "scale" or fp8 else tensor.to(self.dtype))
         self.written[owner].add((expert, part, kind))
         return True
 
