@@ -41,9 +41,10 @@ OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/gpu_proofs_logs}; mkdir -p "$LOGS"
 DEADLINE=${DEADLINE:-585}
 TOK=${TOK:-.bench-assets/tokenizer}
-# the geometries (and variants) of the 'families' and 'blas' sections, narrowed by setting these
+# the geometries (and variants) of the families, blas and sweep sections, narrowed by setting these
 FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b starcoder2-3b mistral-7b qwen3-8b}
 BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
+SWEEP_GEOMS=${SWEEP_GEOMS:-starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b}
 BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto}
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
@@ -76,7 +77,7 @@ for section in "${sections[@]}"; do
     longrun) step longrun 590 "${JOB[@]}" --rows 20000 --json "$LOGS/longrun.json"
          grep -o '"tok_s_rows_[0-9_]*": [0-9.a-z]*' "$LOGS/longrun.log" ;;
     sweep) step attention_sweep 330 python3 bench/decode_attention_sweep.py \
-             --geometries starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b --shapes 32:768,256:512 \
+             --geometries "$SWEEP_GEOMS" --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
     families) for g in $FAMILIES; do
