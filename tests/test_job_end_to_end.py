@@ -305,3 +305,32 @@ def test_turning_on_a_setting_an_older_output_predates_is_refused_on_resume(tmp_
                                                "sampling_column": "params"})
     result = runner.invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 2 and "sampling_column: None -> 'params'" in result.output
+
+
+def test_workers_writing_the_fingerprint_at_once_all_succeed_and_leave_one_file(tmp_path):
+    """The workers of a job start together and each records the (same) fingerprint: every writer succeeds, one
+    fingerprint.json remains, no temporary file is left behind (a shared temporary name made one worker's rename
+    take the file another was writing: FileNotFoundError in CI)."""
+    import threading
+
+    from batchgen.output.fingerprint import FILE, check_or_write
+
+    current = {"model": {"a": 1}, "sampling": {"temperature": 0.7}}
+    for attempt in range(20):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        errors, barrier = [], threading.Barrier(8)
+
+        def write():
+            barrier.wait()
+            try:
+                check_or_write(out, current)
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=write) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and sorted(p.name for p in out.iterdir()) == [FILE]

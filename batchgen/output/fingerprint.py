@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,11 @@ def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
         if message is not None:
             raise JobError(message)
         return
-    tmp = path.with_name(FILE + ".tmp")
-    tmp.write_text(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))
-    with open(tmp, "rb+") as f:
+    # a temporary file of this call's own: the workers of a job start together and each writes the (same)
+    # fingerprint; with one shared temporary name, one worker's rename took the file another was writing
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{FILE}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
