@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import fp8_gemm
-from batchgen.kernels.fp8_gemm import (GemmConfig, block_scaled_matmul, blockwise_scaled_mm,
-                                       blockwise_scaled_mm_fits, blockwise_scaled_mm_supported,
-                                       blockwise_unsupported_reason, gemm_config, rowwise_scaled_mm, w8a8_matmul)
+from batchgen.kernels.fp8_blockwise import (blockwise_scaled_mm, blockwise_scaled_mm_fits,
+                                            blockwise_scaled_mm_supported, blockwise_unsupported_reason)
+from batchgen.kernels.fp8_gemm import GemmConfig, block_scaled_matmul, gemm_config, rowwise_scaled_mm, w8a8_matmul
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
 from batchgen.kernels.fp8_splitk import SplitKConfig, split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul
 

@@ -93,7 +93,7 @@ for section in "${sections[@]}"; do
          # (split-K at <= 32 rows) against block-wise forced, and the job (M = 256: block-wise where the probe passes)
          step fp8_tests 120 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -rfE -p no:cacheprovider \
            -k "blockwise or probe or block_scaled or group_quantiser or per_channel"
-         step fp8_probe 60 python3 -c "from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason as r; \
+         step fp8_probe 60 python3 -c "from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason as r; \
 print('block-wise _scaled_mm:', r(0) or 'yes')"
          step w1_fp8 200 "${BG[@]}" --new-tokens 1024 --weights fp8 --json "$LOGS/w1_fp8.json" \
            --variants graphs_async,graphs_async_fp8_blockwise

@@ -32,7 +32,7 @@ def _build_and_decode(tp) -> dict:
     from batchgen.bench.seed import seed_engine_config
     from batchgen.bench.tp_seed import follow_engine
     from batchgen.bench.tp_shard import build_random_shard
-    from batchgen.models.weights import shard_model_
+    from batchgen.models.shard import shard_model_
 
     config = model_config("llama-70b", **TINY)
     shard = build_random_shard(config, tp.rank, tp.size, tp.device, dtype=torch.float32)

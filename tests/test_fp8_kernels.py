@@ -18,9 +18,8 @@ pytest.importorskip("triton")
 
 from conftest import run_under_interpreter  # noqa: E402
 
-from batchgen.kernels.fp8_gemm import (  # noqa: E402
-    block_scaled_matmul, blockwise_scaled_mm, blockwise_scaled_mm_supported, fp8_linear, gemm_path,
-    rowwise_scaled_mm)
+from batchgen.kernels.fp8_blockwise import blockwise_scaled_mm, blockwise_scaled_mm_supported  # noqa: E402
+from batchgen.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, gemm_path, rowwise_scaled_mm  # noqa: E402
 from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
 
 NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
@@ -77,10 +76,10 @@ CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index o
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_gemm_path_picks_cublas_blockwise_where_supported_and_triton_otherwise(monkeypatch, supported):
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
     probed = []
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: probed.append(index) or supported)
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: probed.append(index) or supported)
     bf16, fp16 = torch.bfloat16, torch.float16
     # 128x128 blocks, bf16, K / 128 a multiple of 4 (the 8B layer shapes): cuBLASLt where the probe says so
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
@@ -105,9 +104,9 @@ def test_gemm_path_picks_cublas_blockwise_where_supported_and_triton_otherwise(m
 
 @pytest.mark.parametrize("group_n,group_k", [(128, 128), (1, None)])
 def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says(monkeypatch, group_n, group_k):
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: pytest.fail("probed on CPU"))
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: pytest.fail("probed on CPU"))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 512, generator=g)
     w, s = quantize_weight(torch.randn(256, 512, generator=g) * 0.02, group_n if group_k else None, group_k)
@@ -118,10 +117,10 @@ def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says
 
 
 def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(monkeypatch):
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
     from batchgen.kernels.fp8_gemm import forced_path
 
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
     bf16, cpu = torch.bfloat16, torch.device("cpu")
     for path in ("triton", "splitk", "blockwise"):  # an 8B layer's block-scaled weight: that path at any M
         for auto in ("blockwise", "triton", "splitk"):
@@ -131,15 +130,15 @@ def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(
     assert forced_path("auto", "triton", CUDA0, bf16, 6144, 4096, 32, 32) == "triton"
     with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise: .*scale blocks 32 x 32"):
         forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 32, 32)  # cuBLASLt takes 128x128 blocks only
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
-    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_WHY_NOT", {0: "torch._scaled_mm raised RuntimeError: no"})
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: False)
+    monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_WHY_NOT", {0: "torch._scaled_mm raised RuntimeError: no"})
     with pytest.raises(ValueError, match=r"engine.fp8_gemm: blockwise: .*unavailable on this device and torch .*"
                                          r"\(torch._scaled_mm raised RuntimeError: no\); use auto"):
         forced_path("blockwise", "triton", CUDA0, bf16, 6144, 4096, 128, 128)  # a torch build without it
     with pytest.raises(ValueError, match="engine.fp8_gemm: blockwise: .*RuntimeError: no"):
-        fp8_gemm.refuse_unavailable("blockwise", 0)  # what the decoders' build calls: an error, not a fallback
+        fp8_blockwise.refuse_unavailable("blockwise", 0)  # what the decoders' build calls: an error, not a fallback
     for path in ("auto", "triton", "splitk"):
-        fp8_gemm.refuse_unavailable(path, 0)
+        fp8_blockwise.refuse_unavailable(path, 0)
     with pytest.raises(ValueError, match="engine.fp8_gemm: 'fast' is not one of"):
         forced_path("fast", "triton", CUDA0, bf16, 6144, 4096, 128, 128)
     g = torch.Generator().manual_seed(0)
@@ -216,29 +215,29 @@ def test_group_quantiser_on_gpu():
 def test_blockwise_probe_says_why_not(monkeypatch):
     """The probe's answer carries its reason (bench reports and engine.fp8_gemm's refusal print it): off sm90, the
     error torch._scaled_mm raised (its type and first line), or a wrong result."""
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
-    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_SUPPORTED", {})
-    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_WHY_NOT", {})
+    monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_SUPPORTED", {})
+    monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_WHY_NOT", {})
     if not torch.cuda.is_available():
-        assert fp8_gemm.blockwise_unsupported_reason(0) == "not an sm90 GPU"
-        assert fp8_gemm._BLOCKWISE_SUPPORTED == {0: False}
+        assert fp8_blockwise.blockwise_unsupported_reason(0) == "not an sm90 GPU"
+        assert fp8_blockwise._BLOCKWISE_SUPPORTED == {0: False}
 
     def raises(*args, **kwargs):
         raise RuntimeError("Invalid scaling configuration\nmore detail")
 
     monkeypatch.setattr(torch, "_scaled_mm", raises)
     cpu = torch.device("cpu")
-    assert fp8_gemm._probe_blockwise(cpu) == "torch._scaled_mm raised RuntimeError: Invalid scaling configuration"
+    assert fp8_blockwise._probe_blockwise(cpu) == "torch._scaled_mm raised RuntimeError: Invalid scaling configuration"
     monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: torch.zeros(a.shape[0], b.shape[1]))
-    assert fp8_gemm._probe_blockwise(cpu).startswith("wrong result at M = 1: relative error 1 ")
+    assert fp8_blockwise._probe_blockwise(cpu).startswith("wrong result at M = 1: relative error 1 ")
 
 
 def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_the_padding(monkeypatch):
     """cuBLASLt's 1x128 block-wise kernels need M % 4 == 0, unchecked by torch: _blockwise_mm pads the fp8 rows
     (zeros) and their column-major scales (ones) and slices the output back. A stand-in for torch._scaled_mm that
     insists on the layout cuBLASLt takes computes the scaled product in fp32."""
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
     seen = []
 
@@ -256,7 +255,7 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
     for m in (1, 3, 4, 5, 16):
         x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
         xq, xs = quantize_groups_ref(x, 128)
-        out = fp8_gemm._blockwise_mm(xq, xs.t().contiguous().t(), w, s, torch.bfloat16)
+        out = fp8_blockwise._blockwise_mm(xq, xs.t().contiguous().t(), w, s, torch.bfloat16)
         assert out.shape == (m, 256), m
         assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
     assert seen == [4, 4, 4, 8, 16]
@@ -264,7 +263,7 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
 
 @pytest.mark.gpu
 def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_where_supported():
-    from batchgen.kernels.fp8_gemm import blockwise_unsupported_reason
+    from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason
 
     if not blockwise_scaled_mm_supported(0):
         pytest.skip(f"torch._scaled_mm's 1x128 x 128x128 block-wise scaling is off here: "
@@ -278,16 +277,16 @@ def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_wher
 
 @pytest.mark.gpu
 def test_blockwise_probe_refuses_to_run_inside_a_graph_capture(monkeypatch):
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the probe runs on sm90 only (elsewhere: no, without a GEMM)")
-    monkeypatch.setattr(fp8_gemm, "_BLOCKWISE_SUPPORTED", {})  # not probed yet on this device
+    monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_SUPPORTED", {})  # not probed yet on this device
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         with torch.cuda.graph(graph):
-            fp8_gemm.blockwise_scaled_mm_supported(0)
-    assert fp8_gemm._BLOCKWISE_SUPPORTED == {}
+            fp8_blockwise.blockwise_scaled_mm_supported(0)
+    assert fp8_blockwise._BLOCKWISE_SUPPORTED == {}
 
 
 @pytest.mark.gpu
@@ -304,10 +303,10 @@ def test_per_channel_paths_equal_the_emulated_reference_bf16_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["default", "triton", "channel"])
 def test_fp8_linear_replays_from_a_cuda_graph(monkeypatch, path):
-    from batchgen.kernels import fp8_gemm
+    from batchgen.kernels import fp8_blockwise
 
     if path == "triton":  # the block path where cuBLASLt has no block-wise scaling
-        monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
+        monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: False)
     group_n, group_k = (1, None) if path == "channel" else (128, 128)
     x, w, s = _case(32, 2048, 1024, None if path == "channel" else 128, group_k)
     bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)

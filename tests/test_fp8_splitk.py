@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from conftest import run_under_interpreter  # noqa: E402
 
-from batchgen.kernels import fp8_gemm  # noqa: E402
+from batchgen.kernels import fp8_blockwise, fp8_gemm  # noqa: E402
 from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
 from batchgen.kernels.fp8_splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
@@ -78,15 +78,15 @@ CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index o
 
 
 def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows(monkeypatch):
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
     bf16 = torch.bfloat16
     assert fp8_gemm.SPLITK_MAX_ROWS == 32  # the decode rows at which the H200 measured it fastest (W1)
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 1) == "splitk"
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 33) == "blockwise"
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: False)
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: False)
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 32) == "splitk"
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 33) == "triton"
-    monkeypatch.setattr(fp8_gemm, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
     monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 64)
     for rows in (1, 32, 64):
         assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, rows) == "splitk"

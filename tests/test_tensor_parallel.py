@@ -185,7 +185,7 @@ def test_each_ranks_expert_slices_sum_to_the_whole_sparse_block(arch):
 
     import torch
 
-    from batchgen.models.weights import shard_model_
+    from batchgen.models.shard import shard_model_
 
     def block_out(mlp, h):
         out = mlp(h)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.bench.geometries import LLAMA_8B, decode_bytes, model_config  # noqa: F401 (LLAMA_8B: bench scripts)
-from batchgen.kernels.fp8_gemm import Fp8PathUnavailable
+from batchgen.kernels.fp8_blockwise import Fp8PathUnavailable
 
 
 @dataclass

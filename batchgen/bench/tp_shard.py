@@ -2,7 +2,7 @@
 never exist anywhere (a 70B bf16 model, 141 GB, fits neither one GPU nor the two-GPU machine's disk).
 
 How: the model is built with its parameters on the meta device (buffers real: the rotary tables), sharded there by
-`models/weights.shard_model_` (slices, copies and padding of meta tensors cost nothing), and only then is each
+`models/shard.shard_model_` (slices, copies and padding of meta tensors cost nothing), and only then is each
 parameter allocated on the device and filled: normal(0, 0.02) like transformers' init, norms 1.0. The model carries
 shard_model_'s mark, so `distributed.for_engine` takes it as this rank's shard and does not split it again.
 
@@ -19,7 +19,7 @@ import zlib
 
 import torch
 
-from batchgen.models.weights import shard_model_
+from batchgen.models.shard import shard_model_
 from batchgen.runner.fp8_loader import parameters_on_meta
 
 INIT_STD = 0.02  # transformers' initializer_range default
@@ -51,7 +51,7 @@ def build_random_shard(config, rank: int, size: int, device: torch.device | str,
         gen = torch.Generator(device).manual_seed(parameter_seed(seed, name, None if whole else rank))
         value = torch.empty(param.shape, dtype=param.dtype, device=device)
         # the last rank's zero-padding rows of the LM head are filled too: their logits are trimmed after the
-        # gather (weights.VocabParallelHead), never sampled
+        # gather (shard.VocabParallelHead), never sampled
         value = value.fill_(1.0) if "norm" in name else value.normal_(0.0, INIT_STD, generator=gen)
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)

@@ -2,7 +2,7 @@
 
 Rank 0 runs the whole engine (scheduler, block manager, sampler, the job loop and every file the job writes);
 each step it broadcasts the step's plan (the ScheduledBatch, pickled, on a gloo group: `plan.py`), then every
-rank runs the same ModelRunner step over its shard of the weights (`models/weights.py`) and of the KV cache
+rank runs the same ModelRunner step over its shard of the weights (`models/shard.py`) and of the KV cache
 (its KV heads only), joined by one all-reduce after attention's o_proj and one after the MLP's down projection,
 and an all-gather of the vocabulary-split logits (`groups.py`: NCCL on CUDA, gloo on CPU). Every rank then
 holds the same full logits and samples the same tokens (sampling noise is a function of seed, position and

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.distributed.plan import PlanChannel
-from batchgen.models.weights import SHARD_ATTR, Shard, local_geometry, shard_model_
+from batchgen.models.shard import SHARD_ATTR, Shard, local_geometry, shard_model_
 
 ENV_RANK, ENV_SIZE, ENV_INIT = "BATCHGEN_TP_RANK", "BATCHGEN_TP_SIZE", "BATCHGEN_TP_INIT"
 # how long a follower waits for rank 0's next message (rank 0 may admit rows or commit shards for a long time
@@ -156,7 +156,7 @@ def destroy() -> None:
 
 def for_engine(model: torch.nn.Module, config, tensor_parallel: TensorParallelGroup | None):
     """The group an Engine with `config` runs in (None for tensor_parallel_size 1), with the model sharded for
-    this rank when it is not yet (copies on the GPU, views on the CPU: models/weights.py). ValueError naming
+    this rank when it is not yet (copies on the GPU, views on the CPU: models/shard.py). ValueError naming
     engine.tensor_parallel_size when the model cannot be split, or this process is in no matching group."""
     from batchgen.models.registry import tensor_parallel_reason
 

@@ -28,7 +28,8 @@ from batchgen.kernels.rope_kv import QKNorm
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
 from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
-from batchgen.models.weights import PaddedHead, SHARD_ATTR, Shard, VocabParallelHead, fuse_linears, local_geometry
+from batchgen.models.shard import SHARD_ATTR, Shard, VocabParallelHead, local_geometry
+from batchgen.models.weights import PaddedHead, fuse_linears
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -166,7 +167,7 @@ class LlamaDecoder(DecodeForward):
         # set before the layers read it; fp8_gemm (engine.fp8_gemm): the FP8 projections' GEMM path
         self.linear = InvariantLinear() if deterministic else plain_or_fp8_linear if fp8_gemm == "auto" else \
             functools.partial(plain_or_fp8_linear, fp8_path=fp8_gemm)
-        # tensor parallelism: the model's weights are this rank's shard (models/weights.py shard_model_), the
+        # tensor parallelism: the model's weights are this rank's shard (models/shard.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard
         if shard is not None:

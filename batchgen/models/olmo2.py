@@ -14,7 +14,7 @@ attention kernel). Per layer: QKV GEMM -> q/k norms in place in the QKV output -
 attention -> o GEMM -> norm, add -> gate/up GEMM -> SiLU*up -> down GEMM -> norm, add.
 
 Tensor parallelism: a rank holds H / N query heads and Hkv / N KV heads, and the matching slices of the q/k norm
-weights (models/weights.py shard_model_), so the norm's mean of squares spans the ranks: each rank sums its
+weights (models/shard.py shard_model_), so the norm's mean of squares spans the ranks: each rank sums its
 columns' squares in fp32, the sums are added over the ranks (one all-reduce of [B, 2] a layer), and each rank
 normalises its own columns (`_sharded_qk_norm`). The post-norms act on whole rows after the sums over ranks, as
 the Llama layers' norms do.

@@ -10,12 +10,12 @@ from collections.abc import Callable
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_supported, refuse_unavailable
+from batchgen.kernels.fp8_blockwise import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
 from batchgen.models.fp8_scheme import EXPERT_KEYS, UnsupportedFp8, is_fp8, parse
+from batchgen.models.shard import Shard, divisibility_reason, fp8_split_reason
 from batchgen.models.transformers_forward import TransformersDecode
-from batchgen.models.weights import Shard, divisibility_reason, fp8_split_reason
 
 # model_type -> (why a model of that type cannot be fused, or None; the decoder class)
 DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
@@ -70,7 +70,7 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
     return TransformersDecode(model, kv_cache, use_triton, max_model_len, reason)
 
 
-# ---- tensor parallelism: which fused decoders read a Shard (models/weights.py) -----------------------------------
+# ---- tensor parallelism: which fused decoders read a Shard (models/shard.py) -------------------------------------
 # the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP: for MoE blocks, their
 # experts split along the intermediate dimension, the sum of the ranks' partial outputs), Gemma2's and OLMo2's (its
 # q/k RMSNorm over all heads: the sums of squares added over the ranks)

@@ -179,7 +179,7 @@ def model_source(path: str, gguf_file: str | None = None) -> str:
 def load_model(source: str, dtype: str = "auto", device: str = "auto",
                shard: tuple[int, int] | None = None) -> torch.nn.Module:
     """The weights from `model_source`'s answer, in eval mode on the device. `shard` (rank, size): only that
-    tensor-parallel rank's part of the layers and LM head (models/weights.py), cut on the CPU, so moving it to
+    tensor-parallel rank's part of the layers and LM head (models/shard.py), cut on the CPU, so moving it to
     the GPU copies the shard alone. Hazard: every rank still reads the whole checkpoint into host memory first.
     An FP8 checkpoint (models/fp8_scheme.py) loads through runner/fp8_loader.py: its projections stay FP8, `dtype`
     is that of everything else (and of the activations)."""
@@ -198,7 +198,7 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
     if shard is not None:
-        from batchgen.models.weights import shard_model_
+        from batchgen.models.shard import shard_model_
 
         shard_model_(model, *shard)
     return model.to(dev).eval()
