@@ -151,6 +151,7 @@ def test_a_job_runs_on_an_fp8_checkpoint_and_validate_refuses_a_bad_one(tmp_path
     assert result.exit_code == 0 and "weights: FP8 fp8: weight scales 32x32 blocks" in result.output, result.output
     result = runner.invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
+    assert "; FP8 weights dequantised (CPU reference)" in result.output  # the start-up line says which GEMMs run
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0001", "row-0002"]
     _edit_config(folder, lambda q: q.update(scale_fmt="ue8m0"))
     result = runner.invoke(app, ["validate", str(job)])

@@ -362,3 +362,21 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
         outs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
         engine.close()
     assert outs[0] == outs[1]
+
+
+def test_the_start_up_description_of_the_fp8_gemms_names_each_path_and_the_probes_reason(monkeypatch):
+    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8_gemm import describe_paths
+
+    bf16 = torch.bfloat16
+    assert describe_paths(torch.device("cpu"), bf16, 128, 128, True) == "FP8 weights dequantised (CPU reference)"
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
+    assert describe_paths(CUDA0, bf16, 128, 128, True) == "FP8 GEMMs: split-K at <= 32 rows, cuBLASLt block-wise above"
+    assert describe_paths(CUDA0, bf16, 1, None, True) == "FP8 GEMMs: row-wise _scaled_mm"
+    assert describe_paths(CUDA0, bf16, 128, 128, False) == "FP8 weights dequantised (a weight-only checkpoint)"
+    assert describe_paths(CUDA0, bf16, 128, 128, True, "triton") == \
+        "FP8 GEMMs: triton (engine.fp8_gemm) at every batch size"
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: False)
+    monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_WHY_NOT", {0: "torch._scaled_mm raised RuntimeError: no"})
+    assert describe_paths(CUDA0, bf16, 128, 128, True) == ("FP8 GEMMs: split-K at <= 32 rows, Triton above (block-wise "
+                                                          "_scaled_mm off: torch._scaled_mm raised RuntimeError: no)")

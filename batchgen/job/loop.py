@@ -164,8 +164,8 @@ class JobLoop:
               f"decode forward {self.engine.runner.decode_forward.name}; "
               f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
               f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
-              f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}",
-              file=sys.stderr)
+              f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}"
+              f"{self._fp8_paths()}", file=sys.stderr)
         if spec.engine.deterministic:  # (one device per worker: deterministic mode refuses tensor parallelism)
             from batchgen.output.numerics import numerics_stack, record_or_compare
 
@@ -180,6 +180,20 @@ class JobLoop:
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
+
+    def _fp8_paths(self) -> str:
+        """"; " and which FP8 GEMMs run, for an FP8 checkpoint's start-up line (else "")."""
+        from batchgen.models.fp8_scheme import is_fp8, parse
+
+        config = self.engine.model.config
+        if not is_fp8(config):
+            return ""
+        from batchgen.kernels.fp8_gemm import describe_paths
+
+        scheme = parse(config)
+        dtype = self.engine.model.get_input_embeddings().weight.dtype  # the activations' (not the fp8 weights')
+        return "; " + describe_paths(self.engine.device, dtype, scheme.group_n, scheme.group_k,
+                                     scheme.act_quant, self.spec.engine.fp8_gemm)
 
     def _stats(self) -> dict:
         return self.engine.stats() if self.engine is not None else {}
@@ -353,7 +367,8 @@ class JobLoop:
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),
             "loop_s": {"step": round(t.step_s, 3), "admit": round(t.admit_s, 3), "commit": round(t.commit_s, 3),
                        "gc": round(t.gc_s, 3), "triton_compile": round(t.compile_s, 3)},
-            "triton_kernels_compiled": t.compiled_kernels, "engine_setup_triton_compile_s": round(self.engine_compile_s, 3),
+            "triton_kernels_compiled": t.compiled_kernels,
+            "engine_setup_triton_compile_s": round(self.engine_compile_s, 3),
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
             "engine": self._stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),

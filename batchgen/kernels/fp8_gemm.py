@@ -207,6 +207,26 @@ def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n:
     return "triton"
 
 
+def describe_paths(device: torch.device, dtype: torch.dtype, group_n: int, group_k: int | None, act_quant: bool,
+                   path: str = "auto") -> str:
+    """The FP8 GEMMs a checkpoint of these scales runs on `device` under engine.fp8_gemm `path`, in words for the
+    start-up line (a real checkpoint's layers: 128-multiple shapes), with the block-wise probe's reason where it
+    said no."""
+    if device.type != "cuda" or triton is None:
+        return "FP8 weights dequantised (CPU reference)"
+    if not act_quant:
+        return "FP8 weights dequantised (a weight-only checkpoint)"
+    if group_k is None:
+        return "FP8 GEMMs: row-wise _scaled_mm" if dtype == torch.bfloat16 else "FP8 GEMMs: Triton"
+    if path != "auto":
+        return f"FP8 GEMMs: {path} (engine.fp8_gemm) at every batch size"
+    above = gemm_path(device, dtype, 4096, 4096, group_n, group_k, act_quant)
+    why = fp8_blockwise.blockwise_unsupported_reason(_device_index(device)) if above == "triton" else ""
+    return (f"FP8 GEMMs: split-K at <= {SPLITK_MAX_ROWS} rows, "
+            f"{'cuBLASLt block-wise' if above == 'blockwise' else 'Triton'} above"
+            f"{f' (block-wise _scaled_mm off: {why})' if why else ''}")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None,
                bias: torch.Tensor | None = None, act_quant: bool = True, scale_ub: float | None = None,
                path: str = "auto") -> torch.Tensor:
