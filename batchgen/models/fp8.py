@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.fp8_gemm import fp8_linear
 from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight
+from batchgen.kernels.moe import fused_experts
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
 
@@ -95,8 +96,6 @@ class Fp8Experts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from batchgen.kernels.moe import fused_experts  # kernels/moe.py imports nothing of the models layer
-
         return fused_experts(hidden_states, *self.weights(), top_k_index, top_k_weights, self.activation,
                              use_triton=hidden_states.is_cuda)
 

@@ -192,9 +192,9 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
     if is_fp8(config):
         from batchgen.runner.fp8_loader import load_fp8_model
 
-        if shard is None:
-            return load_fp8_model(source, config, resolve_dtype(dtype, dev), dev)
-        model = load_fp8_model(source, config, resolve_dtype(dtype, dev), torch.device("cpu"))  # cut on the CPU
+        # a tensor-parallel rank's shard is cut on the CPU (below), then moved
+        model = load_fp8_model(source, config, resolve_dtype(dtype, dev),
+                               dev if shard is None else torch.device("cpu"))
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
     if shard is not None:
