@@ -262,17 +262,21 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
 
 
 @pytest.mark.gpu
-def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_where_supported():
+def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_above_splitk_rows():
     from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason
+    from batchgen.kernels.fp8_gemm import SPLITK_MAX_ROWS
 
     if not blockwise_scaled_mm_supported(0):
         pytest.skip(f"torch._scaled_mm's 1x128 x 128x128 block-wise scaling is off here: "
                     f"{blockwise_unsupported_reason(0)}")
-    for m in (1, 3, 256):
+    for m in (1, 3, SPLITK_MAX_ROWS + 1, 256):
         x, w, s = _case(m, 6144, 4096, 128, 128)
         out = blockwise_scaled_mm(x, w, s)
         assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
-        assert torch.equal(fp8_linear(x, w, s, 128, 128), out), m  # the entry point's choice
+        chosen = gemm_path(x.device, x.dtype, 6144, 4096, 128, 128, True, m)
+        assert chosen == ("splitk" if m <= SPLITK_MAX_ROWS else "blockwise"), (m, chosen)
+        if chosen == "blockwise":  # the entry point runs the same cuBLASLt call
+            assert torch.equal(fp8_linear(x, w, s, 128, 128), out), m
 
 
 @pytest.mark.gpu

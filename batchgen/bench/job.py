@@ -243,12 +243,12 @@ def kernel_kinds(events) -> tuple[dict[str, float], int]:
 def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens: int, penalty: float) -> dict:
     """GPU ms per steady-state decode step by kernel kind, through the engine (graphs, async pipeline)."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from batchgen import Engine, EngineConfig, SamplingParams
+    from batchgen.runner.loader import load_model_and_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    # the loader `batchgen run` uses: an FP8 checkpoint keeps its FP8 projections (transformers' own FP8 modules
+    # need the `kernels` package, absent here, and are not what a job runs)
+    model, tok = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
     rng = random.Random(1)
     prompts = [tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": f"Write a {rng.choice(STYLES)} about {rng.choice(TOPICS)}."}], tokenize=False,
