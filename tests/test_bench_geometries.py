@@ -83,6 +83,28 @@ def test_the_fp8_floor_counts_projection_weights_at_one_byte_and_the_lm_head_at_
     assert bf16.dense_weight_bytes - fp8.dense_weight_bytes == (bf16.dense_weight_bytes - 2 * (head + routers + norms)) // 2
 
 
+def test_an_fp8_job_limit_times_projection_flops_at_the_fp8_rate_and_the_lm_head_at_bf16():
+    """The job bench's limit at 256 sequences is compute-bound: an FP8 checkpoint's projections run at the FP8
+    rate measured in the run (2x bf16's here), its LM head at bf16's; without a measured FP8 rate, bf16's."""
+    from batchgen.bench.job import run_limit_s
+    from batchgen.bench.seed import Ceilings
+
+    bf16_cfg = model_config("llama-8b")
+    fp8_cfg = model_config("llama-8b", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    outputs = [{"num_prompt_tokens": 40, "num_completion_tokens": 256}] * 256
+    both, bf16_only = Ceilings(4.25e12, 800e12, 1600e12), Ceilings(4.25e12, 800e12)
+    b = decode_bytes(fp8_cfg)
+    head = 128256 * 4096
+    assert b.head_params == head and b.fp8_projections and not decode_bytes(bf16_cfg).fp8_projections
+    tokens = 256 * (40 + 256)  # every prompt and generated token through every GEMM
+    expected = 2 * tokens * ((b.dense_params - head) / 1600e12 + head / 800e12)
+    kv_s = 256 * b.kv_bytes_decoding(40, 256) / 4.25e12
+    assert run_limit_s(outputs, fp8_cfg, 256, both) == pytest.approx(expected + kv_s, rel=1e-9)
+    assert run_limit_s(outputs, fp8_cfg, 256, bf16_only) == pytest.approx(run_limit_s(outputs, bf16_cfg, 256, both))
+    # K/V reads and the LM head are unchanged: the limit falls to ~0.62 of bf16's, not 0.5
+    assert 0.55 < run_limit_s(outputs, fp8_cfg, 256, both) / run_limit_s(outputs, bf16_cfg, 256, both) < 0.65
+
+
 @pytest.mark.parametrize("weights", ["fp8", "fp8-channel"])
 def test_a_bench_fp8_model_saves_as_a_checkpoint_that_loads_back_equal(tmp_path, weights):
     """`bench --weights fp8`: the job workload's folder is an FP8 checkpoint batchgen's loader reads back to the

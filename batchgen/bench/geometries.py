@@ -105,6 +105,8 @@ class DecodeBytes:
     num_experts: int  # experts per MoE layer
     kv_bytes_per_token: int  # one token's K and V in one layer
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window (None: the whole context)
+    head_params: int = 0  # the LM head's parameters (in dense_params; never FP8)
+    fp8_projections: bool = False  # the projections and experts are FP8 (their GEMMs run at the FP8 rate)
 
     def kv_bytes(self, context: int) -> int:
         """K/V bytes one sequence at `context` cached tokens reads in one step."""
@@ -123,6 +125,13 @@ class DecodeBytes:
     def active_params_per_token(self, experts_per_token: int) -> int:
         """Weights one token multiplies (prefill FLOPs / 2): the dense ones and its routed experts."""
         return self.dense_params + self.num_moe_layers * experts_per_token * self.expert_params
+
+    def gemm_s(self, tokens: int, experts_per_token: int, ceilings) -> float:
+        """Seconds of `tokens` tokens' GEMM FLOPs (2 per weight a token multiplies) at the rates of `ceilings`
+        (bench/seed.Ceilings): the projections and experts at the FP8 rate where they are FP8, the LM head at bf16's."""
+        projections = self.active_params_per_token(experts_per_token) - self.head_params
+        return ceilings.gemm_s(2 * projections * tokens, self.fp8_projections) + \
+            ceilings.gemm_s(2 * self.head_params * tokens)
 
     def weight_bytes(self, distinct_experts: int | None = None) -> int:
         """Weight bytes of a step whose tokens route to `distinct_experts` experts summed over the MoE layers
@@ -168,4 +177,4 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     return DecodeBytes(dense_weight_bytes=dense, dense_params=params, expert_bytes=expert, expert_params=expert_params,
                        num_moe_layers=moe_layers,
                        num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes,
-                       layer_windows=windows)
+                       layer_windows=windows, head_params=cfg.vocab_size * hidden, fp8_projections=proj == 1)

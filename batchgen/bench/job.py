@@ -114,15 +114,15 @@ def write_job(work_dir: Path, model_dir: Path, source: Path, new_tokens: int, na
 def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> float:
     """The run's limit: each step's GEMMs (FLOPs at the matmul rate, or weight bytes at bandwidth, whichever is
     longer; MoE: every expert's bytes, an upper bound until the run's routing is counted), every generated
-    token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate."""
+    token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate. An FP8
+    checkpoint's projections count one byte a weight and their FLOPs run at the FP8 rate measured in the run."""
     b = decode_bytes(config)
     top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
-    per_token = b.active_params_per_token(top_k)
     generated = sum(o["num_completion_tokens"] for o in outputs)
     prompt = sum(o["num_prompt_tokens"] for o in outputs)
-    gemm_s = max(2 * per_token * generated / c.matmul_flop_s, num_steps * b.weight_bytes() / c.copy_bytes_s)
+    gemm_s = max(b.gemm_s(generated, top_k, c), num_steps * b.weight_bytes() / c.copy_bytes_s)
     kv_bytes = sum(b.kv_bytes_decoding(o["num_prompt_tokens"], o["num_completion_tokens"]) for o in outputs)
-    return gemm_s + kv_bytes / c.copy_bytes_s + 2 * per_token * prompt / c.matmul_flop_s
+    return gemm_s + kv_bytes / c.copy_bytes_s + b.gemm_s(prompt, top_k, c)
 
 
 def window_tok_s(log_path: Path, rows: int, lo: float, hi: float) -> float | None:
@@ -286,7 +286,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="batchgen-bench-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(fp8=weights != "bf16")
     tok_dir = tokenizer_dir(tokenizer, work)
     from transformers import AutoConfig
 
@@ -295,7 +295,9 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     vocab = config.get_text_config().vocab_size
     job = write_job(work, model_dir, write_source(work, rows), new_tokens)
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
-              "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows, "new_tokens": new_tokens,
+              "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
+              "fp8_matmul_TFLOPs": ceilings.fp8_matmul_flop_s and ceilings.fp8_matmul_flop_s / 1e12,
+              "rows": rows, "new_tokens": new_tokens,
               "vocab_size": vocab, "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
               "ab_sets": list(ab_sets), "profiles": []}
     # With `ab_sets`, every configuration runs twice as A (the job) and twice as B (the job plus those sets), in

@@ -24,45 +24,61 @@ from batchgen.kernels.fp8_blockwise import Fp8PathUnavailable
 class Ceilings:
     copy_bytes_s: float  # device-to-device copy, bytes read + written per second
     matmul_flop_s: float  # bf16 8192^3 matmul
+    fp8_matmul_flop_s: float | None = None  # FP8 (e4m3) 8192^3 torch._scaled_mm, row-wise scales; None: not measured
+
+    def gemm_s(self, flops: float, fp8: bool = False) -> float:
+        """Seconds for `flops` of GEMMs at the measured rate: FP8's where `fp8` (a job whose projections are FP8)
+        and it was measured, else bf16's."""
+        rate = self.fp8_matmul_flop_s if fp8 and self.fp8_matmul_flop_s else self.matmul_flop_s
+        return flops / rate
 
 
-def measure_ceilings() -> Ceilings:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
+def _timed_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Mean ms of `fn()` on the current CUDA stream, timed with events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     s, e = torch.cuda.Event(True), torch.cuda.Event(True)
     s.record()
-    for _ in range(20):
-        y.copy_(x)
+    for _ in range(iters):
+        fn()
     e.record()
     torch.cuda.synchronize()
-    bw = 2 * 20 * x.numel() / (s.elapsed_time(e) / 1e3)
+    return s.elapsed_time(e) / iters
+
+
+def measure_ceilings(fp8: bool = False) -> Ceilings:
+    """The copy bandwidth and bf16 matmul rate of GPU 0; with `fp8`, the FP8 matmul rate too (for FP8 checkpoints,
+    whose projection GEMMs run in FP8: their FLOPs are timed at that rate)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() / (_timed_ms(lambda: y.copy_(x), iters=20) / 1e3)
     del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    s.record()
-    for _ in range(10):
-        a @ b
-    e.record()
-    torch.cuda.synchronize()
-    flops = 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
-    return Ceilings(bw, flops)
+    flops = 2 * n**3 / (_timed_ms(lambda: a @ b) / 1e3)
+    fp8_flops = None
+    if fp8:
+        from batchgen.kernels.fp8_quant import FP8_DTYPE
+
+        a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE)  # b8.t(): the column-major operand _scaled_mm wants
+        sa = torch.ones(n, 1, device="cuda", dtype=torch.float32)
+        sb = torch.ones(1, n, device="cuda", dtype=torch.float32)
+        fp8_flops = 2 * n**3 / (_timed_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                                   out_dtype=torch.bfloat16)) / 1e3)
+    return Ceilings(bw, flops, fp8_flops)
 
 
 def floor_seconds(config, requests: int, prompt: int, new: int, c: Ceilings,
                   distinct_experts_per_step: float | None = None) -> float:
     """Every decode step's weight bytes (MoE: the experts it routes to, summed over layers; None: all of
     them) and every sequence's cached K/V bytes (sliding layers: their window) at the copy bandwidth, plus
-    the prefill's FLOPs at the matmul rate."""
+    the prefill's FLOPs at the matmul rate (FP8 projections: at the FP8 rate, where measured)."""
     b = decode_bytes(config)
     top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
     weights = new * b.weight_bytes(None if distinct_experts_per_step is None else round(distinct_experts_per_step))
     kv = requests * b.kv_bytes_decoding(prompt, new)
-    prefill_flops = 2 * b.active_params_per_token(top_k) * requests * prompt
-    return (weights + kv) / c.copy_bytes_s + prefill_flops / c.matmul_flop_s
+    return (weights + kv) / c.copy_bytes_s + b.gemm_s(requests * prompt, top_k, c)
 
 
 def build_model(num_layers: int | None = None, geometry: str = "llama-8b", weights: str = "bf16"):
@@ -204,13 +220,14 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, mode: str
 def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, transformers_modes: str = "",
          json_path: str | None = None, max_num_seqs: int = 256, variants: str = "graphs",
          geometry: str = "llama-8b", weights: str = "bf16") -> dict:
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(fp8=weights != "bf16")
     model = build_model(geometry=geometry, weights=weights)
     prompts = seed_prompts(requests, prompt_len)
     moe = bool(decode_bytes(model.config).num_experts)  # its floor: the first variant's measured routing
     floor = None if moe else floor_seconds(model.config, requests, prompt_len, new_tokens, ceilings)
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "geometry": geometry, "weights": weights,
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
+              "fp8_matmul_TFLOPs": ceilings.fp8_matmul_flop_s and ceilings.fp8_matmul_flop_s / 1e12,
               "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens}
     reference_tokens = None
     for variant in variants.split(","):
