@@ -59,6 +59,7 @@ def test_run_writes_every_row_once_with_the_documented_columns(tmp_path, tiny_mo
     assert set(report["loop_s"]) == {"step", "admit", "commit", "gc", "triton_compile"}
     assert last["compile_s"] >= 0 and isinstance(report["triton_kernels_compiled"], dict)
     assert report["engine_setup_triton_compile_s"] >= 0
+    assert set(report["triton_builds"]) == {"setup", "loop"}  # lists (empty on CPU: the interpreter builds nothing)
 
 
 def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind():
@@ -102,12 +103,17 @@ def test_compile_timer_times_each_triton_build_chains_the_previous_hooks_and_put
         timer = CompileTimer(totals)
         for name, key in (("_decode_kernel", ("i32", 16)), ("_decode_kernel", ("i32", 1)), ("_sample", ("f32",))):
             fn = Info("batchgen.kernels.x", name, None)
-            assert knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="", compile={}, is_manual_warmup=False,
+            spec = f"{name}[num_warps=4](n: {'i32D' if key[-1] == 16 else 'i32'})" if key[0] == "i32" else ""
+            assert knobs.runtime.jit_cache_hook(key=key, fn=fn, repr=spec, compile={}, is_manual_warmup=False,
                                                 already_compiled=False) is None  # None: build it
             time.sleep(0.01)
-            knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr="", compile={}, is_manual_warmup=False,
+            knobs.runtime.jit_post_compile_hook(key=key, fn=fn, repr=spec, compile={}, is_manual_warmup=False,
                                                 already_compiled=False)
         assert totals.compiled_kernels == {"_decode_kernel": 2, "_sample": 1} and totals.compile_s >= 0.03
+        # each build recorded with Triton's description of its specialisation, the kernel's name stripped
+        assert [(b["kernel"], b["spec"]) for b in totals.builds] == [
+            ("_decode_kernel", "[num_warps=4](n: i32D)"), ("_decode_kernel", "[num_warps=4](n: i32)"), ("_sample", "")]
+        assert all(b["s"] >= 0.009 for b in totals.builds)
         assert calls == [("before", ("i32", 16)), ("after", ("i32", 16)), ("before", ("i32", 1)),
                          ("after", ("i32", 1)), ("before", ("f32",)), ("after", ("f32",))]
         timer.remove()

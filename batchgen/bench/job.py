@@ -192,6 +192,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         "triton_compile_s": report["loop_s"].get("triton_compile", 0.0),
         "triton_kernels_compiled": report.get("triton_kernels_compiled", {}),
         "engine_setup_triton_compile_s": report.get("engine_setup_triton_compile_s", 0.0),
+        # each loop build's specialisation (Triton's description): which argument or launch made it build again
+        "triton_loop_builds": report.get("triton_builds", {}).get("loop", []),
         "limit_s": round(limit, 2), "limit_tok_s": round(tokens / limit, 1),
         "x_limit": round(report["wall_s"] / limit, 2),
     }

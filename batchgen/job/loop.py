@@ -85,6 +85,7 @@ class JobLoop:
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
+        self.engine_builds = (0, 0)  # the slice of meter.totals.builds the engine's set-up made
         from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
         from batchgen.runner.fp8_loader import check_fp8_checkpoint
 
@@ -128,6 +129,7 @@ class JobLoop:
         if self.engine is not None:
             return self.engine
         t0 = time.monotonic()
+        builds0 = len(self.meter.totals.builds)
         compile_s0 = self.meter.totals.compile_s  # builds during set-up (first-step check, graph capture) are
         from batchgen.engine.engine import Engine
         from batchgen.models.registry import DeterministicUnsupported
@@ -177,6 +179,7 @@ class JobLoop:
         # seen mid-run); its kernel counts stay in compiled_kernels
         self.engine_compile_s = self.meter.totals.compile_s - compile_s0
         self.meter.totals.compile_s = compile_s0
+        self.engine_builds = (builds0, len(self.meter.totals.builds))  # the set-up's slice of totals.builds
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
@@ -369,6 +372,9 @@ class JobLoop:
                        "gc": round(t.gc_s, 3), "triton_compile": round(t.compile_s, 3)},
             "triton_kernels_compiled": t.compiled_kernels,
             "engine_setup_triton_compile_s": round(self.engine_compile_s, 3),
+            # what built where (set-up: first-step check and graph capture; loop: shapes first seen mid-run)
+            "triton_builds": {"setup": t.builds[slice(*self.engine_builds)],
+                              "loop": t.builds[:self.engine_builds[0]] + t.builds[self.engine_builds[1]:]},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
             "engine": self._stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),

@@ -30,6 +30,10 @@ class Totals:
     # compiles (or loads from Triton's disk cache) on the host in the middle of the run, the GPU waiting
     compile_s: float = 0.0
     compiled_kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> specialisations built
+    # the first MAX_BUILDS builds, in order: {"kernel", "s", "spec"}; spec is Triton's own description of the
+    # specialisation (warps, stages, each argument's type: "i32D" an int divisible by 16, "constexpr" values), so
+    # a report shows which argument or launch made a kernel build again mid-run
+    builds: list[dict] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rejects_by_class: dict[str, int] = field(default_factory=dict)
 
@@ -70,6 +74,9 @@ class GcTimer:
             gc.callbacks.remove(self)
 
 
+MAX_BUILDS = 64
+
+
 class CompileTimer:
     """Adds the time of every Triton JIT build (a compile, or a load from Triton's disk cache) to
     `totals.compile_s`, counted per kernel in `totals.compiled_kernels`, while installed. Triton's two runtime
@@ -103,8 +110,13 @@ class CompileTimer:
         build = self._build(kwargs)
         started = self._started.pop(build, None)
         if started is not None:
-            self.totals.compile_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.totals.compile_s += seconds
             self.totals.compiled_kernels[build[1]] = self.totals.compiled_kernels.get(build[1], 0) + 1
+            if len(self.totals.builds) < MAX_BUILDS:
+                spec = str(kwargs.get("repr", ""))
+                self.totals.builds.append({"kernel": build[1], "s": round(seconds, 4),
+                                           "spec": spec.removeprefix(build[1])})
         prev = self._prev[1]
         return prev(*args, **kwargs) if prev else None
 
