@@ -34,15 +34,18 @@ def _reference(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_w
     return torch.where((seq_lens > 0)[:, None, None], out, 0.0)
 
 
-def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, softcap=None, **shape):
+def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, softcap=None, launch=None, **shape):
+    """paged_decode_attention against the reference; `launch` a whole DecodeLaunch instead of num_splits/block_n."""
     from batchgen.kernels.paged_decode import paged_decode_attention
 
     query, k_cache, v_cache, block_tables, seq_lens = _case(dtype=dtype, device=device, **shape)
     scale = shape["head_dim"] ** -0.5
     if softcap is not None:
         query = query * 8  # large scores, so the cap matters
+    if launch is not None:
+        num_splits = block_n = None
     out = paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
-                                 block_n=block_n, sliding_window=sliding_window, softcap=softcap)
+                                 block_n=block_n, sliding_window=sliding_window, softcap=softcap, launch=launch)
     ref = _reference(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
     if sliding_window is not None or softcap is not None:  # the options change the result
         plain = _reference(query, k_cache, v_cache, block_tables, seq_lens, scale)

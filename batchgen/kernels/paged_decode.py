@@ -3,7 +3,9 @@
 Split-K over the context: program (seq, kv_head, split) (or (kv_head, seq, split): DecodeLaunch.heads_first)
 streams its slice of the sequence's K/V once for all G query heads that share that KV head (GQA), keeping an
 online softmax; a second kernel merges the splits. MHA models may instead take several KV heads a program
-(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py). The launch (splits, tile, warps, stages, those
+(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py), and heads of a dim that is not a power of two
+may run as two power-of-two chunks instead of padded (DecodeLaunch.chunked_head: kernels/paged_decode_chunks.py).
+The launch (splits, tile, warps, stages, those
 options) comes from `default_launch` (kernels/decode_launch.py: a measured table, else a heuristic) unless the
 caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
 output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
@@ -35,6 +37,7 @@ import triton.language as tl
 from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
 from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated_load,
                                           rope_tables, rotated_load, split_range, store_partials)
+from batchgen.kernels.paged_decode_chunks import launch_chunks_kernel
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
 from batchgen.kernels.rope_kv import QKNorm
 
@@ -148,11 +151,12 @@ def paged_decode_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,  # keys within the last `sliding_window` positions only (Gemma2/3 layers)
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma2)
+    launch: DecodeLaunch | None = None,  # None: default_launch with num_splits
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
     num_kv_heads = k_cache.shape[2]
-    launch = default_launch(query.shape[0], num_kv_heads, k_cache.shape[3], num_splits,
-                            group=query.shape[1] // num_kv_heads)
+    launch = launch or default_launch(query.shape[0], num_kv_heads, k_cache.shape[3], num_splits,
+                                      group=query.shape[1] // num_kv_heads)
     if block_n or num_warps or num_stages is not None:  # a caller's own tile (tests, benches)
         launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
                          num_stages=num_stages if num_stages is not None else launch.num_stages)
@@ -204,6 +208,9 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     if heads > 1 and qk_norm is not None:
         raise ValueError(f"DecodeLaunch.heads_per_program {heads}: the several-heads kernel has no q/k norm "
                          f"(Qwen3, Gemma3); one KV head a program")
+    if launch.chunked_head and (heads > 1 or head_dim & (head_dim - 1) == 0):
+        raise ValueError(f"DecodeLaunch.chunked_head: for head dims that are not a power of two (here {head_dim}), "
+                         f"one KV head a program (here {heads})")
     group_p = triton.next_power_of_2(group)
     if launch.mma and heads == 1:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
@@ -234,6 +241,17 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
             HEADS=heads, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
             **options,
+        )
+    elif launch.chunked_head and qk_norm is None:  # (with a q/k norm: the padded kernel below)
+        grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
+        launch_chunks_kernel(
+            grid, (q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
+                   softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
+                   out.stride(1), stride_cs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   block_tables.stride(0)),
+            head_dim, GROUP=group, GROUP_P=group_p, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+            NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_WINDOW=sliding_window is not None, **options,
         )
     else:
         grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
