@@ -60,7 +60,7 @@ if triton is not None:
         size = SPLIT_KEYS * tl.maximum(tl.cdiv(blocks, MAX_SPLITS), 1)
         return lo, tl.maximum(tl.cdiv(kv_len - lo, size), 1), size
 
-    @triton.jit(do_not_specialize=["row0", "num_splits"])
+    @triton.jit(do_not_specialize=["row0", "num_splits", "stride_bt"])
     def _split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, row_seq_ptr, kv_lens_ptr, block_tables_ptr,
         row0, num_splits, scale, softcap, window,

@@ -42,7 +42,9 @@ from batchgen.kernels.paged_decode_heads import decode_heads_kernel
 from batchgen.kernels.rope_kv import QKNorm
 
 
-@triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
+# heads_first: one compiled kernel for both grid orders; stride_bt: an eager step's block tables are as wide as
+# its longest sequence needs (1, a multiple of 16 or neither), which would otherwise build a kernel for each case
+@triton.jit(do_not_specialize=["heads_first", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,

@@ -51,7 +51,7 @@ def _pv(p, v, GROUP_P: tl.constexpr):
     return tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit(do_not_specialize=["heads_first"])  # one compiled kernel for both grid orders
+@triton.jit(do_not_specialize=["heads_first", "stride_bt"])  # as paged_decode._decode_split_kernel
 def _decode_chunks_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,

@@ -23,7 +23,7 @@ from batchgen.kernels.decode_tiles import (fold_new_key, rope_tables, rotated_lo
                                           store_partials)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # as paged_decode._decode_split_kernel
 def decode_heads_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,

@@ -54,7 +54,7 @@ if triton is not None:
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         return k, v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the step's block-table width varies (paged_decode.py)
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
         scale, softcap, window,
