@@ -74,10 +74,11 @@ def launches(grid: str, mha: bool, programs: int, chunked: bool = False) -> list
     'all': also the CUDA-core tiles (`mma=False`) and, for MHA geometries, 2 or 4 KV heads a program (kernels/
     paged_decode_heads.py), which lost at every shape of session 10's H200 sweep; 'small': one split or two, 2
     stages. `chunked` (a head dim that is not a power of two): every one-head-a-program candidate also as two
-    power-of-two chunks (DecodeLaunch.chunked_head, kernels/paged_decode_chunks.py)."""
+    power-of-two chunks (DecodeLaunch.chunked_head, kernels/paged_decode_chunks.py). Every padded one-head
+    candidate with several splits also merges in its last split program (DecodeLaunch.fused_merge)."""
     if grid == "small":
         out = [DecodeLaunch(sp, n, w, 2) for sp, (n, w) in itertools.product((1, 2), TENSOR_CORE_TILES)]
-        return out + [replace(x, chunked_head=True) for x in out] if chunked else out
+        return with_variants(out, chunked)
     splits = (1, 2, 4, 8, 16) if programs < 256 else (1, 2, 4)
     out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, (2, 3))]
     if grid == "all":
@@ -85,9 +86,16 @@ def launches(grid: str, mha: bool, programs: int, chunked: bool = False) -> list
         if mha:
             out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
                     for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
-    if chunked:
-        out += [replace(x, chunked_head=True) for x in out if x.heads_per_program == 1]
-    return out
+    return with_variants(out, chunked)
+
+
+def with_variants(out: list[DecodeLaunch], chunked: bool) -> list[DecodeLaunch]:
+    """`out`, then its one-head candidates as chunked heads (where `chunked`), then its padded one-head candidates
+    with several splits merging in the last split (fused_merge)."""
+    one_head = [x for x in out if x.heads_per_program == 1]
+    chunks = [replace(x, chunked_head=True) for x in one_head] if chunked else []
+    merged = [replace(x, fused_merge=True) for x in one_head if x.num_splits > 1]
+    return out + chunks + merged
 
 
 @dataclass

@@ -18,8 +18,10 @@
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh chunks     # issue 15: the chunked-head decode attention (Phi-3's 96 dims as 64 + 32, not
-#                                       # padded to 128; never run on a GPU): its GPU tests, a phi3-mini sweep that
-#                                       # offers it to the launch table, then W1 of phi3-mini and qwen2-7b (~4 min)
+#                                       # padded to 128) and the fused merge (the last split merges; Qwen2 /
+#                                       # Starcoder2's few KV heads), never run on a GPU: their GPU tests, a sweep of
+#                                       # phi3-mini, qwen2-7b, starcoder2-7b that offers both to the launch table,
+#                                       # then W1 of the three (~6 min)
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
 #   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
@@ -84,11 +86,11 @@ for section in "${sections[@]}"; do
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
     chunks) step chunk_tests 150 python3 -m pytest -q -m gpu tests/test_decode_chunks.py -rfE -p no:cacheprovider
-         step chunk_sweep 200 python3 bench/decode_attention_sweep.py --geometries phi3-mini \
+         step chunk_sweep 240 python3 bench/decode_attention_sweep.py --geometries phi3-mini,qwen2-7b,starcoder2-7b \
            --shapes 32:768,256:512 --compile-workers 12 --write-table batchgen/kernels/decode_launches.json \
            --json "$LOGS/chunk_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/"
-         for g in phi3-mini qwen2-7b; do
+         for g in phi3-mini qwen2-7b starcoder2-7b; do
            step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
              --json "$LOGS/w1-$g.json"; done ;;
     families) for g in $FAMILIES; do

@@ -83,14 +83,75 @@ def test_chunked_head_decode_attention_at_phi3_heads_bf16_on_gpu(seq_lens, split
                           launch=DecodeLaunch(splits, 64, 4, 2, heads_first=heads_first, chunked_head=True))
 
 
-def test_the_sweep_tries_every_one_head_candidate_chunked_only_for_heads_that_are_not_a_power_of_two():
+def test_the_sweep_offers_chunked_heads_where_not_a_power_of_two_and_a_fused_merge_where_split():
+    from dataclasses import replace
+
     sys.path.insert(0, "bench")
     import decode_attention_sweep as sweep
 
     for grid in ("small", "full", "all"):
         plain = sweep.launches(grid, mha=True, programs=1024)
         both = sweep.launches(grid, mha=True, programs=1024, chunked=True)
-        twins = [x for x in both if x.chunked_head]
-        assert not any(x.chunked_head for x in plain) and both[:len(plain)] == plain
-        assert twins == [x.__class__(**{**x.__dict__, "chunked_head": True}) for x in plain
-                         if x.heads_per_program == 1]
+        base = [x for x in plain if not x.fused_merge]
+        assert [x for x in both if not x.chunked_head and not x.fused_merge] == base
+        one_head = [x for x in base if x.heads_per_program == 1]
+        assert [x for x in both if x.chunked_head] == [replace(x, chunked_head=True) for x in one_head]
+        assert not any(x.chunked_head for x in plain)
+        merged = [replace(x, fused_merge=True) for x in one_head if x.num_splits > 1]
+        assert merged and [x for x in plain if x.fused_merge] == merged == [x for x in both if x.fused_merge]
+
+
+FUSED_MERGE_INTERPRET_SCRIPT = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check, _check_rope_attention
+from batchgen.kernels import paged_decode
+from batchgen.kernels.paged_decode import DecodeLaunch
+for splits in (2, 4):  # the new token in each split; empty splits; a padding row; GQA 4 (padded to 16 rows)
+    for mma in (True, False):
+        for heads_first in (False, True):
+            launch = DecodeLaunch(splits, 16, 2, None, mma, heads_first=heads_first, fused_merge=True)
+            _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], launch=launch)
+    # a group of 7 (Qwen2-7B's), windows and soft-capping, q/k norm; then without the rotary
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=14, num_kv_heads=2, head_dim=16,
+                          sliding_window=12, softcap=0.5, qk_norm="qwen3",
+                          launch=DecodeLaunch(splits, 16, 2, fused_merge=True))
+    _check("cpu", torch.float32, 1e-5, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+           seq_lens=[70, 0, 3, 41], launch=DecodeLaunch(splits, 16, 2, fused_merge=True))
+# every launch's last programs reset their counters: the buffer is all zeros between launches
+for buf in paged_decode._MERGE_COUNTERS.values():
+    assert int(buf.abs().sum()) == 0
+assert paged_decode._MERGE_COUNTERS, "no fused-merge launch ran"
+print("ok")
+"""
+
+
+def test_fused_merge_decode_attention_matches_the_references_and_leaves_its_counters_zero_under_interpreter():
+    run_under_interpreter(FUSED_MERGE_INTERPRET_SCRIPT)
+
+
+def test_fused_merge_is_refused_with_several_heads_a_program_or_chunked_heads():
+    from batchgen.kernels.paged_decode import DecodeLaunch, paged_decode_attention
+
+    q, cache = torch.zeros(1, 2, 48), torch.zeros(4, 16, 2, 48)
+    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fused_merge: for one KV head a program with padded heads"):
+        paged_decode_attention(q, cache, cache, tables, lens, 0.1,
+                               launch=DecodeLaunch(2, 16, 2, chunked_head=True, fused_merge=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[769] * 32, [1, 5, 300, 4096, 8448, 17, 0, 2048]])
+@pytest.mark.parametrize("splits", [2, 8])
+def test_fused_merge_decode_attention_at_qwen2_heads_bf16_on_gpu(seq_lens, splits):
+    """Qwen2-7B (28 / 4 heads of 128), rotary fused, the last split merging; twice, so the second launch finds the
+    counters the first reset."""
+    from test_kernels import _check_rope_attention
+
+    from batchgen.kernels import paged_decode
+    from batchgen.kernels.paged_decode import DecodeLaunch
+
+    for _ in range(2):
+        _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=28, num_kv_heads=4, head_dim=128,
+                              launch=DecodeLaunch(splits, 64, 2, fused_merge=True))
+    assert int(paged_decode._MERGE_COUNTERS[torch.device("cuda", 0)].abs().sum()) == 0

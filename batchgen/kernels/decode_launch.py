@@ -45,6 +45,9 @@ class DecodeLaunch:
     # paged_decode_chunks.py) instead of padded to the next power of two; one KV head a program. A q/k norm
     # (none of today's models has one with such a head) keeps the padded kernel.
     chunked_head: bool = False
+    # with several splits: the last split program of each (sequence, KV head) merges the splits itself
+    # (decode_tiles.merge_if_last) instead of a second kernel; one KV head a program, padded heads
+    fused_merge: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,8 +174,10 @@ _LAUNCH_KEYS = {
     "heads_first": (lambda v: isinstance(v, bool), "a bool"),
     "heads_per_program": (lambda v: type(v) is int and _pow2(v), "a power of two"),
     "chunked_head": (lambda v: isinstance(v, bool), "a bool"),
+    "fused_merge": (lambda v: isinstance(v, bool), "a bool"),
 }
-_OPTIONAL_LAUNCH_KEYS = {"chunked_head": False}  # absent from tables written before the key existed
+# absent from tables written before the keys existed
+_OPTIONAL_LAUNCH_KEYS = {"chunked_head": False, "fused_merge": False}
 assert set(_LAUNCH_KEYS) == {f.name for f in fields(DecodeLaunch)}
 
 
@@ -209,6 +214,9 @@ def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
         if entry.launch.chunked_head and (heads > 1 or _pow2(entry.head_dim)):
             raise ValueError(f"{where}: key 'launch.chunked_head' is true: for head dims that are not a power of "
                              f"two (here {entry.head_dim}), one KV head a program")
+        if entry.launch.fused_merge and (heads > 1 or entry.launch.chunked_head):
+            raise ValueError(f"{where}: key 'launch.fused_merge' is true: for one KV head a program with padded "
+                             f"heads (not with heads_per_program {heads} or chunked_head)")
         key = (entry.head_dim, entry.num_kv_heads, entry.group, entry.num_seqs)
         if key in seen:
             raise ValueError(f"{where}: key 'num_seqs': (head_dim, num_kv_heads, group, num_seqs) {key} is also "

@@ -132,14 +132,39 @@ def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: 
 
 
 @triton.jit
-def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
+def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr, CACHE: tl.constexpr = ""):
     """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
     order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
-    the same bits across launches keep S fixed."""
-    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"))
-    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0)
-    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0)  # [S, D_P]
+    the same bits across launches keep S fixed. CACHE: the loads' cache modifier (".cg": past L1, for partials
+    other programs of the same launch wrote)."""
+    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0,
+                  cache_modifier=CACHE)  # [S, D_P]
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     denom = tl.sum(w * l, axis=0)
     return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+
+
+@triton.jit
+def merge_if_last(acc_ptr, m_ptr, l_ptr, out_ptr, counter_ptr, part0, b, h, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr):
+    """The merge kernel's work done by the last of a (sequence b, KV head h)'s NUM_SPLITS programs to finish
+    (DecodeLaunch.fused_merge: one launch a layer fewer). Call after this program stored its partials (rows
+    (part0 + split) * GROUP_P + g). counter_ptr: this (b, h)'s int32 arrival count, 0 before the launch and reset
+    to 0 by the last program, so the buffer is all zeros between launches (paged_decode.merge_counters). The
+    merge reads the splits in split order whichever program is last: the output's bits do not depend on timing.
+    Ordering: the barrier makes every warp's partial stores precede the releasing atomic; the last program's
+    acquiring atomic precedes its loads, which bypass L1 (.cg)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")  # splits of this (b, h) done before this one
+    if arrived == NUM_SPLITS - 1:
+        tl.store(counter_ptr, 0)  # no other program of this launch touches it any more
+        s = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, D_P)
+        for g in tl.static_range(GROUP):
+            out = merge_partials(acc_ptr, m_ptr, l_ptr, (part0 + s) * GROUP_P + g, s < NUM_SPLITS, d, D_P, ".cg")
+            tl.store(out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                     mask=d < HEAD_DIM)
