@@ -105,7 +105,7 @@ FUSED_MERGE_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check, _check_rope_attention
-from batchgen.kernels import paged_decode
+from batchgen.kernels import arrival
 from batchgen.kernels.paged_decode import DecodeLaunch
 for splits in (2, 4):  # the new token in each split; empty splits; a padding row; GQA 4 (padded to 16 rows)
     for mma in (True, False):
@@ -119,9 +119,9 @@ for splits in (2, 4):  # the new token in each split; empty splits; a padding ro
     _check("cpu", torch.float32, 1e-5, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
            seq_lens=[70, 0, 3, 41], launch=DecodeLaunch(splits, 16, 2, fused_merge=True))
 # every launch's last programs reset their counters: the buffer is all zeros between launches
-for buf in paged_decode._MERGE_COUNTERS.values():
+for buf in arrival._COUNTERS.values():
     assert int(buf.abs().sum()) == 0
-assert paged_decode._MERGE_COUNTERS, "no fused-merge launch ran"
+assert arrival._COUNTERS, "no fused-merge launch ran"
 print("ok")
 """
 
@@ -148,10 +148,10 @@ def test_fused_merge_decode_attention_at_qwen2_heads_bf16_on_gpu(seq_lens, split
     counters the first reset."""
     from test_kernels import _check_rope_attention
 
-    from batchgen.kernels import paged_decode
+    from batchgen.kernels import arrival
     from batchgen.kernels.paged_decode import DecodeLaunch
 
     for _ in range(2):
         _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=28, num_kv_heads=4, head_dim=128,
                               launch=DecodeLaunch(splits, 64, 2, fused_merge=True))
-    assert int(paged_decode._MERGE_COUNTERS[torch.device("cuda", 0)].abs().sum()) == 0
+    assert int(arrival._COUNTERS[torch.device("cuda", 0)].abs().sum()) == 0

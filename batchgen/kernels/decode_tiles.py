@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from batchgen.kernels.arrival import arrive_last
 from batchgen.kernels.paged_prefill import paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
 
@@ -152,16 +153,10 @@ def merge_if_last(acc_ptr, m_ptr, l_ptr, out_ptr, counter_ptr, part0, b, h, stri
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
                   NUM_SPLITS: tl.constexpr):
     """The merge kernel's work done by the last of a (sequence b, KV head h)'s NUM_SPLITS programs to finish
-    (DecodeLaunch.fused_merge: one launch a layer fewer). Call after this program stored its partials (rows
-    (part0 + split) * GROUP_P + g). counter_ptr: this (b, h)'s int32 arrival count, 0 before the launch and reset
-    to 0 by the last program, so the buffer is all zeros between launches (paged_decode.merge_counters). The
-    merge reads the splits in split order whichever program is last: the output's bits do not depend on timing.
-    Ordering: the barrier makes every warp's partial stores precede the releasing atomic; the last program's
-    acquiring atomic precedes its loads, which bypass L1 (.cg)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")  # splits of this (b, h) done before this one
-    if arrived == NUM_SPLITS - 1:
-        tl.store(counter_ptr, 0)  # no other program of this launch touches it any more
+    (DecodeLaunch.fused_merge: one launch a layer fewer; kernels/arrival.py). Call after this program stored its
+    partials (rows (part0 + split) * GROUP_P + g); counter_ptr: this (b, h)'s arrival count. The merge reads the
+    splits in split order whichever program is last: the output's bits do not depend on timing."""
+    if arrive_last(counter_ptr, NUM_SPLITS):
         s = tl.arange(0, NUM_SPLITS)
         d = tl.arange(0, D_P)
         for g in tl.static_range(GROUP):

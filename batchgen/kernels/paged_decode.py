@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.arrival import arrival_counters
 from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
 from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_if_last, merge_partials,
                                           normed_rotated_load, rope_tables, rotated_load, split_range, store_partials)
@@ -48,7 +49,7 @@ from batchgen.kernels.rope_kv import QKNorm
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
-    counter_ptr,  # FUSED_MERGE only: [num_seqs * num_kv_heads] int32 arrival counts, zeros (merge_counters)
+    counter_ptr,  # FUSED_MERGE only: [num_seqs * num_kv_heads] int32 arrival counts, zeros (kernels/arrival.py)
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
     qk_norm_ptr, norm_eps,  # HAS_QK_NORM only: QKNorm's [2, HEAD_DIM] weights (q row, k row) and eps
     scale, softcap, window, heads_first,
@@ -199,23 +200,6 @@ def paged_decode_rope_attention(
                    launch, sliding_window, softcap, qk_norm)
 
 
-# Per device: the fused merge's int32 arrival counters (DecodeLaunch.fused_merge). Invariant: all zeros between
-# launches (each launch's last programs reset theirs), so one buffer serves every layer and step, stream-ordered.
-# Hazard: two fused-merge launches running concurrently on one device (two streams) would share counts; the engine
-# runs its forward on one compute stream. Sized generously at first use so that it is allocated before any CUDA
-# graph capture (the warm-up runs first); a larger batch grows it (a new zeroed buffer).
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 arrival counters on `device`, for a fused-merge launch."""
-    buf = _MERGE_COUNTERS.get(device)
-    if buf is None or buf.numel() < count:
-        buf = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _MERGE_COUNTERS[device] = buf
-    return buf
-
-
 def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, scale, launch: DecodeLaunch,
             sliding_window=None, softcap=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
     num_seqs = q_src.shape[0]
@@ -283,7 +267,7 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     else:
         grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
         fused_merge = launch.fused_merge and num_splits > 1
-        counters = merge_counters(dev, num_seqs * num_kv_heads) if fused_merge else seq_lens
+        counters = arrival_counters(dev, num_seqs * num_kv_heads) if fused_merge else seq_lens
         _decode_split_kernel[grid](
             q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, counters, cos, sin, slots,
             *(qk_norm[:2] if qk_norm is not None else (q_src, 0.0)), scale,
