@@ -86,7 +86,7 @@ for section in "${sections[@]}"; do
              --geometries "$SWEEP_GEOMS" --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
-    chunks) step chunk_tests 150 python3 -m pytest -q -m gpu tests/test_decode_chunks.py -rfE -p no:cacheprovider
+    chunks) step chunk_tests 240 python3 -m pytest -q -m gpu tests/test_decode_chunks.py -rfE -p no:cacheprovider
          step chunk_sweep 240 python3 bench/decode_attention_sweep.py --geometries phi3-mini,qwen2-7b,starcoder2-7b \
            --shapes 32:768,256:512 --compile-workers 12 --write-table batchgen/kernels/decode_launches.json \
            --json "$LOGS/chunk_sweep.json"

@@ -96,8 +96,8 @@ def test_an_fp8_job_limit_times_projection_flops_at_the_fp8_rate_and_the_lm_head
     b = decode_bytes(fp8_cfg)
     head = 128256 * 4096
     assert b.head_params == head and b.fp8_projections and not decode_bytes(bf16_cfg).fp8_projections
-    tokens = 256 * (40 + 256)  # every prompt and generated token through every GEMM
-    expected = 2 * tokens * ((b.dense_params - head) / 1600e12 + head / 800e12)
+    tokens = 256 * (40 + 256)  # every prompt and generated token through the projections, generated ones the head
+    expected = 2 * tokens * (b.dense_params - head) / 1600e12 + 2 * 256 * 256 * head / 800e12
     kv_s = 256 * b.kv_bytes_decoding(40, 256) / 4.25e12
     assert run_limit_s(outputs, fp8_cfg, 256, both) == pytest.approx(expected + kv_s, rel=1e-9)
     assert run_limit_s(outputs, fp8_cfg, 256, bf16_only) == pytest.approx(run_limit_s(outputs, bf16_cfg, 256, both))

@@ -61,7 +61,8 @@ def test_a_chunked_head_launch_is_refused_for_a_power_of_two_head_or_several_hea
     q = torch.zeros(1, 2, 64)
     cache = torch.zeros(4, 16, 2, 64)
     tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="chunked_head: for head dims that are not a power of two \\(here 64\\)"):
+    with pytest.raises(ValueError, match="chunked_head: for head dims of 16 or more that are not a power of two "
+                                         "\\(here 64\\)"):
         paged_decode_attention(q, cache, cache, tables, lens, 0.1, launch=DecodeLaunch(1, 16, 2, chunked_head=True))
     q, cache = torch.zeros(1, 2, 48), torch.zeros(4, 16, 2, 48)
     with pytest.raises(ValueError, match="one KV head a program \\(here 2\\)"):
@@ -155,3 +156,45 @@ def test_fused_merge_decode_attention_at_qwen2_heads_bf16_on_gpu(seq_lens, split
         _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=28, num_kv_heads=4, head_dim=128,
                               launch=DecodeLaunch(splits, 64, 2, fused_merge=True))
     assert int(arrival._COUNTERS[torch.device("cuda", 0)].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_fused_merge_equals_the_merge_kernel_bit_for_bit_over_many_launches_and_graph_replays_on_gpu():
+    """The last-split merge against the merge kernel, same launch otherwise: equal bits over many shapes (GQA and
+    MHA groups, 2-16 splits, both grid orders, a window, padding rows), 50 launches each, and 100 replays of a CUDA
+    graph holding 8 launches; the counters are zero after all of it. A race (a counter left non-zero, a merge
+    before a split's partials landed) shows as unequal outputs."""
+    from dataclasses import replace
+
+    from test_kernels import _case
+
+    from batchgen.kernels import arrival
+    from batchgen.kernels.paged_decode import DecodeLaunch, paged_decode_attention
+
+    dev = torch.device("cuda", 0)
+    for num_heads, num_kv_heads, head_dim in ((28, 4, 128), (32, 8, 128), (16, 16, 64), (24, 2, 128)):
+        for seq_lens in ([769] * 32, [1, 5, 300, 4096, 0, 17, 2048, 33] * 4):
+            q, k, v, tables, lens = _case(len(seq_lens), num_heads, num_kv_heads, head_dim, 16, seq_lens,
+                                          torch.bfloat16, "cuda", 0)
+            for splits in (2, 4, 16):
+                for heads_first in (False, True):
+                    for window in (None, 512):
+                        base = DecodeLaunch(splits, 64, 2, 2, heads_first=heads_first)
+                        want = paged_decode_attention(q, k, v, tables, lens, 0.1, sliding_window=window, launch=base)
+                        fused = replace(base, fused_merge=True)
+                        for _ in range(50):
+                            got = paged_decode_attention(q, k, v, tables, lens, 0.1, sliding_window=window,
+                                                         launch=fused)
+                            assert torch.equal(got, want), (num_heads, num_kv_heads, splits, heads_first, window)
+            graph, outs = torch.cuda.CUDAGraph(), []
+            with torch.cuda.graph(graph):
+                for splits in (2, 4, 8, 16) * 2:
+                    outs.append(paged_decode_attention(q, k, v, tables, lens, 0.1,
+                                                       launch=DecodeLaunch(splits, 64, 2, 2, fused_merge=True)))
+            want = [paged_decode_attention(q, k, v, tables, lens, 0.1, launch=DecodeLaunch(s, 64, 2, 2))
+                    for s in (2, 4, 8, 16) * 2]
+            for _ in range(100):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    assert int(arrival._COUNTERS[dev].abs().sum()) == 0

@@ -126,12 +126,13 @@ class DecodeBytes:
         """Weights one token multiplies (prefill FLOPs / 2): the dense ones and its routed experts."""
         return self.dense_params + self.num_moe_layers * experts_per_token * self.expert_params
 
-    def gemm_s(self, tokens: int, experts_per_token: int, ceilings) -> float:
+    def gemm_s(self, tokens: int, experts_per_token: int, ceilings, head: bool = True) -> float:
         """Seconds of `tokens` tokens' GEMM FLOPs (2 per weight a token multiplies) at the rates of `ceilings`
-        (bench/seed.Ceilings): the projections and experts at the FP8 rate where they are FP8, the LM head at bf16's."""
+        (bench/seed.Ceilings): the projections and experts at the FP8 rate where they are FP8, the LM head at bf16's.
+        head False: prompt tokens in a prefill, which skip the LM head (each generated token pays it)."""
         projections = self.active_params_per_token(experts_per_token) - self.head_params
         return ceilings.gemm_s(2 * projections * tokens, self.fp8_projections) + \
-            ceilings.gemm_s(2 * self.head_params * tokens)
+            (ceilings.gemm_s(2 * self.head_params * tokens) if head else 0.0)
 
     def weight_bytes(self, distinct_experts: int | None = None) -> int:
         """Weight bytes of a step whose tokens route to `distinct_experts` experts summed over the MoE layers

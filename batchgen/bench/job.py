@@ -114,7 +114,8 @@ def write_job(work_dir: Path, model_dir: Path, source: Path, new_tokens: int, na
 def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> float:
     """The run's limit: each step's GEMMs (FLOPs at the matmul rate, or weight bytes at bandwidth, whichever is
     longer; MoE: every expert's bytes, an upper bound until the run's routing is counted), every generated
-    token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate. An FP8
+    token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate (prompt tokens
+    skip the LM head; every generated token pays it above). An FP8
     checkpoint's projections count one byte a weight and their FLOPs run at the FP8 rate measured in the run."""
     b = decode_bytes(config)
     top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
@@ -122,7 +123,7 @@ def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> flo
     prompt = sum(o["num_prompt_tokens"] for o in outputs)
     gemm_s = max(b.gemm_s(generated, top_k, c), num_steps * b.weight_bytes() / c.copy_bytes_s)
     kv_bytes = sum(b.kv_bytes_decoding(o["num_prompt_tokens"], o["num_completion_tokens"]) for o in outputs)
-    return gemm_s + kv_bytes / c.copy_bytes_s + b.gemm_s(prompt, top_k, c)
+    return gemm_s + kv_bytes / c.copy_bytes_s + b.gemm_s(prompt, top_k, c, head=False)
 
 
 def window_tok_s(log_path: Path, rows: int, lo: float, hi: float) -> float | None:

@@ -69,7 +69,8 @@ def tensor_parallel_floor(config, requests: int, prompt: int, new: int, size: in
     head_rows_per_gpu = -(-cfg.vocab_size // size)  # the last rank's are zero-padded: read all the same
     weight_bytes = (b.dense_weight_bytes - head_bytes) // size + head_rows_per_gpu * cfg.hidden_size * dtype_bytes
     kv_bytes = requests * b.kv_bytes_decoding(prompt, new) // size
-    prefill_flops = 2 * b.active_params_per_token(0) * requests * prompt / size
+    # prompt tokens skip the LM head (as bench/seed.floor_seconds counts them)
+    prefill_flops = 2 * (b.active_params_per_token(0) - b.head_params) * requests * prompt / size
     all_reduces, all_gathers = (2 * cfg.num_hidden_layers, 1) if size > 1 else (0, 0)
     collectives_s = new * (all_reduces * latency.all_reduce_s + all_gathers * latency.all_gather_s)
     return TensorParallelFloor(

@@ -85,7 +85,7 @@ class JobLoop:
         self.engine = None  # built by _engine() on the first row that needs it
         self.engine_setup_s = 0.0
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
-        self.engine_builds = (0, 0)  # the slice of meter.totals.builds the engine's set-up made
+        self.engine_builds: list[dict] = []  # the Triton builds of the engine's set-up (meter.totals.builds: later)
         from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
         from batchgen.runner.fp8_loader import check_fp8_checkpoint
 
@@ -179,7 +179,9 @@ class JobLoop:
         # seen mid-run); its kernel counts stay in compiled_kernels
         self.engine_compile_s = self.meter.totals.compile_s - compile_s0
         self.meter.totals.compile_s = compile_s0
-        self.engine_builds = (builds0, len(self.meter.totals.builds))  # the set-up's slice of totals.builds
+        # the set-up's builds set apart, so that the loop's get a list of their own (MAX_BUILDS each)
+        self.engine_builds = self.meter.totals.builds[builds0:]
+        del self.meter.totals.builds[builds0:]
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
@@ -373,8 +375,7 @@ class JobLoop:
             "triton_kernels_compiled": t.compiled_kernels,
             "engine_setup_triton_compile_s": round(self.engine_compile_s, 3),
             # what built where (set-up: first-step check and graph capture; loop: shapes first seen mid-run)
-            "triton_builds": {"setup": t.builds[slice(*self.engine_builds)],
-                              "loop": t.builds[:self.engine_builds[0]] + t.builds[self.engine_builds[1]:]},
+            "triton_builds": {"setup": self.engine_builds, "loop": t.builds, "not_listed": t.builds_dropped},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
             "engine": self._stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),

@@ -30,10 +30,11 @@ class Totals:
     # compiles (or loads from Triton's disk cache) on the host in the middle of the run, the GPU waiting
     compile_s: float = 0.0
     compiled_kernels: dict[str, int] = field(default_factory=dict)  # kernel name -> specialisations built
-    # the first MAX_BUILDS builds, in order: {"kernel", "s", "spec"}; spec is Triton's own description of the
-    # specialisation (warps, stages, each argument's type: "i32D" an int divisible by 16, "constexpr" values), so
-    # a report shows which argument or launch made a kernel build again mid-run
+    # the first MAX_BUILDS builds, in order: {"kernel", "s", "spec"}; spec names the specialisation (warps, stages,
+    # each argument's type with "D" where Triton assumed it divisible by 16, constexprs and ints specialised to 1
+    # as "name=value"), so a report shows which argument or launch made a kernel build again mid-run
     builds: list[dict] = field(default_factory=list)
+    builds_dropped: int = 0  # builds past MAX_BUILDS (timed and counted above, not listed)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rejects_by_class: dict[str, int] = field(default_factory=dict)
 
@@ -77,6 +78,19 @@ class GcTimer:
 MAX_BUILDS = 64
 
 
+def build_spec(compile_info: dict) -> str:
+    """A Triton build's specialisation in words, from the `compile` keyword of its runtime hooks (signature: name
+    -> type, "constexpr" for constexprs and ints equal to 1; constants: (index,) -> value; configs[0]: (index,) ->
+    attributes, "tt.divisibility" 16 where an int or pointer was divisible by 16)."""
+    sig = compile_info.get("signature") or {}
+    constants = compile_info.get("constants") or {}
+    attrs = (compile_info.get("configs") or [{}])[0] or {}
+    divisible = {path for path, values in attrs.items() if any(v[0] == "tt.divisibility" for v in values)}
+    args = [f"{name}={constants.get((i,), '?')}" if ty == "constexpr" else
+            f"{name}: {ty}{'D' if (i,) in divisible else ''}" for i, (name, ty) in enumerate(sig.items())]
+    return f"warps {compile_info.get('num_warps')}, stages {compile_info.get('num_stages')}: {', '.join(args)}"
+
+
 class CompileTimer:
     """Adds the time of every Triton JIT build (a compile, or a load from Triton's disk cache) to
     `totals.compile_s`, counted per kernel in `totals.compiled_kernels`, while installed. Triton's two runtime
@@ -114,9 +128,10 @@ class CompileTimer:
             self.totals.compile_s += seconds
             self.totals.compiled_kernels[build[1]] = self.totals.compiled_kernels.get(build[1], 0) + 1
             if len(self.totals.builds) < MAX_BUILDS:
-                spec = str(kwargs.get("repr", ""))
                 self.totals.builds.append({"kernel": build[1], "s": round(seconds, 4),
-                                           "spec": spec.removeprefix(build[1])})
+                                           "spec": build_spec(kwargs.get("compile") or {})})
+            else:
+                self.totals.builds_dropped += 1
         prev = self._prev[1]
         return prev(*args, **kwargs) if prev else None
 

@@ -28,14 +28,23 @@ except ImportError:  # installs without Triton use the references
 
 MIN_COUNTERS = 1 << 16  # 256 KB: 512 sequences x 128 KV heads, or 65,536 GEMM tiles
 
-# Per device, the counters; invariant: all zeros between launches (see the module docstring)
+# Per device, the counters in use; invariant: all zeros between launches (see the module docstring)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Every buffer ever handed out, kept alive: a CUDA graph captured with an older, smaller buffer keeps its address
+_RETIRED: list[torch.Tensor] = []
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 arrival counters on `device` (a larger request replaces the buffer)."""
+    """At least `count` zeroed int32 arrival counters on `device`. A larger request replaces the buffer (the old
+    one stays allocated for graphs that captured it); not during a CUDA graph capture, where the zero fill would
+    only be recorded: there it raises, naming the count (the capture's warm-up normally allocated it)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"arrival counters: {count} needed on {device} during a CUDA graph capture, "
+                               f"{0 if buf is None else buf.numel()} allocated; run the launch once before capturing")
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf

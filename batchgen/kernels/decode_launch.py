@@ -211,9 +211,9 @@ def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
         if heads > 1 and (entry.group != 1 or entry.num_kv_heads % heads or entry.launch.heads_first):
             raise ValueError(f"{where}: key 'launch.heads_per_program' is {heads}: for MHA (group 1) only, dividing "
                              f"the KV heads, without heads_first")
-        if entry.launch.chunked_head and (heads > 1 or _pow2(entry.head_dim)):
-            raise ValueError(f"{where}: key 'launch.chunked_head' is true: for head dims that are not a power of "
-                             f"two (here {entry.head_dim}), one KV head a program")
+        if entry.launch.chunked_head and (heads > 1 or _pow2(entry.head_dim) or entry.head_dim < 16):
+            raise ValueError(f"{where}: key 'launch.chunked_head' is true: for head dims of 16 or more that are not "
+                             f"a power of two (here {entry.head_dim}), one KV head a program")
         if entry.launch.fused_merge and (heads > 1 or entry.launch.chunked_head):
             raise ValueError(f"{where}: key 'launch.fused_merge' is true: for one KV head a program with padded "
                              f"heads (not with heads_per_program {heads} or chunked_head)")

@@ -159,7 +159,7 @@ def merge_if_last(acc_ptr, m_ptr, l_ptr, out_ptr, counter_ptr, part0, b, h, stri
     if arrive_last(counter_ptr, NUM_SPLITS):
         s = tl.arange(0, NUM_SPLITS)
         d = tl.arange(0, D_P)
-        for g in tl.static_range(GROUP):
+        for g in range(GROUP):  # a loop, not unrolled: MQA-size groups would multiply the code
             out = merge_partials(acc_ptr, m_ptr, l_ptr, (part0 + s) * GROUP_P + g, s < NUM_SPLITS, d, D_P, ".cg")
             tl.store(out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                      mask=d < HEAD_DIM)

@@ -162,6 +162,8 @@ def paged_decode_attention(
     launch: DecodeLaunch | None = None,  # None: default_launch with num_splits
 ) -> torch.Tensor:  # [B, H, D]
     assert query.stride(2) == 1
+    if launch is not None and (num_splits or block_n or num_warps or num_stages is not None):
+        raise ValueError("paged_decode_attention: a whole `launch`, or num_splits / block_n / num_warps / num_stages")
     num_kv_heads = k_cache.shape[2]
     launch = launch or default_launch(query.shape[0], num_kv_heads, k_cache.shape[3], num_splits,
                                       group=query.shape[1] // num_kv_heads)
@@ -194,6 +196,8 @@ def paged_decode_rope_attention(
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert qk_norm is None or (qk_norm.weights.shape == (2, head_dim) and qk_norm.weights.is_contiguous())
+    if launch is not None and num_splits:
+        raise ValueError("paged_decode_rope_attention: a whole `launch`, or num_splits")
     launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits,
                                       group=num_heads // num_kv_heads)
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
@@ -219,9 +223,9 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     if launch.fused_merge and (heads > 1 or launch.chunked_head):
         raise ValueError(f"DecodeLaunch.fused_merge: for one KV head a program with padded heads (here "
                          f"heads_per_program {heads}, chunked_head {launch.chunked_head})")
-    if launch.chunked_head and (heads > 1 or head_dim & (head_dim - 1) == 0):
-        raise ValueError(f"DecodeLaunch.chunked_head: for head dims that are not a power of two (here {head_dim}), "
-                         f"one KV head a program (here {heads})")
+    if launch.chunked_head and (heads > 1 or head_dim & (head_dim - 1) == 0 or head_dim < 16):
+        raise ValueError(f"DecodeLaunch.chunked_head: for head dims of 16 or more that are not a power of two (here "
+                         f"{head_dim}), one KV head a program (here {heads})")
     group_p = triton.next_power_of_2(group)
     if launch.mma and heads == 1:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
