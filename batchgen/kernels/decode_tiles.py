@@ -52,6 +52,24 @@ def rope_tables(cos_ptr, sin_ptr, b, stride_cs, d, d_mask, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def split_program(heads_first, seq_lens_ptr, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """This decode program's (sequence b, KV head h, number of KV heads, split s, seq_len, start, end, chunk):
+    the grid is (sequences, KV heads, splits), or with heads_first (a runtime flag: no recompile) (KV heads,
+    sequences, splits), so the programs the GPU runs side by side read the same tokens' K/V rows for neighbouring
+    heads (contiguous in the cache), not one head's slice of many sequences' rows; keys [start, end) of
+    split_range."""
+    first, second = tl.program_id(0), tl.program_id(1)
+    b = tl.where(heads_first != 0, second, first)
+    h = tl.where(heads_first != 0, first, second)
+    num_kv_heads = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start, end, chunk = split_range(seq_len, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    return b, h, num_kv_heads, s, seq_len, start, end, chunk
+
+
+@triton.jit
 def split_range(seq_len, window, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Split s of NUM_SPLITS of the keys a decode query (position seq_len - 1) sees -> (start, end, chunk): keys
     [start, end), splits of `chunk` keys (a multiple of BLOCK_N) from the window's start (Gemma2/3 layers: keys

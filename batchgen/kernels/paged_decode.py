@@ -37,7 +37,7 @@ import triton.language as tl
 from batchgen.kernels.arrival import arrival_counters
 from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
 from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_if_last, merge_partials,
-                                          normed_rotated_load, rope_tables, rotated_load, split_range, store_partials)
+                                          normed_rotated_load, rope_tables, rotated_load, split_program, store_partials)
 from batchgen.kernels.paged_decode_chunks import launch_chunks_kernel
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
 from batchgen.kernels.rope_kv import QKNorm
@@ -61,16 +61,8 @@ def _decode_split_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
 ):
-    # heads_first (a runtime flag: no recompile): the grid is (KV heads, sequences, splits), so the programs the
-    # GPU runs side by side read the same tokens' K/V rows for neighbouring heads (contiguous in the cache), not
-    # one head's slice of many sequences' rows
-    first, second = tl.program_id(0), tl.program_id(1)
-    b = tl.where(heads_first != 0, second, first)
-    h = tl.where(heads_first != 0, first, second)
-    num_kv_heads = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
-    s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start, end, chunk = split_range(seq_len, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    b, h, num_kv_heads, s, seq_len, start, end, chunk = split_program(heads_first, seq_lens_ptr, window, NUM_SPLITS,
+                                                                      BLOCK_N, HAS_WINDOW)
 
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D_P)

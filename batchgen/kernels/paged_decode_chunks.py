@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_tiles import rope_tables, rotated_load, softmax_step, split_range, store_partials
+from batchgen.kernels.decode_tiles import rope_tables, rotated_load, softmax_step, split_program, store_partials
 from batchgen.kernels.paged_prefill import paged_kv_tile, softcapped
 
 
@@ -65,13 +65,8 @@ def _decode_chunks_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    first, second = tl.program_id(0), tl.program_id(1)
-    b = tl.where(heads_first != 0, second, first)
-    h = tl.where(heads_first != 0, first, second)
-    num_kv_heads = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
-    s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start, end, chunk = split_range(seq_len, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    b, h, num_kv_heads, s, seq_len, start, end, chunk = split_program(heads_first, seq_lens_ptr, window, NUM_SPLITS,
+                                                                      BLOCK_N, HAS_WINDOW)
 
     g = tl.arange(0, GROUP_P)
     g_mask = g < GROUP
