@@ -296,6 +296,8 @@ def main() -> None:
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
     ap.add_argument("--shapes", default="32:768,256:160,256:512", help="sequences:context pairs")
     ap.add_argument("--grid", choices=("full", "all", "small"), default="full")
+    ap.add_argument("--no-chunked-heads", action="store_true",
+                    help="do not offer DecodeLaunch.chunked_head candidates (heads of a dim not a power of two)")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
     ap.add_argument("--write-table", metavar="PATH",
@@ -320,7 +322,7 @@ def main() -> None:
             num_seqs, context = (int(x) for x in shape.split(":"))
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
             candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads,
-                                  chunked=head_dim & (head_dim - 1) != 0)
+                                  chunked=head_dim & (head_dim - 1) != 0 and not args.no_chunked_heads)
             failed = {}
             if pool:
                 t0 = time.time()

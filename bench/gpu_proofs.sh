@@ -52,6 +52,7 @@ FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b
 BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
 SWEEP_GEOMS=${SWEEP_GEOMS:-starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b}
 BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto}
+CHUNK_SWEEP_FLAGS=${CHUNK_SWEEP_FLAGS:-}  # e.g. --no-chunked-heads: the chunks section's sweep offers the fused merge only
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
@@ -89,7 +90,7 @@ for section in "${sections[@]}"; do
     chunks) step chunk_tests 240 python3 -m pytest -q -m gpu tests/test_decode_chunks.py -rfE -p no:cacheprovider
          step chunk_sweep 240 python3 bench/decode_attention_sweep.py --geometries phi3-mini,qwen2-7b,starcoder2-7b \
            --shapes 32:768,256:512 --compile-workers 12 --write-table batchgen/kernels/decode_launches.json \
-           --json "$LOGS/chunk_sweep.json"
+           --json "$LOGS/chunk_sweep.json" $CHUNK_SWEEP_FLAGS
          cp batchgen/kernels/decode_launches.json "$OUT/"
          for g in phi3-mini qwen2-7b starcoder2-7b; do
            step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \

@@ -77,13 +77,18 @@ def test_splitk_gemm_matches_the_w8a8_reference_under_triton_interpreter():
     run_under_interpreter(INTERPRET_SCRIPT, timeout=300)
 
 
-def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_whole_scale_blocks():
-    want = {"qkv": 4, "o": 8, "gate_up": 1, "down": 7}  # 384, 512, 448, 448 programs at M <= 64 on 132 SMs
+def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_at_least_eight_scale_blocks():
+    # 384, 256, 448, 448 programs at M <= 64 on 132 SMs; o: 8 splits would give 2 a SM but 4 blocks a split
+    want = {"qkv": 4, "o": 4, "gate_up": 1, "down": 7}
     for name, (n, k) in SHAPES_8B.items():
         for m in (1, 32, 64):
             cfg = splitk_config(m, n, k, 128, 132)
             assert cfg.splits == want[name] and (k // 128) % cfg.splits == 0, (name, m, cfg)
-            assert -(-n // cfg.block_n) * cfg.splits >= 2 * 132 and cfg.stages >= 4
+            assert (k // 128) // cfg.splits >= 8 and cfg.stages == 4
+            assert -(-n // cfg.block_n) * cfg.splits >= (2 * 132 if name != "o" else 256)
+    # Qwen2-7B: down's 148 blocks (4 x 37) split unevenly in 5; o's 28 blocks in at most 3 (uneven: 10, 10, 8)
+    assert splitk_config(32, 3584, 18944, 128, 132).splits == 5
+    assert splitk_config(32, 3584, 3584, 128, 132).splits == 3 and split_sizes(28, 3) == (10, 3)
     assert split_sizes(5, 3) == (2, 3) and split_sizes(5, 4) == (2, 3) and split_sizes(4, 9) == (1, 4)
 
 

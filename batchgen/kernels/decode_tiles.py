@@ -151,11 +151,13 @@ def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: 
 
 
 @triton.jit
-def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr, CACHE: tl.constexpr = ""):
+def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr, CACHE: tl.constexpr):
     """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
     order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
-    the same bits across launches keep S fixed. CACHE: the loads' cache modifier (".cg": past L1, for partials
-    other programs of the same launch wrote)."""
+    the same bits across launches keep S fixed. CACHE: the loads' cache modifier ("": the default; ".cg": past L1,
+    for partials other programs of the same launch wrote). Hazard: no default value: Triton's GPU compiler passes
+    a jit helper's defaults as plain Python values (a str here has no `.type`), while the interpreter accepts
+    them, so a default breaks only on the GPU (tests/test_kernels_compile_for_hopper.py catches it on CPU)."""
     m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"), cache_modifier=CACHE)
     l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0, cache_modifier=CACHE)
     acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0,

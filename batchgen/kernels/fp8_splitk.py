@@ -53,10 +53,11 @@ class SplitKConfig(NamedTuple):
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
     """Default launch config: 64-column tiles; splits: splitk_common.split_count (the fewest giving >= 2 programs
     per SM, dividing K's scale blocks evenly where that costs at most twice as many; 1 where the column tiles
-    alone do: gate_up); 5 stages (4 at BLOCK_M 64)."""
+    alone do: gate_up; never under 8 blocks a split); 4 warps, 4 stages (the H200 sweep of session 13,
+    bench/fp8_gemm.py --sweep: 4 stages at least as fast as 5 or 6 at every Llama-8B shape, M 16-64)."""
     block_n = 64
     splits = split_count(m, n, -(-k // block_k), block_n, sms)
-    return SplitKConfig(block_n, splits, 4, 5 if block_m_for(m) <= 32 else 4)
+    return SplitKConfig(block_n, splits, 4, 4)
 
 
 if triton is not None:

@@ -134,7 +134,7 @@ def _decode_merge_kernel(
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_P)
     part = (b * NUM_KV_HEADS + h) * NUM_SPLITS + s  # [S]
-    out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, s < NUM_SPLITS, d, D_P)
+    out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, s < NUM_SPLITS, d, D_P, "")
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
