@@ -174,10 +174,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("model"))
 
 
-def run_under_interpreter(script: str, *args: str, timeout: int = 900) -> None:
-    """Run `script` (python -c, with `args`) under TRITON_INTERPRET=1 from the repository root; it must print ok.
-    The variable is read when triton is imported: hence a fresh interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+# what a script runs first in Hopper compile mode (tests/hopper_compile.py)
+HOPPER_PRELUDE = "import sys; sys.path.insert(0, 'tests'); import hopper_compile; hopper_compile.install()\n"
+
+
+def run_under_interpreter(script: str, *args: str, timeout: int = 900, hopper: bool = True) -> None:
+    """Run `script` (python -c, with `args`) from the repository root with its Triton kernels interpreted on CPU;
+    it must print ok. A fresh interpreter: the mode is chosen when triton is imported. hopper (the default): each
+    launch is first compiled for sm_90 as on an H100 / H200 (tests/hopper_compile.py), so code that only the GPU
+    compiler refuses fails here too; False: plain TRITON_INTERPRET=1 (a script that starts processes of its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if hopper:
+        script = HOPPER_PRELUDE + script
+    else:
+        env["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=timeout)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
