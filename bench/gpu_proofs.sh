@@ -29,8 +29,7 @@
 #   bash bench/gpu_proofs.sh fp8bigjob  # issue 19: the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
 #   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
-#   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (the default at <= 32 rows; with and without its fused
-#                                       # reduce, never run on a GPU) vs cuBLAS / Triton at M 16-64, sweep
+#   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
