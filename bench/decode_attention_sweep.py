@@ -49,7 +49,6 @@ from batchgen.kernels.decode_launch import DecodeLaunch, heuristic_launch, parse
 BLOCK_SIZE = 16  # the engine's KV block size
 MIN_GAIN = 0.03  # a table entry only for a launch at least this much faster than the heuristic's
 LAUNCH_FIELDS = tuple(f.name for f in fields(DecodeLaunch))
-LAUNCH_DEFAULTS = {f.name: f.default for f in fields(DecodeLaunch)}  # for reports written before a field existed
 ABOUT = ("Decode attention launches measured on the GPU; kernels/decode_launch.default_launch reads them. Written by "
          "bench/decode_attention_sweep.py --write-table.")
 
@@ -68,17 +67,14 @@ CUDA_CORE_TILES = ((16, 2), (32, 2), (32, 4), (64, 4))
 HEAD_BLOCK_TILES = ((16, 2), (16, 4), (32, 4))
 
 
-def launches(grid: str, mha: bool, programs: int, chunked: bool = False) -> list[DecodeLaunch]:
+def launches(grid: str, mha: bool, programs: int) -> list[DecodeLaunch]:
     """The candidate launches. 'full': tensor-core tiles at 1-4 context splits and 2-3 stages, and 8-16 splits
     where (sequences x KV heads) `programs` < 256 would leave SMs idle (Qwen2's 4 and Starcoder2's 2 KV heads);
     'all': also the CUDA-core tiles (`mma=False`) and, for MHA geometries, 2 or 4 KV heads a program (kernels/
     paged_decode_heads.py), which lost at every shape of session 10's H200 sweep; 'small': one split or two, 2
-    stages. `chunked` (a head dim that is not a power of two): every one-head-a-program candidate also as two
-    power-of-two chunks (DecodeLaunch.chunked_head, kernels/paged_decode_chunks.py). Every padded one-head
-    candidate with several splits also merges in its last split program (DecodeLaunch.fused_merge)."""
+    stages."""
     if grid == "small":
-        out = [DecodeLaunch(sp, n, w, 2) for sp, (n, w) in itertools.product((1, 2), TENSOR_CORE_TILES)]
-        return with_variants(out, chunked)
+        return [DecodeLaunch(sp, n, w, 2) for sp, (n, w) in itertools.product((1, 2), TENSOR_CORE_TILES)]
     splits = (1, 2, 4, 8, 16) if programs < 256 else (1, 2, 4)
     out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, (2, 3))]
     if grid == "all":
@@ -86,16 +82,7 @@ def launches(grid: str, mha: bool, programs: int, chunked: bool = False) -> list
         if mha:
             out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
                     for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
-    return with_variants(out, chunked)
-
-
-def with_variants(out: list[DecodeLaunch], chunked: bool) -> list[DecodeLaunch]:
-    """`out`, then its one-head candidates as chunked heads (where `chunked`), then its padded one-head candidates
-    with several splits merging in the last split (fused_merge)."""
-    one_head = [x for x in out if x.heads_per_program == 1]
-    chunks = [replace(x, chunked_head=True) for x in one_head] if chunked else []
-    merged = [replace(x, fused_merge=True) for x in one_head if x.num_splits > 1]
-    return out + chunks + merged
+    return out
 
 
 @dataclass
@@ -249,7 +236,7 @@ def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: fl
                          + (f" (its entry at context {old[0]['context']} dropped)" if old else ""))
             continue
         out.append({"head_dim": k[0], "num_kv_heads": k[1], "group": k[2], "num_seqs": k[3], "context": context,
-                    "launch": {f: best.get(f, LAUNCH_DEFAULTS[f]) for f in LAUNCH_FIELDS}, "us": best["us"], "default_us": default["us"],
+                    "launch": {f: best[f] for f in LAUNCH_FIELDS}, "us": best["us"], "default_us": default["us"],
                     "device": device})
         notes.append(f"{name}: entry written" + (f" (replaces its entry at context {old[0]['context']})" if old else ""))
     return sorted(out, key=key), notes
@@ -296,8 +283,6 @@ def main() -> None:
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
     ap.add_argument("--shapes", default="32:768,256:160,256:512", help="sequences:context pairs")
     ap.add_argument("--grid", choices=("full", "all", "small"), default="full")
-    ap.add_argument("--no-chunked-heads", action="store_true",
-                    help="do not offer DecodeLaunch.chunked_head candidates (heads of a dim not a power of two)")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
     ap.add_argument("--write-table", metavar="PATH",
@@ -321,8 +306,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             num_seqs, context = (int(x) for x in shape.split(":"))
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
-            candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads,
-                                  chunked=head_dim & (head_dim - 1) != 0 and not args.no_chunked_heads)
+            candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads)
             failed = {}
             if pool:
                 t0 = time.time()

@@ -10,8 +10,7 @@ over pre-quantised activations (blk - gemm = the quantiser); `cublas`: the same 
 `smm`: fp8 per-channel, per-token quantiser + torch._scaled_mm row-wise (the default per-channel path); `chT`: fp8
 per-channel through the Triton path (per-channel weights with fp16/fp32 activations); `splitk`: fp8 block 128x128,
 the group quantiser + the split-K GEMM of kernels/fp8_splitk.py with its default config (+ its reduction kernel
-where it splits; the default path at M <= 32); `splitkF`: the same with SplitKConfig.fused_reduce (each tile's
-last split program sums the partials: no reduction kernel). Each variant calls its kernel functions directly, whatever
+where it splits; the default path at M <= 32). Each variant calls its kernel functions directly, whatever
 kernels/fp8_gemm.gemm_path would pick.
 
 Times, ms per call, two ways: `graph`: CALLS calls captured in one CUDA graph, replays timed with CUDA events,
@@ -157,9 +156,6 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
             r["splitk_config"] = list(splitk_config(m, n, k, 128, fp8_gemm._num_sms(0)))
             r["splitk_err"] = rel_err(splitk_scaled_matmul(x, wb, sb, 128, 128), ref_b)
             variants["splitk"] = (lambda i: splitk_scaled_matmul(x, *block[i], 128, 128), copies, 1)
-            fused = splitk_config(m, n, k, 128, fp8_gemm._num_sms(0))._replace(fused_reduce=True)
-            r["splitkF_err"] = rel_err(splitk_scaled_matmul(x, wb, sb, 128, 128, config=fused), ref_b)
-            variants["splitkF"] = (lambda i: splitk_scaled_matmul(x, *block[i], 128, 128, config=fused), copies, 1)
         for key, (fn, ncopies, bytes_per) in variants.items():
             try:
                 r[f"{key}_graph_ms"] = time_graph_ms(fn, ncopies)
@@ -250,7 +246,7 @@ def main() -> None:
         if args.json:  # after every shape: a run cut by its time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"rows": rows, "sweep": sweeps}, f, indent=1)
-    keys = ["bf16", "blk", "gemm", "cublas", "splitk", "splitkF", "smm", "chT"]
+    keys = ["bf16", "blk", "gemm", "cublas", "splitk", "smm", "chT"]
     if rows:
         for mode in ("graph", "eager"):
             print(f"\nms per call, {mode}" + (" (CUDA-graph replay of 20 calls)" if mode == "graph" else

@@ -17,11 +17,6 @@
 #                                       # phi3-mini, olmo2-7b at 32:768 and
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
 #                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
-#   bash bench/gpu_proofs.sh chunks     # issue 15: the chunked-head decode attention (Phi-3's 96 dims as 64 + 32, not
-#                                       # padded to 128) and the fused merge (the last split merges; Qwen2 /
-#                                       # Starcoder2's few KV heads), never run on a GPU: their GPU tests, a sweep of
-#                                       # phi3-mini, qwen2-7b, starcoder2-7b that offers both to the launch table,
-#                                       # then W1 of the three (~6 min)
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
 #   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
@@ -34,8 +29,7 @@
 #   bash bench/gpu_proofs.sh fp8bigjob  # issue 19: the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
 #   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
-#   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (the default at <= 32 rows; with and without its fused
-#                                       # reduce, never run on a GPU) vs cuBLAS / Triton at M 16-64, sweep
+#   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
@@ -52,7 +46,6 @@ FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b
 BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
 SWEEP_GEOMS=${SWEEP_GEOMS:-starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b}
 BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto}
-CHUNK_SWEEP_FLAGS=${CHUNK_SWEEP_FLAGS:-}  # e.g. --no-chunked-heads: the chunks section's sweep offers the fused merge only
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
@@ -87,14 +80,6 @@ for section in "${sections[@]}"; do
              --geometries "$SWEEP_GEOMS" --shapes 32:768,256:512 \
              --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
          cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
-    chunks) step chunk_tests 240 python3 -m pytest -q -m gpu tests/test_decode_chunks.py -rfE -p no:cacheprovider
-         step chunk_sweep 240 python3 bench/decode_attention_sweep.py --geometries phi3-mini,qwen2-7b,starcoder2-7b \
-           --shapes 32:768,256:512 --compile-workers 12 --write-table batchgen/kernels/decode_launches.json \
-           --json "$LOGS/chunk_sweep.json" $CHUNK_SWEEP_FLAGS
-         cp batchgen/kernels/decode_launches.json "$OUT/"
-         for g in phi3-mini qwen2-7b starcoder2-7b; do
-           step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
-             --json "$LOGS/w1-$g.json"; done ;;
     families) for g in $FAMILIES; do
         step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$LOGS/w1-$g.json"; done ;;
@@ -139,6 +124,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep chunks families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm detcheck detcost det)"; exit 2 ;;
   esac
 done

@@ -41,13 +41,6 @@ class DecodeLaunch:
     # > 1 (MHA models only, a power of two dividing the KV heads): that many KV heads a program, each token's
     # slices of them read as one contiguous run (kernels/paged_decode_heads.py; CUDA cores, heads_first unused)
     heads_per_program: int = 1
-    # head dims that are not a power of two (Phi-3's 96): the head as two power-of-two chunks (kernels/
-    # paged_decode_chunks.py) instead of padded to the next power of two; one KV head a program. A q/k norm
-    # (none of today's models has one with such a head) keeps the padded kernel.
-    chunked_head: bool = False
-    # with several splits: the last split program of each (sequence, KV head) merges the splits itself
-    # (decode_tiles.merge_if_last) instead of a second kernel; one KV head a program, padded heads
-    fused_merge: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,11 +166,7 @@ _LAUNCH_KEYS = {
     "mma": (lambda v: isinstance(v, bool), "a bool"),
     "heads_first": (lambda v: isinstance(v, bool), "a bool"),
     "heads_per_program": (lambda v: type(v) is int and _pow2(v), "a power of two"),
-    "chunked_head": (lambda v: isinstance(v, bool), "a bool"),
-    "fused_merge": (lambda v: isinstance(v, bool), "a bool"),
 }
-# absent from tables written before the keys existed
-_OPTIONAL_LAUNCH_KEYS = {"chunked_head": False, "fused_merge": False}
 assert set(_LAUNCH_KEYS) == {f.name for f in fields(DecodeLaunch)}
 
 
@@ -204,19 +193,12 @@ def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: not an object")
         _check_keys(raw, _ENTRY_KEYS, where)
-        launch = {**_OPTIONAL_LAUNCH_KEYS, **raw["launch"]}
-        _check_keys(launch, _LAUNCH_KEYS, where, "launch.")
-        entry = TableEntry(**{**raw, "launch": DecodeLaunch(**launch)})
+        _check_keys(raw["launch"], _LAUNCH_KEYS, where, "launch.")
+        entry = TableEntry(**{**raw, "launch": DecodeLaunch(**raw["launch"])})
         heads = entry.launch.heads_per_program
         if heads > 1 and (entry.group != 1 or entry.num_kv_heads % heads or entry.launch.heads_first):
             raise ValueError(f"{where}: key 'launch.heads_per_program' is {heads}: for MHA (group 1) only, dividing "
                              f"the KV heads, without heads_first")
-        if entry.launch.chunked_head and (heads > 1 or _pow2(entry.head_dim) or entry.head_dim < 16):
-            raise ValueError(f"{where}: key 'launch.chunked_head' is true: for head dims of 16 or more that are not "
-                             f"a power of two (here {entry.head_dim}), one KV head a program")
-        if entry.launch.fused_merge and (heads > 1 or entry.launch.chunked_head):
-            raise ValueError(f"{where}: key 'launch.fused_merge' is true: for one KV head a program with padded "
-                             f"heads (not with heads_per_program {heads} or chunked_head)")
         key = (entry.head_dim, entry.num_kv_heads, entry.group, entry.num_seqs)
         if key in seen:
             raise ValueError(f"{where}: key 'num_seqs': (head_dim, num_kv_heads, group, num_seqs) {key} is also "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.arrival import arrive_last
 from batchgen.kernels.paged_prefill import paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
 
@@ -151,35 +150,14 @@ def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: 
 
 
 @triton.jit
-def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr, CACHE: tl.constexpr):
+def merge_partials(acc_ptr, m_ptr, l_ptr, rows, rows_ok, d, D_P: tl.constexpr):
     """One query head's attention output [D_P] (fp32) from its splits' partials at workspace rows [S] (split
     order); a split where not rows_ok counts as empty. The reduction's shape is S (a constexpr): callers that need
-    the same bits across launches keep S fixed. CACHE: the loads' cache modifier ("": the default; ".cg": past L1,
-    for partials other programs of the same launch wrote). Hazard: no default value: Triton's GPU compiler passes
-    a jit helper's defaults as plain Python values (a str here has no `.type`), while the interpreter accepts
-    them, so a default breaks only on the GPU (tests/test_kernels_compile_for_hopper.py catches it on CPU)."""
-    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0,
-                  cache_modifier=CACHE)  # [S, D_P]
+    the same bits across launches keep S fixed."""
+    m = tl.load(m_ptr + rows, mask=rows_ok, other=float("-inf"))
+    l = tl.load(l_ptr + rows, mask=rows_ok, other=0.0)
+    acc = tl.load(acc_ptr + rows[:, None] * D_P + d[None, :], mask=rows_ok[:, None], other=0.0)  # [S, D_P]
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     denom = tl.sum(w * l, axis=0)
     return tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-
-
-@triton.jit
-def merge_if_last(acc_ptr, m_ptr, l_ptr, out_ptr, counter_ptr, part0, b, h, stride_ob, stride_oh,
-                  GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
-    """The merge kernel's work done by the last of a (sequence b, KV head h)'s NUM_SPLITS programs to finish
-    (DecodeLaunch.fused_merge: one launch a layer fewer; kernels/arrival.py). Call after this program stored its
-    partials (rows (part0 + split) * GROUP_P + g); counter_ptr: this (b, h)'s arrival count. The merge reads the
-    splits in split order whichever program is last: the output's bits do not depend on timing."""
-    if arrive_last(counter_ptr, NUM_SPLITS):
-        s = tl.arange(0, NUM_SPLITS)
-        d = tl.arange(0, D_P)
-        for g in range(GROUP):  # a loop, not unrolled: MQA-size groups would multiply the code
-            out = merge_partials(acc_ptr, m_ptr, l_ptr, (part0 + s) * GROUP_P + g, s < NUM_SPLITS, d, D_P, ".cg")
-            tl.store(out_ptr + b * stride_ob + (h * GROUP + g) * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                     mask=d < HEAD_DIM)

@@ -27,7 +27,6 @@ import torch
 from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
 # the split rule, tile epilogue and reduce (splitk_common.py); num_sms and split_sizes re-exported (fp8_gemm and the
 # benches import them here)
-from batchgen.kernels.arrival import arrival_counters
 from batchgen.kernels.splitk_common import (block_m_for, device_sms, num_sms, reduce_splits, split_count, split_sizes,
                                            store_tile, workspace)
 
@@ -45,9 +44,6 @@ class SplitKConfig(NamedTuple):
     splits: int  # requested K splits; the launch uses ceil(blocks / ceil(blocks / splits)): none empty
     warps: int
     stages: int
-    # several splits: each tile's last split program sums the partials (splitk_common.reduce_tile) instead of the
-    # reduction kernel; the same bits, one launch fewer. Not yet measured on a GPU: bench/fp8_gemm.py times both
-    fused_reduce: bool = False
 
 
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
@@ -61,9 +57,6 @@ def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) ->
 
 
 if triton is not None:
-    from batchgen.kernels.arrival import arrive_last
-    from batchgen.kernels.splitk_common import reduce_tile
-
     @triton.jit
     def scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n, kb_first, kb_end, M, N, K,
                           stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
@@ -93,15 +86,12 @@ if triton is not None:
         store_tile(acc, bias_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, HAS_BIAS, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, counter_ptr, M, N, K, per_split,
-                       stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
-                       group_n, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, REDUCE_BIAS: tl.constexpr):
+    def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
+                       stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program (column tile, split, row tile): the sum over its k blocks kb of
         (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
-        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored.
-        FUSED_REDUCE: the tile's last split program then writes out [M, N] = the partials summed in split order
-        (+ bias where REDUCE_BIAS); counter_ptr: one arrival count per (row tile, column tile)."""
+        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         kb_first = split * per_split
@@ -110,11 +100,6 @@ if triton is not None:
                           tl.program_id(2), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                           BLOCK_K)
-        if FUSED_REDUCE:
-            tile = tl.program_id(2) * tl.num_programs(0) + pid_n
-            if arrive_last(counter_ptr + tile, tl.num_programs(1)):
-                reduce_tile(c_ptr, bias_ptr, out_ptr, tl.program_id(2), pid_n, M, N, tl.num_programs(1), REDUCE_BIAS,
-                            BLOCK_M, BLOCK_N)
 
 
 def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
@@ -135,15 +120,12 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     part = workspace(out, splits)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
-    fused = cfg.fused_reduce and splits > 1
-    counters = arrival_counters(xq.device, grid[0] * grid[2]) if fused else part
-    _splitk_kernel[grid](xq, x_scale, weight, scale, bias if bias is not None else scale, part, out, counters, m, n,
-                         k, per_split, xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0),
-                         stride_bsn, stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
-                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, FUSED_REDUCE=fused,
-                         REDUCE_BIAS=fused and bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
-    if not fused:
-        reduce_splits(part, bias, out)
+    _splitk_kernel[grid](xq, x_scale, weight, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
+                         xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
+                         stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
+                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.warps,
+                         num_stages=cfg.stages)
+    reduce_splits(part, bias, out)
     return out
 
 

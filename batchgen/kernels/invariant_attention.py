@@ -111,7 +111,7 @@ if triton is not None:
             s = tl.arange(0, MAX_SPLITS)
             d = tl.arange(0, D_P)
             part = (r * NUM_KV_HEADS + hq // GROUP) * num_splits + s  # [MAX_SPLITS]
-            out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP + hq % GROUP, s < n_splits, d, D_P, "")
+            out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP + hq % GROUP, s < n_splits, d, D_P)
             tl.store(out_ptr + t * stride_ot + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                      mask=d < HEAD_DIM)
 

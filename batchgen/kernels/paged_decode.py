@@ -2,11 +2,9 @@
 
 Split-K over the context: program (seq, kv_head, split) (or (kv_head, seq, split): DecodeLaunch.heads_first)
 streams its slice of the sequence's K/V once for all G query heads that share that KV head (GQA), keeping an
-online softmax; a second kernel merges the splits (or, DecodeLaunch.fused_merge, the last split program of each
-(sequence, KV head) does: decode_tiles.merge_if_last). MHA models may instead take several KV heads a program
-(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py), and heads of a dim that is not a power of two
-may run as two power-of-two chunks instead of padded (DecodeLaunch.chunked_head: kernels/paged_decode_chunks.py).
-The launch (splits, tile, warps, stages, those options) comes from `default_launch` (kernels/decode_launch.py: a measured table, else a heuristic) unless the
+online softmax; a second kernel merges the splits. MHA models may instead take several KV heads a program
+(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py). The launch (splits, tile, warps, stages, those
+options) comes from `default_launch` (kernels/decode_launch.py: a measured table, else a heuristic) unless the
 caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
 output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
 and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
@@ -34,11 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.arrival import arrival_counters
 from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
-from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_if_last, merge_partials,
-                                          normed_rotated_load, rope_tables, rotated_load, split_program, store_partials)
-from batchgen.kernels.paged_decode_chunks import launch_chunks_kernel
+from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated_load,
+                                          rope_tables, rotated_load, split_program, store_partials)
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
 from batchgen.kernels.rope_kv import QKNorm
 
@@ -49,7 +45,6 @@ from batchgen.kernels.rope_kv import QKNorm
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     acc_ptr, m_ptr, l_ptr, out_ptr,
-    counter_ptr,  # FUSED_MERGE only: [num_seqs * num_kv_heads] int32 arrival counts, zeros (kernels/arrival.py)
     cos_ptr, sin_ptr, slot_ptr,  # FUSE_ROPE only
     qk_norm_ptr, norm_eps,  # HAS_QK_NORM only: QKNorm's [2, HEAD_DIM] weights (q row, k row) and eps
     scale, softcap, window, heads_first,
@@ -59,7 +54,6 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     b, h, num_kv_heads, s, seq_len, start, end, chunk = split_program(heads_first, seq_lens_ptr, window, NUM_SPLITS,
                                                                       BLOCK_N, HAS_WINDOW)
@@ -115,9 +109,6 @@ def _decode_split_kernel(
     # would write up to 4x the partials the merge reads).
     part = (b * num_kv_heads + h) * NUM_SPLITS + s  # index of this (seq, kv head, split)
     store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, g_mask, d, D_P)
-    if FUSED_MERGE:
-        merge_if_last(acc_ptr, m_ptr, l_ptr, out_ptr, counter_ptr + b * num_kv_heads + h, part - s, b, h,
-                      stride_ob, stride_oh, GROUP, GROUP_P, HEAD_DIM, D_P, NUM_SPLITS)
 
 
 @triton.jit
@@ -134,7 +125,7 @@ def _decode_merge_kernel(
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_P)
     part = (b * NUM_KV_HEADS + h) * NUM_SPLITS + s  # [S]
-    out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, s < NUM_SPLITS, d, D_P, "")
+    out = merge_partials(acc_ptr, m_ptr, l_ptr, part * GROUP_P + g, s < NUM_SPLITS, d, D_P)
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -212,12 +203,6 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     if heads > 1 and qk_norm is not None:
         raise ValueError(f"DecodeLaunch.heads_per_program {heads}: the several-heads kernel has no q/k norm "
                          f"(Qwen3, Gemma3); one KV head a program")
-    if launch.fused_merge and (heads > 1 or launch.chunked_head):
-        raise ValueError(f"DecodeLaunch.fused_merge: for one KV head a program with padded heads (here "
-                         f"heads_per_program {heads}, chunked_head {launch.chunked_head})")
-    if launch.chunked_head and (heads > 1 or head_dim & (head_dim - 1) == 0 or head_dim < 16):
-        raise ValueError(f"DecodeLaunch.chunked_head: for head dims of 16 or more that are not a power of two (here "
-                         f"{head_dim}), one KV head a program (here {heads})")
     group_p = triton.next_power_of_2(group)
     if launch.mma and heads == 1:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
@@ -249,23 +234,10 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
             FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
             **options,
         )
-    elif launch.chunked_head and qk_norm is None:  # (with a q/k norm: the padded kernel below)
-        grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
-        launch_chunks_kernel(
-            grid, (q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
-                   softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
-                   out.stride(1), stride_cs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   block_tables.stride(0)),
-            head_dim, GROUP=group, GROUP_P=group_p, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-            NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_WINDOW=sliding_window is not None, **options,
-        )
     else:
         grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
-        fused_merge = launch.fused_merge and num_splits > 1
-        counters = arrival_counters(dev, num_seqs * num_kv_heads) if fused_merge else seq_lens
         _decode_split_kernel[grid](
-            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, counters, cos, sin, slots,
+            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots,
             *(qk_norm[:2] if qk_norm is not None else (q_src, 0.0)), scale,
             softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
             out.stride(1), stride_cs,
@@ -273,10 +245,8 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
             GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
             NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
             HAS_WINDOW=sliding_window is not None, HAS_QK_NORM=qk_norm is not None,
-            QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset, FUSED_MERGE=fused_merge, **options,
+            QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset, **options,
         )
-        if fused_merge:
-            return out
     if num_splits == 1:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](

@@ -4,10 +4,8 @@ from its FP8 specifics.
 The scheme: program (column tile, split, row tile) accumulates in fp32 over its range of K blocks; with SPLITS > 1
 it writes its fp32 partial to a workspace [SPLITS, M, N] (torch.empty: no memset, no host sync, CUDA-graph
 capturable) and a second small kernel sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32
-and rounds once to the output dtype: deterministic, independent of program order. With SPLITS 1 the GEMM kernel
-does that epilogue itself (`store_tile`, one launch). Or (SplitKConfig.fused_reduce) the last of a tile's split
-programs to finish sums the tile's partials itself, in the same order (`reduce_tile`, kernels/arrival.py), and
-the second kernel does not run: the same bits, one launch fewer.
+and rounds once to the output dtype. No atomics: deterministic, independent of program order. With SPLITS 1 the
+GEMM kernel does that epilogue itself (`store_tile`, one launch).
 
 SPLITS per (M, N, K) (`split_count`): the fewest that give >= 2 programs per SM, dividing K's blocks evenly where
 that costs at most twice as many splits, and never fewer than MIN_BLOCKS_PER_SPLIT blocks a split.
@@ -87,23 +85,6 @@ if triton is not None:
             acc += tl.load(bias_ptr + cols % N).to(tl.float32)[None, :]
         out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-    @triton.jit
-    def reduce_tile(p_ptr, bias_ptr, c_ptr, pid_m, pid_n, M, N, splits, HAS_BIAS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Tile (pid_m, pid_n) of c [M, N] = (sum over s = 0, 1, ... of partial [s, M, N], in that order, fp32)
-        + bias, rounded once: _splitk_reduce_kernel's sum, for the tile's last split program (the partials of
-        the others read past L1)."""
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        acc = tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            acc += tl.load(p_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols % N).to(tl.float32)[None, :]
-        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _splitk_reduce_kernel(p_ptr, bias_ptr, c_ptr, N, MN, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
