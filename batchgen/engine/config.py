@@ -1,5 +1,6 @@
 """EngineConfig: the engine's knobs. None of them changes what is generated, only how fast, except
-`deterministic`, which picks other numerics (batch-invariant kernels) and is part of a job's fingerprint.
+`deterministic`, which picks other numerics (batch-invariant kernels), and `kv_cache_dtype: fp8`, which rounds
+every cached key and value to fp8: both are part of a job's fingerprint.
 
 The one definition of these settings: the job file's `engine:` section is this model (YAML names `async` for
 `async_pipeline`), so a new knob is a field here plus its use.
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batchgen.kernels.paged_attention_ref import KV_FP8
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -44,6 +48,10 @@ class EngineConfig(BaseModel):
     # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8_splitk.py) at every
     # batch size. Same checkpoint semantics (activations quantised per token and 128 columns) on every path
     fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = "auto"
+    # the K/V cache's element type: auto = the model's dtype; fp8 = float8_e4m3fn, one byte an element (twice the
+    # blocks in the same memory, half the bytes a decode step reads), scale 1 (values past +-448 saturate); the
+    # attention kernels upcast what they read. Changes the numerics: part of a job's fingerprint
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 
     @model_validator(mode="after")
     def _deterministic_needs_the_fused_decoder(self) -> EngineConfig:
@@ -71,6 +79,10 @@ class EngineConfig(BaseModel):
             raise ValueError(f"engine.tensor_parallel_size {self.tensor_parallel_size} runs the fused decoders' "
                              f"sharded layers; {key} runs transformers' modules, which are not sharded")
         return self
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The K/V cache's element type for a model of `model_dtype` (kv_cache_dtype)."""
+        return KV_FP8 if self.kv_cache_dtype == "fp8" else model_dtype
 
     def context_length(self, model_config) -> int:
         """Tokens a sequence may hold: max_model_len, else the model's max_position_embeddings."""

@@ -125,6 +125,7 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
         valid = pos < end
         k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, h, stride_kn, stride_kb, stride_kh, d,
                              d_mask, BLOCK_SIZE)  # [BLOCK_N, D_P] each
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
         if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
             scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)

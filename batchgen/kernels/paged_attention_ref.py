@@ -11,12 +11,27 @@ import torch
 import torch.nn.functional as F
 
 
+KV_FP8 = torch.float8_e4m3fn  # engine.kv_cache_dtype: fp8 (scale 1: values past FP8_MAX saturate)
+FP8_MAX = 448.0  # its largest finite value (kernels/rope_kv.py's as_cached saturates there too)
+
+
+def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: an fp8 cache saturates at +-FP8_MAX, clamped here so that every device
+    and kernel (kernels/rope_kv.py's as_cached) rounds a value past it alike."""
+    if dtype == KV_FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
+    return x.to(dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache: [num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]; slot_mapping: [T] int64."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        rows, new = cache.view(-1, num_kv_heads, head_dim), as_cached(new, cache.dtype)
+        if cache.dtype == KV_FP8:  # torch has no fp8 index_copy_ on CPU: the same bytes as uint8
+            rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, new)
 
 
 def paged_attention_ref(

@@ -36,7 +36,7 @@ from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa:
 from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated_load,
                                           rope_tables, rotated_load, split_program, store_partials)
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
-from batchgen.kernels.rope_kv import QKNorm
+from batchgen.kernels.rope_kv import QKNorm, as_cached
 
 
 # heads_first: one compiled kernel for both grid orders; stride_bt: an eager step's block tables are as wide as
@@ -82,9 +82,8 @@ def _decode_split_kernel(
             q = rotated_load(q_rows + d[None, :], q_rows + partner[None, :], q_mask, cos[None, :], sin[None, :],
                              sign[None, :])  # [GROUP_P, D_P]
             k_new = rotated_load(k_row + d, k_row + partner, d_mask & has_new, cos, sin, sign)
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        k_new = as_cached(k_new, k_cache_ptr)  # as stored: an fp8 cache's rounding is attended to from registers
+        v_new = as_cached(tl.load(k_row + num_kv_heads * HEAD_DIM + d, mask=d_mask & has_new, other=0.0), v_cache_ptr)
         slot = tl.load(slot_ptr + b, mask=has_new, other=0).to(tl.int64)  # = block * BLOCK_SIZE + offset
     else:
         q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [GROUP_P, D_P]
@@ -98,7 +97,7 @@ def _decode_split_kernel(
             tl.store(k_cache_ptr + slot * stride_kb + h * stride_kh + d, k_new, mask=d_mask)
             tl.store(v_cache_ptr + slot * stride_kb + h * stride_kh + d, v_new, mask=d_mask)
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [GROUP_P]
-            acc, m_i, l_i = fold_new_key(score, v_new[None, :], acc, m_i, l_i, softcap, HAS_SOFTCAP)
+            acc, m_i, l_i = fold_new_key(score, v_new.to(q.dtype)[None, :], acc, m_i, l_i, softcap, HAS_SOFTCAP)
 
     if NUM_SPLITS == 1:  # the whole context is here: the output itself (an empty sequence's l is 0: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

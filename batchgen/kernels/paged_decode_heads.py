@@ -21,6 +21,7 @@ import triton.language as tl
 
 from batchgen.kernels.decode_tiles import (fold_new_key, rope_tables, rotated_load, softmax_step, split_range,
                                           store_partials)
+from batchgen.kernels.rope_kv import as_cached
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # as paged_decode._decode_split_kernel
@@ -58,9 +59,10 @@ def decode_heads_kernel(
         k_rows = q_ptr + b * stride_qb + (num_kv_heads + h0 + hb)[:, None] * HEAD_DIM  # MHA: H == Hkv
         new_mask = hd_mask & has_new
         k_new = rotated_load(k_rows + d[None, :], k_rows + partner[None, :], new_mask, cos[None, :], sin[None, :],
-                             sign[None, :]).to(k_cache_ptr.dtype.element_ty)  # [HEADS, D_P]
-        v_new = tl.load(k_rows + num_kv_heads * HEAD_DIM + d[None, :], mask=new_mask, other=0.0)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+                             sign[None, :])  # [HEADS, D_P]
+        k_new = as_cached(k_new, k_cache_ptr)  # as stored (an fp8 cache's rounding)
+        v_new = as_cached(tl.load(k_rows + num_kv_heads * HEAD_DIM + d[None, :], mask=new_mask, other=0.0),
+                          v_cache_ptr)
         slot = tl.load(slot_ptr + b, mask=has_new, other=0).to(tl.int64)  # = block * BLOCK_SIZE + offset
     else:
         q = tl.load(q_rows + d[None, :], mask=hd_mask, other=0.0)
@@ -80,7 +82,7 @@ def decode_heads_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k, axis=2) * scale  # [HEADS, BLOCK_N]
         p, alpha, m_new, l_i = softmax_step(scores, valid, m_i, l_i, softcap, HAS_SOFTCAP)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an fp8 cache: upcast
         p = p.to(v.dtype).to(tl.float32)  # rounded to V's dtype, as the tensor-core kernel's operand is
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=1)
         m_i = m_new
@@ -91,7 +93,8 @@ def decode_heads_kernel(
             tl.store(k_cache_ptr + cache_offs, k_new, mask=hd_mask)
             tl.store(v_cache_ptr + cache_offs, v_new, mask=hd_mask)
             score = tl.sum(q * k_new.to(tl.float32), axis=1) * scale  # [HEADS]
-            acc, m_i, l_i = fold_new_key(score, v_new, acc, m_i, l_i, softcap, HAS_SOFTCAP)
+            acc, m_i, l_i = fold_new_key(score, v_new.to(q_ptr.dtype.element_ty), acc, m_i, l_i, softcap,
+                                         HAS_SOFTCAP)
 
     if NUM_SPLITS == 1:  # the whole context is here: the output itself (an empty sequence's l is 0: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -99,6 +99,7 @@ if triton is not None:
             pos_ok = pos < kv_end
             k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, pos,
                                  pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok, BLOCK_SIZE)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
             s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] fp32
             if HAS_SOFTCAP:
                 s = softcapped(s, softcap)

@@ -43,6 +43,14 @@ class QKNorm(NamedTuple):
 
 if triton is not None:
     @triton.jit
+    def as_cached(x, cache_ptr):
+        """x as the K/V cache at cache_ptr stores it: rounded to the cache's dtype; an fp8 cache (scale 1)
+        saturates at +-448.0 (FP8_MAX) first, as paged_attention_ref.as_cached does."""
+        if cache_ptr.dtype.element_ty == tl.float8e4nv:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        return x.to(cache_ptr.dtype.element_ty)
+
+    @triton.jit
     def rotate_rounded(x, x_partner, cos, sin, sign):
         """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as the eager model
         rounds them; rotate_half(x) = sign * x_partner (the other half: -x2 for the first half, x1 for the
@@ -102,18 +110,20 @@ if triton is not None:
             else:
                 o1 = rotate_rounded(x1, x2, c1, s1, -1.0)
                 o2 = rotate_rounded(x2, x1, c2, s2, 1.0)
+            # one name per pointer type: the GPU compiler refuses a variable whose type differs between the two
+            # branches of a runtime `if` (an fp8 cache's pointers are not the queries')
             if h < NUM_HEADS:
-                dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
-                tl.store(dst + i, o1, mask=m)
-                tl.store(dst + half + i, o2, mask=m)
+                q_dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
+                tl.store(q_dst + i, o1, mask=m)
+                tl.store(q_dst + half + i, o2, mask=m)
             else:
-                dst = k_cache_ptr + kv_row + (h - NUM_HEADS) * HEAD_DIM
-                tl.store(dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=m)
-                tl.store(dst + half + i, o2.to(k_cache_ptr.dtype.element_ty), mask=m)
+                k_dst = k_cache_ptr + kv_row + (h - NUM_HEADS) * HEAD_DIM
+                tl.store(k_dst + i, as_cached(o1, k_cache_ptr), mask=m)
+                tl.store(k_dst + half + i, as_cached(o2, k_cache_ptr), mask=m)
         else:
-            dst = v_cache_ptr + kv_row + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
-            tl.store(dst + i, x1.to(v_cache_ptr.dtype.element_ty), mask=m)
-            tl.store(dst + half + i, x2.to(v_cache_ptr.dtype.element_ty), mask=m)
+            v_dst = v_cache_ptr + kv_row + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+            tl.store(v_dst + i, as_cached(x1, v_cache_ptr), mask=m)
+            tl.store(v_dst + half + i, as_cached(x2, v_cache_ptr), mask=m)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_fp32: bool = False) -> torch.Tensor:

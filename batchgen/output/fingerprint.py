@@ -1,5 +1,5 @@
 """Fingerprint: what decides the output (model, tokenizer, chat template, prompt, sampling, row identity,
-batchgen version, engine.deterministic). Resuming into a directory whose fingerprint differs is refused, naming
+batchgen version, engine.deterministic, engine.kv_cache_dtype: fp8). Resuming into a directory whose fingerprint differs is refused, naming
 what changed; the other engine knobs (batch size, memory, graphs) are not part of it and may change freely.
 engine.deterministic is: a dataset half made with batch-invariant kernels and half without is reproducible for
 no one."""
@@ -41,8 +41,10 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
                               {"reasoning": spec.output.model_dump(mode="json")["reasoning"]})},
         # a chained job: what decided its source, the upstream output (None for any other source)
         "upstream": upstream_fingerprint(spec.source.path),
-        # the numerics: batch-invariant kernels or the default ones (engine/config.py)
-        "engine": {"deterministic": spec.engine.deterministic},
+        # the numerics: batch-invariant kernels or the default ones, and an fp8 K/V cache (engine/config.py);
+        # kv_cache_dtype recorded only when fp8, so outputs begun before it (or without it) compare unchanged
+        "engine": {"deterministic": spec.engine.deterministic,
+                   **({"kv_cache_dtype": "fp8"} if spec.engine.kv_cache_dtype == "fp8" else {})},
     }
 
 
