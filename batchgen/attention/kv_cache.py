@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.kernels.paged_attention_ref import KV_FP8
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -31,6 +33,11 @@ class KVGeometry:
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V cache's element type (EngineConfig.kv_cache_dtype: "auto" = the model's, "fp8")."""
+    return KV_FP8 if kv_cache_dtype == "fp8" else model_dtype
 
 
 # cache_id -> cache, see KVCache.cache_id. Weak: the registry never keeps a cache (or its memory) alive; a cache

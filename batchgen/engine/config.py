@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from batchgen.kernels.paged_attention_ref import KV_FP8
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -79,10 +76,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"engine.tensor_parallel_size {self.tensor_parallel_size} runs the fused decoders' "
                              f"sharded layers; {key} runs transformers' modules, which are not sharded")
         return self
-
-    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The K/V cache's element type for a model of `model_dtype` (kv_cache_dtype)."""
-        return KV_FP8 if self.kv_cache_dtype == "fp8" else model_dtype
 
     def context_length(self, model_config) -> int:
         """Tokens a sequence may hold: max_model_len, else the model's max_position_embeddings."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.attention.kv_cache import KVCache, KVGeometry, plan_num_blocks
+from batchgen.attention.kv_cache import KVCache, KVGeometry, cache_dtype, plan_num_blocks
 from batchgen.distributed.groups import for_engine, local_kv_geometry
 from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
@@ -65,17 +65,17 @@ class Engine:
         # loader did not) and of the KV cache (its KV heads); every rank builds an Engine, only rank 0 schedules
         self.tensor_parallel = tp = for_engine(model, config, tensor_parallel)
         geometry = local_kv_geometry(KVGeometry.from_config(model.config), tp)
-        cache_dtype = config.cache_dtype(next(model.parameters()).dtype)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         # Reserved beside the KV cache: activations of the largest step, and the sampler's [S, V] buffers (the
         # penalty table, allocated by the first penalised step, and up to three 4-byte temporaries of it)
         sampler_bytes = (config.max_num_seqs + 1) * text_config.vocab_size * 4 * 4
         num_blocks = config.num_kv_blocks or plan_num_blocks(
-            geometry, config.block_size, cache_dtype, self.device, config.gpu_memory_utilization,
+            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
             reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16 + sampler_bytes,
             cpu_max_bytes=config.cpu_kv_cache_bytes)
         if tp is not None:  # one block table serves every rank: the blocks that fit on all of them
             num_blocks = tp.agree_min(num_blocks)
-        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, cache_dtype, self.device)
+        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.async_pipeline = config.async_on(self.device.type)
