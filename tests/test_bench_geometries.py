@@ -103,6 +103,10 @@ def test_an_fp8_job_limit_times_projection_flops_at_the_fp8_rate_and_the_lm_head
     assert run_limit_s(outputs, fp8_cfg, 256, bf16_only) == pytest.approx(run_limit_s(outputs, bf16_cfg, 256, both))
     # K/V reads and the LM head are unchanged: the limit falls to ~0.62 of bf16's, not 0.5
     assert 0.55 < run_limit_s(outputs, fp8_cfg, 256, both) / run_limit_s(outputs, bf16_cfg, 256, both) < 0.65
+    # an fp8 K/V cache (engine.kv_cache_dtype: fp8): its reads count one byte an element, the rest unchanged
+    fp8_kv = run_limit_s(outputs, fp8_cfg, 256, both, kv_element_bytes=1)
+    assert decode_bytes(fp8_cfg, kv_element_bytes=1).kv_bytes_per_token * 2 == b.kv_bytes_per_token
+    assert fp8_kv == pytest.approx(expected + kv_s / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("weights", ["fp8", "fp8-channel"])

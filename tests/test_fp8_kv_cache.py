@@ -150,3 +150,17 @@ def test_fp8_cache_decode_and_prefill_on_gpu(seq_lens):
                           kv_dtype=KV_FP8)
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 200, 37, 513], seq_lens=[900, 200, 50, 1030],
                    num_heads=32, num_kv_heads=8, head_dim=128, kv_dtype=KV_FP8)
+
+
+def test_an_fp8_cache_is_refused_by_key_on_a_gpu_before_compute_capability_8_9(monkeypatch):
+    from batchgen.attention.kv_cache import KVCacheUnsupported, cache_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(KVCacheUnsupported, match=r"engine.kv_cache_dtype: fp8 needs a GPU of compute capability "
+                                                 r"8.9 or later .*A100-SXM4-80GB is 8.0"):
+        cache_dtype("fp8", torch.bfloat16, torch.device("cuda", 0))
+    assert cache_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16  # auto: never refused
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cache_dtype("fp8", torch.bfloat16, torch.device("cuda", 0)) == KV_FP8
+    assert cache_dtype("fp8", torch.float32, torch.device("cpu")) == KV_FP8

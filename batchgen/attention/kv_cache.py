@@ -35,9 +35,21 @@ class KVGeometry:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The K/V cache's element type (EngineConfig.kv_cache_dtype: "auto" = the model's, "fp8")."""
-    return KV_FP8 if kv_cache_dtype == "fp8" else model_dtype
+class KVCacheUnsupported(ValueError):
+    """engine.kv_cache_dtype names a type this device's kernels cannot run (the job runner reports it by key)."""
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The K/V cache's element type (EngineConfig.kv_cache_dtype: "auto" = the model's, "fp8"). An fp8 cache on a
+    GPU before compute capability 8.9 is refused: Triton builds no fp8 (e4m3) kernel there."""
+    if kv_cache_dtype != "fp8":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise KVCacheUnsupported(f"engine.kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or later (Ada, "
+                                 f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}. "
+                                 f"Leave engine.kv_cache_dtype at auto")
+    return KV_FP8
 
 
 # cache_id -> cache, see KVCache.cache_id. Weak: the registry never keeps a cache (or its memory) alive; a cache

@@ -144,11 +144,13 @@ class DecodeBytes:
 PLAIN_MLP = {"starcoder2"}  # model types whose MLP is up -> activation -> down, without a gate
 
 
-def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = None) -> DecodeBytes:
+def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = None,
+                 kv_element_bytes: int | None = None) -> DecodeBytes:
     """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's.
     projection_bytes: bytes per weight of the layers' q/k/v/o and MLP projections (1: FP8 weights, `--weights fp8`;
     their fp32 scales, 4 bytes per 128x128 block or per row, are left out: < 0.1 %); the LM head, norms and K/V
-    stay at dtype_bytes. None: 1 when the config is an FP8 checkpoint's (models/fp8_scheme.py), else dtype_bytes."""
+    stay at dtype_bytes. None: 1 when the config is an FP8 checkpoint's (models/fp8_scheme.py), else dtype_bytes.
+    kv_element_bytes: bytes per cached key or value element (1: engine.kv_cache_dtype fp8; None: dtype_bytes)."""
     from batchgen.bench import moe_floor
     from batchgen.models.fp8_scheme import is_fp8
 
@@ -177,5 +179,5 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
     return DecodeBytes(dense_weight_bytes=dense, dense_params=params, expert_bytes=expert, expert_params=expert_params,
                        num_moe_layers=moe_layers,
-                       num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes,
+                       num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * (kv_element_bytes or dtype_bytes),
                        layer_windows=windows, head_params=cfg.vocab_size * hidden, fp8_projections=proj == 1)

@@ -111,13 +111,14 @@ def write_job(work_dir: Path, model_dir: Path, source: Path, new_tokens: int, na
     return path
 
 
-def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings) -> float:
+def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings, kv_element_bytes: int = 2) -> float:
     """The run's limit: each step's GEMMs (FLOPs at the matmul rate, or weight bytes at bandwidth, whichever is
     longer; MoE: every expert's bytes, an upper bound until the run's routing is counted), every generated
     token's K/V reads at bandwidth (sliding layers: their window), prefill FLOPs at the matmul rate (prompt tokens
     skip the LM head; every generated token pays it above). An FP8
-    checkpoint's projections count one byte a weight and their FLOPs run at the FP8 rate measured in the run."""
-    b = decode_bytes(config)
+    checkpoint's projections count one byte a weight and their FLOPs run at the FP8 rate measured in the run.
+    kv_element_bytes: 1 for a run with engine.kv_cache_dtype fp8."""
+    b = decode_bytes(config, kv_element_bytes=kv_element_bytes)
     top_k = getattr(config.get_text_config(), "num_experts_per_tok", 0) or 0
     generated = sum(o["num_completion_tokens"] for o in outputs)
     prompt = sum(o["num_prompt_tokens"] for o in outputs)
@@ -169,7 +170,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     outputs = table
     e = report["engine"]
     steps = e["num_steps"]
-    limit = run_limit_s(outputs, config, steps, c)
+    sets = dict(kv.split("=", 1) for kv in extra_sets)
+    limit = run_limit_s(outputs, config, steps, c, kv_element_bytes=1 if sets.get("engine.kv_cache_dtype") == "fp8"
+                        else 2)
     tokens = report["generated_tokens"]
     return {
         "code": batchgen_dir or "this", "max_num_seqs": max_num_seqs, "repetition_penalty": penalty,

@@ -65,7 +65,7 @@ class Engine:
         # loader did not) and of the KV cache (its KV heads); every rank builds an Engine, only rank 0 schedules
         self.tensor_parallel = tp = for_engine(model, config, tensor_parallel)
         geometry = local_kv_geometry(KVGeometry.from_config(model.config), tp)
-        kv_dtype = cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, self.device)
         # Reserved beside the KV cache: activations of the largest step, and the sampler's [S, V] buffers (the
         # penalty table, allocated by the first penalised step, and up to three 4-byte temporaries of it)
         sampler_bytes = (config.max_num_seqs + 1) * text_config.vocab_size * 4 * 4

@@ -132,6 +132,7 @@ class JobLoop:
         builds0 = len(self.meter.totals.builds)
         compile_s0 = self.meter.totals.compile_s  # builds during set-up (first-step check, graph capture) are
         from batchgen.engine.engine import Engine
+        from batchgen.attention.kv_cache import KVCacheUnsupported
         from batchgen.models.registry import DeterministicUnsupported
 
         spec = self.spec
@@ -146,7 +147,7 @@ class JobLoop:
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
         try:
             self.engine = Engine(model, self.tokenizer, spec.engine, tensor_parallel=tp)
-        except DeterministicUnsupported as e:  # a model the batch-invariant decoders cannot run
+        except (DeterministicUnsupported, KVCacheUnsupported) as e:  # a model or device the settings cannot run on
             raise JobError(str(e)) from None
         except (torch.OutOfMemoryError, MemoryError) as e:
             cpu = self.device.type == "cpu"
@@ -154,7 +155,8 @@ class JobLoop:
                 spec.engine.num_kv_blocks, spec.engine.cpu_kv_cache_bytes) if cpu else
                      f"engine.gpu_memory_utilization (now {spec.engine.gpu_memory_utilization}), "
                      f"engine.max_num_batched_tokens (now {spec.engine.max_num_batched_tokens}) or "
-                     f"engine.max_num_seqs (now {spec.engine.max_num_seqs}), set engine.num_kv_blocks")
+                     f"engine.max_num_seqs (now {spec.engine.max_num_seqs}), set engine.num_kv_blocks"
+                     f"{'' if spec.engine.kv_cache_dtype == 'fp8' else ', or halve the K/V cache: engine.kv_cache_dtype: fp8'}")
             raise JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
                            f"Lower {knobs}, or use a smaller model.dtype") from None
         # Say what actually runs, so no engine key is silently without effect.
@@ -167,6 +169,7 @@ class JobLoop:
               f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
               f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
               f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}"
+              f"{'; K/V cache fp8' if spec.engine.kv_cache_dtype == 'fp8' else ''}"
               f"{self._fp8_paths()}", file=sys.stderr)
         if spec.engine.deterministic:  # (one device per worker: deterministic mode refuses tensor parallelism)
             from batchgen.output.numerics import numerics_stack, record_or_compare

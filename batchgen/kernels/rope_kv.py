@@ -46,8 +46,9 @@ if triton is not None:
     def as_cached(x, cache_ptr):
         """x as the K/V cache at cache_ptr stores it: rounded to the cache's dtype; an fp8 cache (scale 1)
         saturates at +-448.0 (FP8_MAX) first, as paged_attention_ref.as_cached does."""
-        if cache_ptr.dtype.element_ty == tl.float8e4nv:
-            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        if cache_ptr.dtype.element_ty == tl.float8e4nv:  # where, not min / max: a NaN stays NaN, as torch's clamp
+            f = x.to(tl.float32)
+            x = tl.where(f > 448.0, 448.0, tl.where(f < -448.0, -448.0, f))
         return x.to(cache_ptr.dtype.element_ty)
 
     @triton.jit

@@ -129,7 +129,8 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
         raise UnsupportedFp8(f"{where}.format {fmt!r} (compressed-tensors): batchgen loads FP8 float-quantized "
                              f"checkpoints only")
     if q.get("kv_cache_scheme"):
-        raise UnsupportedFp8(f"{where}.kv_cache_scheme (compressed-tensors): an FP8 KV cache is not built")
+        raise UnsupportedFp8(f"{where}.kv_cache_scheme (compressed-tensors): its calibrated K/V scales are not read "
+                             f"(engine.kv_cache_dtype: fp8 stores K/V in fp8 with scale 1)")
     groups = list((q.get("config_groups") or {}).values())
     if not groups or any(g != groups[0] for g in groups):
         raise UnsupportedFp8(f"{where}.config_groups (compressed-tensors): expected one scheme for every layer, "
