@@ -16,7 +16,7 @@ from conftest import make_model, random_prompts, run_under_interpreter
 FP8_KV_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
-from test_kernels import _check_prefill, _check_rope_attention, fp8_carry_dropped
+from test_kernels import _check, _check_prefill, _check_rope_attention, fp8_carry_dropped
 from batchgen.kernels.paged_attention_ref import KV_FP8, as_cached
 from batchgen.kernels.paged_decode import DecodeLaunch
 from batchgen.kernels.rope_kv import rope_kv, rope_kv_ref
@@ -28,6 +28,23 @@ for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2), DecodeLaunch(2, 1
 _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
                       launch=DecodeLaunch(2, 16, 2, heads_per_program=2), **fp8)  # several KV heads a program
 _check_rope_attention("cpu", torch.float32, 1e-5, [5, 33], sliding_window=12, softcap=0.5, **fp8)
+# decode over a cache already written (transformers' modules, OLMo2): GQA with splits, MHA several heads a program
+_check("cpu", torch.float32, 1e-5, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+       seq_lens=[70, 0, 3, 41], launch=DecodeLaunch(2, 16, 2), **fp8)
+_check("cpu", torch.float32, 1e-5, num_seqs=3, num_heads=4, num_kv_heads=4, head_dim=24, block_size=8,
+       seq_lens=[33, 5, 1], launch=DecodeLaunch(1, 16, 2, heads_per_program=2), **fp8)
+# the batch-invariant attention (engine.deterministic) over an fp8 cache
+from batchgen.kernels.invariant_attention import query_attention
+from batchgen.kernels.paged_attention_ref import paged_attention_ref
+g = torch.Generator().manual_seed(5)
+kc, vc = (as_cached(torch.randn(24, 8, 2, 16, generator=g), KV_FP8) for _ in range(2))
+tables = torch.tensor([[3, 5, 7, 0, 0], [1, 2, 4, 6, 8]], dtype=torch.int32)
+q = torch.randn(11, 4, 16, generator=g)
+out = query_attention(q, kc, vc, tables, torch.tensor(list(range(11, 20)) + [39, 40], dtype=torch.int32),
+                      torch.tensor([0] * 9 + [1] * 2, dtype=torch.int32), 0.25)
+ref = paged_attention_ref(q, kc, vc, torch.tensor([0, 9, 11], dtype=torch.int32), torch.tensor([19, 40],
+                          dtype=torch.int32), tables, 9, 40, 0.25)
+torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 # prefill over an fp8 cache (the reference reads the same rounded values: fp32-exact)
 _check_prefill("cpu", torch.float32, 1e-5, q_lens=[1, 20, 37, 5], seq_lens=[9, 20, 50, 5], **fp8)
 _check_prefill("cpu", torch.float32, 1e-5, q_lens=[17, 3], seq_lens=[17, 40], num_heads=4, num_kv_heads=4,
@@ -38,13 +55,14 @@ qkv = torch.randn(6, (4 + 2 * 2) * 16, generator=g) * 40.0  # some keys and valu
 qkv[:, -16:] *= 100.0
 cos, sin = torch.ones(6, 16), torch.zeros(6, 16)
 slots = torch.tensor([3, 9, 17, 30, 31, 12])
-caches = [torch.zeros(4, 8, 2, 16).to(KV_FP8) for _ in range(4)]
-q = rope_kv(qkv, cos, sin, slots, caches[0], caches[1], 4, 2, use_triton=True)
-q_ref = rope_kv_ref(qkv, cos, sin, slots, caches[2], caches[3], 4, 2)
-torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
-for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-    assert (got.float() != want.float()).float().mean() <= 0.06 and fp8_carry_dropped(got, want).all()
-assert caches[1].float().abs().max() == 448.0 and not caches[1].float().isnan().any()  # saturated, no NaN
+for rotate_fp32 in (False, True):  # True: OLMo2's rotation in fp32
+    caches = [torch.zeros(4, 8, 2, 16).to(KV_FP8) for _ in range(4)]
+    q = rope_kv(qkv, cos, sin, slots, caches[0], caches[1], 4, 2, use_triton=True, rotate_fp32=rotate_fp32)
+    q_ref = rope_kv_ref(qkv, cos, sin, slots, caches[2], caches[3], 4, 2, rotate_fp32=rotate_fp32)
+    torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert (got.float() != want.float()).float().mean() <= 0.06 and fp8_carry_dropped(got, want).all()
+    assert caches[1].float().abs().max() == 448.0 and not caches[1].float().isnan().any()  # saturated, no NaN
 print("ok")
 """
 

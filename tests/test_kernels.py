@@ -34,11 +34,16 @@ def _reference(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_w
     return torch.where((seq_lens > 0)[:, None, None], out, 0.0)
 
 
-def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, softcap=None, launch=None, **shape):
-    """paged_decode_attention against the reference; `launch` a whole DecodeLaunch instead of num_splits/block_n."""
+def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, softcap=None, launch=None,
+           kv_dtype=None, **shape):
+    """paged_decode_attention against the reference; `launch` a whole DecodeLaunch instead of num_splits/block_n;
+    kv_dtype: the caches' dtype (an fp8 cache: the reference reads the same rounded values)."""
+    from batchgen.kernels.paged_attention_ref import as_cached
     from batchgen.kernels.paged_decode import paged_decode_attention
 
     query, k_cache, v_cache, block_tables, seq_lens = _case(dtype=dtype, device=device, **shape)
+    if kv_dtype is not None:
+        k_cache, v_cache = as_cached(k_cache, kv_dtype), as_cached(v_cache, kv_dtype)
     scale = shape["head_dim"] ** -0.5
     if softcap is not None:
         query = query * 8  # large scores, so the cap matters
