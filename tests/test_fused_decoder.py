@@ -200,14 +200,17 @@ print("ok")
 
 
 def run_fused_steps_under_interpreter(archs: list[str]) -> None:
-    """FUSED_STEP_INTERPRET_SCRIPT over `archs` under TRITON_INTERPRET, in two processes at once (the interpreter
-    is single-threaded Python; CI machines have 2 cores); each must print ok."""
+    """FUSED_STEP_INTERPRET_SCRIPT over `archs` with the kernels interpreted, each launch first compiled for sm_90
+    (conftest.run_under_interpreter's Hopper mode: every kernel specialisation a real decoder launches), in two
+    processes at once (the interpreter is single-threaded Python; CI machines have 2 cores); each must print ok."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", FUSED_STEP_INTERPRET_SCRIPT, *archs[i::2]], env=env,
+    from conftest import HOPPER_PRELUDE
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [subprocess.Popen([sys.executable, "-c", HOPPER_PRELUDE + FUSED_STEP_INTERPRET_SCRIPT, *archs[i::2]], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__))) for i in range(min(2, len(archs)))]
     for proc in procs:
