@@ -210,9 +210,10 @@ def run_fused_steps_under_interpreter(archs: list[str]) -> None:
     from conftest import HOPPER_PRELUDE
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-c", HOPPER_PRELUDE + FUSED_STEP_INTERPRET_SCRIPT, *archs[i::2]], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(__file__))) for i in range(min(2, len(archs)))]
+    script = HOPPER_PRELUDE + FUSED_STEP_INTERPRET_SCRIPT
+    procs = [subprocess.Popen([sys.executable, "-c", script, *archs[i::2]], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+             for i in range(min(2, len(archs)))]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0 and "ok" in stdout, stderr[-3000:]

@@ -44,8 +44,9 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.dev
     GPU before compute capability 8.9 is refused: Triton builds no fp8 (e4m3) kernel there."""
     if kv_cache_dtype != "fp8":
         return model_dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < (8, 9):
+        major, minor = capability
         raise KVCacheUnsupported(f"engine.kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or later (Ada, "
                                  f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}. "
                                  f"Leave engine.kv_cache_dtype at auto")

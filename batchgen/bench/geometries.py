@@ -179,5 +179,6 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
     return DecodeBytes(dense_weight_bytes=dense, dense_params=params, expert_bytes=expert, expert_params=expert_params,
                        num_moe_layers=moe_layers,
-                       num_experts=num_experts, kv_bytes_per_token=2 * kv_heads * head_dim * (kv_element_bytes or dtype_bytes),
+                       num_experts=num_experts,
+                       kv_bytes_per_token=2 * kv_heads * head_dim * (kv_element_bytes or dtype_bytes),
                        layer_windows=windows, head_params=cfg.vocab_size * hidden, fp8_projections=proj == 1)

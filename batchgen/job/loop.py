@@ -156,7 +156,8 @@ class JobLoop:
                      f"engine.gpu_memory_utilization (now {spec.engine.gpu_memory_utilization}), "
                      f"engine.max_num_batched_tokens (now {spec.engine.max_num_batched_tokens}) or "
                      f"engine.max_num_seqs (now {spec.engine.max_num_seqs}), set engine.num_kv_blocks"
-                     f"{'' if spec.engine.kv_cache_dtype == 'fp8' else ', or halve the K/V cache: engine.kv_cache_dtype: fp8'}")
+                     + ("" if spec.engine.kv_cache_dtype == "fp8" else
+                        ", or halve the K/V cache: engine.kv_cache_dtype: fp8"))
             raise JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
                            f"Lower {knobs}, or use a smaller model.dtype") from None
         # Say what actually runs, so no engine key is silently without effect.

@@ -1,6 +1,7 @@
 """Fingerprint: what decides the output (model, tokenizer, chat template, prompt, sampling, row identity,
-batchgen version, engine.deterministic, engine.kv_cache_dtype: fp8). Resuming into a directory whose fingerprint differs is refused, naming
-what changed; the other engine knobs (batch size, memory, graphs) are not part of it and may change freely.
+batchgen version, engine.deterministic, engine.kv_cache_dtype: fp8). Resuming into a directory whose fingerprint
+differs is refused, naming what changed; the other engine knobs (batch size, memory, graphs) are not part of it
+and may change freely.
 engine.deterministic is: a dataset half made with batch-invariant kernels and half without is reproducible for
 no one."""
 
