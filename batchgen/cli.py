@@ -244,11 +244,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
           profile_steps: Annotated[int, typer.Option(help="job: decode steps to profile per max_num_seqs "
                                                           "(0: none).")] = 20,
           compare: Annotated[Optional[str], typer.Option(
-              help="job: also run each job with the batchgen in this folder (a checkout), before this one.")]
+              help="job: an A/B of code: each configuration runs with the batchgen in this folder (a checkout) as A "
+                   "and this one as B, in the order A B B A, and the report gives B/A.")]
           = None,
-          compare_last: Annotated[bool, typer.Option(
-              help="job: run the --compare checkout after this one, not before (alternate to see order effects).")]
-          = False,
           job_set: Annotated[Optional[list[str]], typer.Option(
               "--job-set", help="job: also --set this key=value in every run, e.g. "
                                 "sampling.logprobs=5 (repeatable).")] = None,
@@ -297,6 +295,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     if workload != "job" and (ab_set or job_set or compare):
         typer.echo("batchgen: error: --ab-set, --job-set and --compare apply to --workload job only", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if ab_set and compare:
+        typer.echo("batchgen: error: --ab-set and --compare are two A/Bs: give one", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
     from batchgen.bench.seed import VARIANTS
 
     unknown = [v for v in variants.split(",") if v not in VARIANTS]
@@ -326,7 +327,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
 
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
-                 compare=compare, compare_last=compare_last, geometry=model_geometry, extra_sets=job_set or [],
+                 compare=compare, geometry=model_geometry, extra_sets=job_set or [],
                  weights=weights, ab_sets=ab_set or [])
         return
     if workload == "mixed":

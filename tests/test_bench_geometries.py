@@ -157,10 +157,11 @@ def test_a_bench_fp8_moe_model_saves_per_expert_tensors_that_load_back_equal(tmp
 
 
 def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
+    """Also an A/B of code (--compare: A is the other checkout's runs, B this one's)."""
     from batchgen.bench.job import ab_summary
 
-    runs = [{"code": "this", "max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v, "tok_s_end_to_end": t}
-            for v, t in (("A", 100.0), ("B", 80.0), ("B", 90.0), ("A", 110.0))]
+    runs = [{"code": ".prev" if v == "A" else "this", "max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v,
+             "tok_s_end_to_end": t} for v, t in (("A", 100.0), ("B", 80.0), ("B", 90.0), ("A", 110.0))]
     runs.append({"code": "this", "max_num_seqs": 512, "repetition_penalty": 1.0, "variant": "A",
                  "tok_s_end_to_end": 50.0})
     by_seqs = {row["max_num_seqs"]: row for row in ab_summary(runs)}
@@ -198,3 +199,14 @@ def test_the_seed_summary_lists_a_refused_variant_beside_the_ones_that_ran():
     lines = summary_table(report).splitlines()
     assert lines[2].split() == ["ours_sync_graphs_async_fp8_blockwise", "refused"]
     assert lines[3].split() == ["ours_sync_graphs_async_fp8_splitk", "3.00", "67", "1.50", "537"]
+
+
+def test_the_job_bench_splits_a_loop_into_decode_mixed_and_idle_shares_of_its_wall_time():
+    from batchgen.bench.job import step_kinds
+
+    stats = {"num_decode_steps": 200, "num_mixed_steps": 10, "num_prefill_tokens": 5000, "gpu_busy_s_decode": 1.8,
+             "gpu_busy_s_mixed": 0.5, "gpu_idle_s_before_decode": 0.02, "gpu_idle_s_before_mixed": 0.08}
+    kinds = step_kinds(stats, wall_s=2.5)
+    assert kinds["gpu_ms_per_decode_step"] == 9.0 and kinds["gpu_ms_per_mixed_step"] == 50.0
+    assert kinds["share_busy_decode"] == 0.72 and kinds["share_idle_before_mixed"] == 0.032
+    assert step_kinds({"gpu_busy_s": 1.0}, 2.0) == {}  # a report from before the counters

@@ -187,3 +187,16 @@ def test_graphs_captured_with_either_blas_library_match_transformers_and_restore
     got = [r.samples[0].token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0,
                                                                                    ignore_eos=True))]
     assert got == expected
+
+
+def test_step_timing_splits_device_time_by_kind_and_sums_to_the_busy_total():
+    model = make_model("llama").cuda()
+    prompts = random_prompts((5, 17, 33, 8, 64, 1, 40), seed=2)
+    with Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=4,
+                                          max_num_batched_tokens=32)) as engine:
+        engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+        stats = engine.stats()
+    assert stats["num_mixed_steps"] > 0 and stats["num_decode_steps"] > 0
+    assert stats["gpu_busy_s_decode"] > 0 and stats["gpu_busy_s_mixed"] > 0
+    assert stats["gpu_busy_s"] == pytest.approx(stats["gpu_busy_s_decode"] + stats["gpu_busy_s_mixed"], abs=2e-3)
+    assert stats["gpu_idle_s_before_decode"] >= 0 and stats["gpu_idle_s_before_mixed"] >= 0

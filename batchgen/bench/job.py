@@ -193,6 +193,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         # device time of the steps over the loop's wall time: below 1, the device waited for the host
         "gpu_busy": round(e.get("gpu_busy_s", 0.0) / report["wall_s"], 3),
         # Triton builds in the loop (the first timed run's slowness, issue 18): seconds and kernels specialised
+        # where the loop's wall time went on the device (issue 18), by kind of step: GPU ms a step of each kind,
+        # and the shares of the wall time the device was busy with decode / mixed steps or idle before them
+        **step_kinds(e, report["wall_s"]),
         "triton_compile_s": report["loop_s"].get("triton_compile", 0.0),
         "triton_kernels_compiled": report.get("triton_kernels_compiled", {}),
         "engine_setup_triton_compile_s": report.get("engine_setup_triton_compile_s", 0.0),
@@ -203,16 +206,32 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     }
 
 
+def step_kinds(engine_stats: dict, wall_s: float) -> dict:
+    """Per kind of step (runner/step_timing.py): how many, GPU ms each, and the shares of the loop's wall time
+    the device spent busy with them and idle before them (empty for reports without these counters)."""
+    if "num_decode_steps" not in engine_stats:
+        return {}
+    out = {"num_prefill_tokens": engine_stats["num_prefill_tokens"]}
+    for kind in ("decode", "mixed"):
+        n, busy = engine_stats[f"num_{kind}_steps"], engine_stats[f"gpu_busy_s_{kind}"]
+        out[f"num_{kind}_steps"] = n
+        out[f"gpu_ms_per_{kind}_step"] = round(1e3 * busy / n, 3) if n else None
+        out[f"share_busy_{kind}"] = round(busy / wall_s, 4)
+        out[f"share_idle_before_{kind}"] = round(engine_stats[f"gpu_idle_s_before_{kind}"] / wall_s, 4)
+    return out
+
+
 def ab_summary(runs: list[dict]) -> list[dict]:
-    """Per (checkout, max_num_seqs, penalty): the mean end-to-end tok/s of the A runs and of the B runs, and B/A."""
+    """Per (max_num_seqs, penalty): the mean end-to-end tok/s of the A runs and of the B runs, and B/A (A and B:
+    without and with the --ab-set sets, or the --compare checkout and this one)."""
     groups: dict[tuple, dict[str, list[float]]] = {}
     for r in runs:
-        key = (r["code"], r["max_num_seqs"], r["repetition_penalty"])
+        key = (r["max_num_seqs"], r["repetition_penalty"])
         groups.setdefault(key, {"A": [], "B": []})[r["variant"]].append(r["tok_s_end_to_end"])
     out = []
-    for (code, seqs, penalty), tok_s in groups.items():
+    for (seqs, penalty), tok_s in groups.items():
         a, b = (sum(v) / len(v) if v else None for v in (tok_s["A"], tok_s["B"]))
-        out.append({"code": code, "max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": _rounded(a),
+        out.append({"max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": _rounded(a),
                     "B_tok_s": _rounded(b), "B_over_A": round(b / a, 4) if a and b else None})
     return out
 
@@ -285,7 +304,7 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
 
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
-         json_path: str | None = None, compare: str | None = None, compare_last: bool = False,
+         json_path: str | None = None, compare: str | None = None,
          geometry: str = "llama-8b", extra_sets: list[str] = (), weights: str = "bf16",
          ab_sets: list[str] = ()) -> dict:
     import tempfile
@@ -306,12 +325,14 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
               "rows": rows, "new_tokens": new_tokens,
               "vocab_size": vocab, "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
               "ab_sets": list(ab_sets), "profiles": []}
-    # With `ab_sets`, every configuration runs twice as A (the job) and twice as B (the job plus those sets), in
-    # the order A B B A, so that a drift linear in time (the first run of a process tree is slower) cancels in
-    # the pair means.
-    variants = [("A", list(extra_sets))]
+    # An A/B (`ab_sets`: the job without and with those sets; `compare`: that checkout's batchgen and this one's)
+    # runs every configuration twice as A and twice as B, in the order A B B A, so that a drift linear in time (the
+    # first run of a process tree is slower) cancels in the pair means. Variants: (name, checkout, sets).
+    variants = [("A", compare, list(extra_sets))]
     if ab_sets:
-        variants.append(("B", list(extra_sets) + list(ab_sets)))
+        variants.append(("B", None, list(extra_sets) + list(ab_sets)))
+    elif compare:
+        variants.append(("B", None, list(extra_sets)))
     # Warm-up: a short run of every configuration and checkout first, so that Triton's compilation (a first
     # process compiles ~10 s of kernels, the next reads its cache) is in no timed run: it made the first of two
     # otherwise equal runs 25 % slower.
@@ -323,18 +344,15 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     for s in (int(x) for x in seqs.split(",")):
         warm = write_job(work, model_dir, write_source(work, s + 64), new_tokens, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
-            for code in [compare, None] if compare else [None]:
-                for _, sets in variants:
-                    run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, sets)
+            for _, code, sets in variants:
+                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, sets)
     for s in (int(x) for x in seqs.split(",")):
         for p in (float(x) for x in penalties.split(",")):
-            order = ([compare] if compare else []) + [None]  # the other checkout first, then this one
-            for code in reversed(order) if compare_last else order:
-                for name, sets in (variants + variants[::-1]) if ab_sets else variants:
-                    r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets)
-                    r["variant"] = name
-                    report["runs"].append(r)
-                    print("run", json.dumps(r), flush=True)
+            for name, code, sets in variants + variants[::-1] if len(variants) == 2 else variants:
+                r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets)
+                r["variant"] = name
+                report["runs"].append(r)
+                print("run", json.dumps(r), flush=True)
     if profile_steps_n:
         for s in (int(x) for x in seqs.split(",")):
             r = profile_steps(model_dir, s, profile_steps_n, new_tokens, 1.0)
@@ -348,12 +366,18 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         print(f"{r['code'][-8:]:>8} {r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
               f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f}")
-    if ab_sets:
+    for r in report["runs"]:
+        if "num_decode_steps" in r:
+            print(f"  steps: decode {r['num_decode_steps']} x {r['gpu_ms_per_decode_step']} ms GPU, mixed "
+                  f"{r['num_mixed_steps']} x {r['gpu_ms_per_mixed_step']} ms GPU ({r['num_prefill_tokens']} prefill "
+                  f"tokens); wall shares: decode {r['share_busy_decode']}, mixed {r['share_busy_mixed']}, idle "
+                  f"before decode {r['share_idle_before_decode']}, before mixed {r['share_idle_before_mixed']}")
+    if len(variants) == 2:
         report["ab"] = ab_summary(report["runs"])
+        what = f"B = {' '.join(ab_sets)}" if ab_sets else f"A = {compare}, B = this checkout"
         for row in report["ab"]:
-            print(f"A/B {row['code'][-8:]} seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: "
-                  f"tok/s e2e A {row['A_tok_s']}, B {row['B_tok_s']}, B/A {row['B_over_A']} "
-                  f"(B = {' '.join(ab_sets)})")
+            print(f"A/B seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: tok/s e2e A {row['A_tok_s']}, "
+                  f"B {row['B_tok_s']}, B/A {row['B_over_A']} ({what})")
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1))
     for r in report["profiles"]:

@@ -129,12 +129,12 @@ def timed_generate(engine, prompts, params) -> tuple[list, float, float]:
     each step's first kernel to its last (`Engine.stats()["gpu_busy_s"]`), over the wall time)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    busy0 = engine.runner.gpu_busy_s
+    busy0 = engine.runner.timing.gpu_busy_s
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return results, wall, (engine.runner.gpu_busy_s - busy0) / wall
+    return results, wall, (engine.runner.timing.gpu_busy_s - busy0) / wall
 
 
 def release(engine) -> None:

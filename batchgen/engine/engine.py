@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,11 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
             return frozenset([eos] if isinstance(eos, int) else eos)
     return frozenset()
 
+
+# Finished requests become results (their text detokenized) at most this many a step, or an eighth of those
+# waiting if more, while the device has work: rows finishing together (a wave of equal lengths) are handed out
+# over several steps instead of one host stall the device waits out (issue 18)
+MIN_RESULTS_PER_STEP = 16
 
 # Decode steps of up to this many sequences replay CUDA graphs (buckets of 16 above 16): 512 covers the
 # throughput regime (bench --workload job); each bucket costs ~0.1 s of capture and shares one memory pool.
@@ -93,6 +99,7 @@ class Engine:
         self._decode_path = "fused" if self.runner.decode_forward.is_fused else "transformers"
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
+        self._finished: deque[Request] = deque()  # finished requests not yet made results (_collect), oldest first
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables, updates)
@@ -121,6 +128,7 @@ class Engine:
         self._closed = True
         self._in_flight = None
         self._pending.clear()
+        self._finished.clear()
         self.runner.close()
         self.kv_cache.release()
         if self._owns_model:
@@ -240,7 +248,9 @@ class Engine:
                 "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "schedule_cpu_s": round(self.schedule_s, 3), "grammar_cpu_s": round(self.grammar_s, 3),
-                "prepare_cpu_s": round(self.runner.prepare_s, 3), "gpu_busy_s": round(self.runner.gpu_busy_s, 3)}
+                "prepare_cpu_s": round(self.runner.prepare_s, 3),
+                # device time of the steps (CUDA), and by kind of step with the device's idle time before them
+                "gpu_busy_s": round(self.runner.timing.gpu_busy_s, 3), **self.runner.timing.stats()}
 
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""
@@ -271,8 +281,14 @@ class Engine:
         self.num_generated_tokens += len(output.token_ids)
 
     def _collect(self, finished: list[Request]) -> list[PromptResult]:
+        """Results of the oldest finished requests: all of them when the device has nothing queued, else
+        MIN_RESULTS_PER_STEP or an eighth of them, whichever is more (the rest in later steps)."""
+        self._finished.extend(finished)
+        num = len(self._finished)
+        if self._in_flight is not None or self.scheduler.has_work:
+            num = min(num, max(MIN_RESULTS_PER_STEP, -(-num // 8)))
         done = []
-        for req in finished:
+        for req in (self._finished.popleft() for _ in range(num)):
             prompt_id = req.prompt_id
             result, params, remaining = self._pending[prompt_id]
             text = (final_text(self.tokenizer, req.output_token_ids, params.stop,

@@ -256,6 +256,9 @@ class JobLoop:
         """Keep the engine fed, step it, commit. Returns how many rows earlier runs had committed."""
         writer, totals = self.writer, self.meter.totals
         lookahead = 2 * self.spec.engine.max_num_seqs
+        # rows rendered and queued per loop pass once the engine holds a step's worth (_wants_rows): rows finishing
+        # together (a wave: equal lengths) are replaced over several steps, not in one host stall the device waits out
+        refill = max(4, self.spec.engine.max_num_seqs // 16)
         # request id -> (key, position, kept values, prompt, num prompt tokens, stop strings)
         pending: dict[str, tuple] = {}
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
@@ -264,8 +267,8 @@ class JobLoop:
         exhausted = False
         while True:
             t_admit = time.perf_counter()
-            while stop.signum is None and not exhausted and (
-                    self.engine is None or self.engine.num_unfinished_prompts < lookahead):
+            num_admitted = 0  # this pass: rows rendered (skipping rows done earlier is cheap and not counted)
+            while stop.signum is None and not exhausted and self._wants_rows(num_admitted, lookahead, refill):
                 row = next(rows, None)
                 if row is None:
                     exhausted = True
@@ -276,6 +279,7 @@ class JobLoop:
                         self.meter.row_skipped()
                     else:
                         self._admit(row, key, pending)
+                        num_admitted += 1
             totals.admit_s += time.perf_counter() - t_admit
             engine = self.engine
             if stop.signum is not None or (exhausted and (engine is None or not engine.has_unfinished)):
@@ -288,6 +292,14 @@ class JobLoop:
             while writer.should_commit():
                 self._commit()
             self.meter.maybe_log(self._stats())
+
+    def _wants_rows(self, num_admitted: int, lookahead: int, refill: int) -> bool:
+        """Whether this loop pass renders another row: always while the engine holds fewer prompts than one step
+        takes (or is not built yet); else up to `lookahead` prompts, at most `refill` rows a pass."""
+        if self.engine is None:
+            return True
+        queued = self.engine.num_unfinished_prompts
+        return queued < self.spec.engine.max_num_seqs or (queued < lookahead and num_admitted < refill)
 
     def _admit(self, row, key, pending: dict) -> None:
         if row.columns is None:

@@ -23,6 +23,7 @@ from batchgen.kernels.paged_prefill import prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
+from batchgen.runner.step_timing import BusyWindow, StepTiming
 from batchgen.sample import logprobs as lpmod
 from batchgen.sample.grammar_mask import bitmask_words
 from batchgen.sample.penalty import PenaltyTable
@@ -47,7 +48,7 @@ class InFlight:
     logprobs_host: dict[str, torch.Tensor] | None = None  # LogprobResult's tensors, pinned on CUDA; None: none
     # timing events on the compute stream around the step's device work (after the host prepared it), so
     # gaps between steps, where the device waits for the host, are not counted as busy; None on CPU
-    busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    busy: BusyWindow | None = None
 
 
 # issue 14: structured output
@@ -61,7 +62,7 @@ class DeferredStep:
     num_sampled: int  # S
     forced: torch.Tensor | None  # [S] int64 forced ids (-1: none), thinking budget
     lp_inputs: lpmod.LogprobInputs | None
-    busy: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    busy: BusyWindow | None
 
 
 class ModelRunner:
@@ -79,7 +80,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
-        self.gpu_busy_s = 0.0  # device time of collected steps, from their first kernel to their last (CUDA)
+        self.timing = StepTiming()  # device time of collected steps by kind, and the idle time before them (CUDA)
         self.use_triton = device.type == "cuda" and _triton_available()
         self.penalties = PenaltyTable(max_num_seqs, self.vocab_size, device)  # rows: the scheduler's slots
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
@@ -206,10 +207,8 @@ class ModelRunner:
         rest = rest[len(plan.host_arrays()):] if plan is not None else rest
         forced_d = rest.pop(0) if batch.num_forced else None
         carry_d = rest
-        busy = None  # recorded before the first work this step queues on the compute stream
-        if self.compute_stream is not None:
-            busy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            busy[0].record()
+        # its start recorded before the first work this step queues on the compute stream
+        busy = self.timing.dispatched(batch.num_prefill_tokens, self.compute_stream is not None)
         sampling = self._sampling(batch)
         self.prepare_s += time.perf_counter() - t0
         if carry_d:  # placeholders take the previous step's sampled tokens, on the device
@@ -253,7 +252,7 @@ class ModelRunner:
 
     def _finish_step(self, tokens: torch.Tensor, logits: torch.Tensor, num_sampled: int,
                      sampling: SamplingTensors | None, forced_d: torch.Tensor | None,
-                     lp_inputs: lpmod.LogprobInputs | None, busy) -> InFlight:
+                     lp_inputs: lpmod.LogprobInputs | None, busy: BusyWindow | None) -> InFlight:
         """After the draw: forced tokens, log-probs, penalty marks, then the copy back."""
         if forced_d is not None:  # thinking budget: the end marker replaces whatever was drawn
             tokens = torch.where(forced_d >= 0, forced_d, tokens)
@@ -264,11 +263,11 @@ class ModelRunner:
             self.penalties.record(sampling.penalty_slot, tokens)
         self.staging.end_step()
         if busy is not None:
-            busy[1].record()
+            busy.end.record()
         return self._start_copy_back(tokens, lp_result, busy)
 
     def _start_copy_back(self, tokens: torch.Tensor, lp_result: lpmod.LogprobResult | None,
-                         busy: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> InFlight:
+                         busy: BusyWindow | None = None) -> InFlight:
         """Copy the sampled ids into a pinned host slot on the D2H stream; only that copy is ever waited on.
         Hazard: slots alternate, so at most two dispatched steps may be uncollected at any time (the engine
         keeps one in flight)."""
@@ -299,8 +298,7 @@ class ModelRunner:
         """Block until the step's tokens are on the host (the only wait on the device)."""
         if step.done is not None:
             step.done.synchronize()
-        if step.busy is not None:  # both events are complete: the copy back came after them
-            self.gpu_busy_s += step.busy[0].elapsed_time(step.busy[1]) / 1e3
+        self.timing.collected(step.busy)  # both events are complete: the copy back came after them
         if step.logprobs_host is None:
             return StepOutput(token_ids=step.tokens_host.tolist())
         # copies: requests keep row views of these arrays until they finish (engine/scheduler.py), which must not
