@@ -97,7 +97,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, per_split, stride
     b = tl.load(b_ptrs)
     b_s = tl.load(bs_ptrs + kb_first)
     for t in tl.static_range(1, L2_TILES + 1):  # the next weight tiles into L2: one line (128 B) per weight row
-        lines = b_ptr + offs_n.to(tl.int64) * K + (kb_first + t) * BLOCK_K
+        lines = b_ptr + offs_n.to(tl.int64) * K + tl.minimum(kb_first + t, kb_end - 1) * BLOCK_K
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [lines],
                                   dtype=tl.int32, is_pure=False, pack=1)
     if PDL == 1:
