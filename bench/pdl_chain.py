@@ -3,6 +3,8 @@
     python3 bench/pdl_chain.py [--layers 32] [--rows 32] [--reps 30] [--json out.json]   # GPU, sm_90+: ~1-2 min
     python3 bench/pdl_chain.py --check-compile     # CPU: compile every kernel variant for sm_90, run nothing
 
+Status: compile-checked for sm_90 and the plain kernels' math interpreted on CPU; not yet run on a GPU.
+
 Mimics an FP8 Llama-8B decode step's weight streaming: per layer and per projection (N, K) = qkv (6144, 4096),
 o (4096, 4096), gate_up (28672, 4096), down (4096, 14336): (a) a row kernel, RMSNorm of the first K columns of its
 input [M, >= K] bf16 -> fp8 e4m3 + one scale per row and 128 columns; (b) a split-K fp8 GEMM out = xq @ W^T with
@@ -100,9 +102,9 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, per_split, stride
         lines = b_ptr + offs_n.to(tl.int64) * K + tl.minimum(kb_first + t, kb_end - 1) * BLOCK_K
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [lines],
                                   dtype=tl.int32, is_pure=False, pack=1)
-    if PDL == 1:
+    if PDL == 1:  # the successor may launch once every program of this grid has got here (or exited)
         gdc_launch_dependents()
-    if PDL > 0:
+    if PDL > 0:  # blocks until the predecessor grid has completed and its writes are visible
         gdc_wait()
     a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     as_ptrs = as_ptr + offs_m * kbs
@@ -148,6 +150,7 @@ class Chain:
                 return torch.empty(*shape, device=device, dtype=dtype)
             return torch.randn(*shape, device=device, dtype=torch.bfloat16).to(dtype)
 
+        assert 0 < rows <= rule.MAX_BLOCK_M, "one row tile: M <= 64"
         self.rows, self.shapes, self.block_m = rows, shapes, rule.block_m_for(rows)
         self.splits = {}
         for p, (n, k) in shapes.items():
@@ -218,7 +221,9 @@ def graph_edge_types(graph_handle: int) -> dict | str:
 
 
 def check_compile(variants: list[str], l2_tiles: int) -> bool:
-    """Compile every launch of one layer for sm_90 on this machine (tests/hopper_compile.py's driver: no GPU) and
+    """Compile every launch of one layer for sm_90 on this machine (tests/hopper_compile.py's driver: no GPU; not
+    its install(), which also interprets each launch: Triton's interpreter cannot run gdc_wait / _launch_dependents,
+    so the PDL kernels are compiled only; tests/test_pdl_chain_compiles.py interprets the plain ones) and
     check the machine code (SASS, from the nvdisasm that ships with Triton): griddepcontrol.launch_dependents
     (SASS PREEXIT) and .wait (ACQBULK) exactly in the PDL variants, launch_pdl in their metadata, and in the GEMM
     global loads (the first weight tile) scheduled before the wait, L2 prefetches (CCTL.E.PML2) where asked."""
