@@ -1,6 +1,6 @@
 """Does Programmatic Dependent Launch (PDL) pay off for chains of small memory-bound Triton kernels in a CUDA graph?
 
-    python3 bench/pdl_chain.py [--layers 32] [--rows 32] [--reps 30] [--json out.json]   # GPU, sm_90+: ~1-2 min (estimate)
+    python3 bench/pdl_chain.py [--layers 32] [--reps 30] [--json out.json]   # GPU, sm_90+: ~1-2 min (estimate)
     python3 bench/pdl_chain.py --check-compile     # CPU: compile every kernel variant for sm_90, run nothing
 
 Status: compile-checked for sm_90 and the plain kernels' math interpreted on CPU; not yet run on a GPU.
