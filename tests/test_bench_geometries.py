@@ -205,8 +205,10 @@ def test_the_job_bench_splits_a_loop_into_decode_mixed_and_idle_shares_of_its_wa
     from batchgen.bench.job import step_kinds
 
     stats = {"num_decode_steps": 200, "num_mixed_steps": 10, "num_prefill_tokens": 5000, "gpu_busy_s_decode": 1.8,
-             "gpu_busy_s_mixed": 0.5, "gpu_idle_s_before_decode": 0.02, "gpu_idle_s_before_mixed": 0.08}
+             "gpu_busy_s_mixed": 0.5, "gpu_idle_s_before_decode": 0.02, "gpu_idle_s_before_mixed": 0.08,
+             "gpu_idle_max_s": 0.0123, "num_gpu_idle_over_1ms": 3}
     kinds = step_kinds(stats, wall_s=2.5)
     assert kinds["gpu_ms_per_decode_step"] == 9.0 and kinds["gpu_ms_per_mixed_step"] == 50.0
     assert kinds["share_busy_decode"] == 0.72 and kinds["share_idle_before_mixed"] == 0.032
+    assert kinds["gpu_idle_max_ms"] == 12.3 and kinds["num_gpu_idle_over_1ms"] == 3
     assert step_kinds({"gpu_busy_s": 1.0}, 2.0) == {}  # a report from before the counters

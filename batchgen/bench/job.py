@@ -196,6 +196,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         # where the loop's wall time went on the device (issue 18), by kind of step: GPU ms a step of each kind,
         # and the shares of the wall time the device was busy with decode / mixed steps or idle before them
         **step_kinds(e, report["wall_s"]),
+        # the job loop's seconds: engine steps, rendering / queueing rows, commits, Python's GC, Triton builds
+        "loop_breakdown_s": report["loop_s"],
         "triton_compile_s": report["loop_s"].get("triton_compile", 0.0),
         "triton_kernels_compiled": report.get("triton_kernels_compiled", {}),
         "engine_setup_triton_compile_s": report.get("engine_setup_triton_compile_s", 0.0),
@@ -211,7 +213,10 @@ def step_kinds(engine_stats: dict, wall_s: float) -> dict:
     the device spent busy with them and idle before them (empty for reports without these counters)."""
     if "num_decode_steps" not in engine_stats:
         return {}
-    out = {"num_prefill_tokens": engine_stats["num_prefill_tokens"]}
+    out = {"num_prefill_tokens": engine_stats["num_prefill_tokens"],
+           # a few long stalls or many short gaps (runs before these counters: None)
+           "gpu_idle_max_ms": round(1e3 * engine_stats["gpu_idle_max_s"], 2) if "gpu_idle_max_s" in engine_stats
+           else None, "num_gpu_idle_over_1ms": engine_stats.get("num_gpu_idle_over_1ms")}
     for kind in ("decode", "mixed"):
         n, busy = engine_stats[f"num_{kind}_steps"], engine_stats[f"gpu_busy_s_{kind}"]
         out[f"num_{kind}_steps"] = n
@@ -371,7 +376,9 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
             print(f"  steps: decode {r['num_decode_steps']} x {r['gpu_ms_per_decode_step']} ms GPU, mixed "
                   f"{r['num_mixed_steps']} x {r['gpu_ms_per_mixed_step']} ms GPU ({r['num_prefill_tokens']} prefill "
                   f"tokens); wall shares: decode {r['share_busy_decode']}, mixed {r['share_busy_mixed']}, idle "
-                  f"before decode {r['share_idle_before_decode']}, before mixed {r['share_idle_before_mixed']}")
+                  f"before decode {r['share_idle_before_decode']}, before mixed {r['share_idle_before_mixed']} "
+                  f"(longest {r['gpu_idle_max_ms']} ms, {r['num_gpu_idle_over_1ms']} over 1 ms); loop s "
+                  f"{r['loop_breakdown_s']}")
     if len(variants) == 2:
         report["ab"] = ab_summary(report["runs"])
         what = f"B = {' '.join(ab_sets)}" if ab_sets else f"A = {compare}, B = this checkout"

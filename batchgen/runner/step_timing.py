@@ -36,6 +36,9 @@ class StepTiming:
     idle_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
     num_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens of the mixed steps dispatched
+    # whether idle time comes from a few long host stalls or from many short gaps
+    max_idle_s: float = 0.0  # the longest single gap
+    num_idle_over_1ms: int = 0  # gaps longer than 1 ms
     _last_end: torch.cuda.Event | None = None  # the last collected step's end event
 
     def dispatched(self, num_prefill_tokens: int, cuda: bool) -> BusyWindow | None:
@@ -56,7 +59,10 @@ class StepTiming:
             return
         self.busy_s[window.kind] += window.start.elapsed_time(window.end) / 1e3
         if self._last_end is not None:
-            self.idle_s[window.kind] += max(0.0, self._last_end.elapsed_time(window.start)) / 1e3
+            idle_s = max(0.0, self._last_end.elapsed_time(window.start)) / 1e3
+            self.idle_s[window.kind] += idle_s
+            self.max_idle_s = max(self.max_idle_s, idle_s)
+            self.num_idle_over_1ms += idle_s > 1e-3
         self._last_end = window.end
 
     @property
@@ -71,4 +77,6 @@ class StepTiming:
             out[f"gpu_busy_s_{kind}"] = round(self.busy_s[kind], 3)
             out[f"gpu_idle_s_before_{kind}"] = round(self.idle_s[kind], 3)
         out["num_prefill_tokens"] = self.num_prefill_tokens
+        out["gpu_idle_max_s"] = round(self.max_idle_s, 4)
+        out["num_gpu_idle_over_1ms"] = self.num_idle_over_1ms
         return out
