@@ -51,6 +51,7 @@ def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_
 
 
 def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
+    from batchgen.bench.job import step_kinds
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.engine import Engine
     from batchgen.sampling_params import SamplingParams
@@ -64,7 +65,9 @@ def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
     tokens = sum(len(r.samples[0].token_ids) for r in results)
     report = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.num_steps - steps0,
               "gpu_busy": busy, "num_preemptions": engine.scheduler.num_preemptions,
-              "all_lengths_exact": [len(r.samples[0].token_ids) for r in results] == list(output_lens)}
+              "all_lengths_exact": [len(r.samples[0].token_ids) for r in results] == list(output_lens),
+              # device time by kind of step (the warm-up's two requests included): decode graphs vs eager mixed steps
+              "step_kinds": step_kinds(engine.stats(), wall)}
     release(engine)
     return report
 

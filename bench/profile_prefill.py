@@ -1,0 +1,120 @@
+"""Where a prefill (mixed) step's time goes on the GPU, against its FLOP floor (Llama-3.1-8B geometry, random bf16
+weights): the eager packed forward that serves every step with prompt tokens (issue 18: a job's 17 mixed steps
+took 12 % of its loop at 1.58x their prompt tokens' GEMM FLOPs; the mixed load's 2 M prompt tokens make it most
+of that workload's gap to its floor).
+
+Per shape, one step scheduled by the engine and run `--reps` times through `ModelRunner.execute` (the same K/V
+slots rewritten each time): its wall time, its kernels by kind (GEMM, attention, sampling, other: torch profiler)
+and the floor: the step's GEMM FLOPs (projections for every token, the LM head for its sampled rows) plus
+its causal attention FLOPs, at the matmul rate measured in the same run.
+
+    python3 bench/profile_prefill.py [--shapes 8192x68,8192x2048,2048x68] [--json out.json]
+
+A shape TOKENSxLEN is one step of TOKENS prompt tokens from prompts of LEN tokens (the last one cut short).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from batchgen.bench.geometries import decode_bytes  # noqa: E402
+from batchgen.bench.job import kernel_kinds  # noqa: E402
+from batchgen.bench.seed import build_model, measure_ceilings  # noqa: E402
+from batchgen.engine.config import EngineConfig  # noqa: E402
+from batchgen.engine.engine import Engine  # noqa: E402
+from batchgen.sampling_params import SamplingParams  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def attention_flops(lengths: list[int], config) -> float:
+    """Causal attention FLOPs of prompts of these lengths (computed from scratch): QK^T and PV over the lower
+    triangle, 2 FLOPs a multiply-add, every layer."""
+    cfg = config.get_text_config()
+    width = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    return sum(2 * 2 * (n * (n + 1) / 2) * width for n in lengths) * cfg.num_hidden_layers
+
+
+def profile_shape(model, tokens: int, length: int, reps: int, ceilings) -> dict:
+    lengths = [length] * (tokens // length) + ([tokens % length] if tokens % length else [])
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    with Engine(model, None, EngineConfig(max_num_seqs=max(256, len(lengths)), max_num_batched_tokens=tokens,
+                                          cuda_graphs=False)) as engine:
+        for n in lengths:
+            engine.add_request(torch.randint(3, vocab, (n,), generator=gen).tolist(),
+                               SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, ignore_eos=True))
+        batch = engine.scheduler.schedule()  # every prompt whole: one step of `tokens` prompt tokens
+        assert batch.num_prefill_tokens == tokens, (batch.num_prefill_tokens, tokens)
+        runner = engine.runner
+        for _ in range(2):  # builds and warm-up
+            runner.execute(batch)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            runner.execute(batch)
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / reps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                runner.execute(batch)
+            sync()
+        engine.scheduler.update(batch, runner.execute(batch))  # leave the engine consistent before close
+    kinds, num_kernels = kernel_kinds(prof.events())
+    top: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "batchgen.sample":
+            top[e.name] += e.device_time / 1e3 / reps
+    b = decode_bytes(model.config)
+    gemm_floor_s = b.gemm_s(tokens, 0, ceilings, head=False) + b.gemm_s(len(lengths), 0, ceilings) - \
+        b.gemm_s(len(lengths), 0, ceilings, head=False)  # projections for every token, the head for sampled rows
+    attn_floor_s = ceilings.gemm_s(attention_flops(lengths, model.config))
+    floor_ms = 1e3 * (gemm_floor_s + attn_floor_s)
+    return {"tokens": tokens, "prompt_len": length, "num_prompts": len(lengths), "wall_ms": round(wall_ms, 2),
+            "kernel_ms": {k: round(v / 1e3 / reps, 2) for k, v in kinds.items()},
+            "kernels": num_kernels // reps, "gemm_floor_ms": round(1e3 * gemm_floor_s, 2),
+            "attention_floor_ms": round(1e3 * attn_floor_s, 2), "floor_ms": round(floor_ms, 2),
+            "x_floor": round(wall_ms / floor_ms, 3),
+            "top_kernels_ms": {k[:90]: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:10]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ceilings = measure_ceilings()
+    model = build_model()
+    rows = []
+    for shape in args.shapes.split(","):
+        tokens, length = (int(x) for x in shape.split("x"))
+        rows.append(profile_shape(model, tokens, length, args.reps, ceilings))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"matmul {ceilings.matmul_flop_s / 1e12:.0f} TFLOP/s, copy {ceilings.copy_bytes_s / 1e12:.2f} TB/s")
+    print(f"{'shape':>10} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
+    for r in rows:
+        k = r["kernel_ms"]
+        print(f"{r['tokens']:>5}x{r['prompt_len']:<4} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} "
+              f"{k.get('gemm', 0):>7.2f} {k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
+              f"{r['kernels']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
