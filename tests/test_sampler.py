@@ -78,6 +78,21 @@ def test_suppressed_tokens_are_never_sampled():
     assert not set(tokens.tolist()) & {2, 3}
 
 
+def test_a_step_computes_every_rows_noise_key_exactly_as_the_scalar_definition():
+    """The vectorised keys (numpy, uint64 wrapping) equal row_noise_key's Python ints, at the edges of the seed
+    and position ranges too (a position whose offset passes 2^32 is masked as the scalar masks it)."""
+    import random
+
+    import numpy as np
+
+    from batchgen.sample.noise import row_noise_key, row_noise_keys
+
+    rng = random.Random(0)
+    seeds = [rng.randrange(1 << 64) for _ in range(300)] + [0, 1, (1 << 32) - 1, 1 << 32, (1 << 64) - 1]
+    positions = [rng.randrange(1 << 31) for _ in range(300)] + [0, 1, (1 << 31) - 1, 4294967295 - 0x85EBCA6B + 5, 7]
+    assert row_noise_keys(seeds, np.array(positions)).tolist() == [row_noise_key(s, p) for s, p in zip(seeds, positions)]
+
+
 def test_noise_is_a_function_of_seed_and_position_only():
     rows = [_row(seed=s) for s in (5, 6, 7)]
     keys = SamplingTensors.build(rows, [10, 11, 12], 100, torch.device("cpu")).noise_key

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from batchgen.engine.batch import SeqSampling
-from batchgen.sample.noise import row_noise_key
+from batchgen.sample.noise import row_noise_keys
 from batchgen.sample.penalty import PenaltyTable
 
 
@@ -56,7 +56,7 @@ class SamplingTensors:
             "top_k": np.array([r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows], dtype=np.int64),
             "top_p": np.array([r.top_p for r in rows], dtype=np.float32),
             "min_p": np.array([r.min_p for r in rows], dtype=np.float32),
-            "noise_key": np.array([row_noise_key(r.seed, p) for r, p in zip(rows, positions)], dtype=np.int64),
+            "noise_key": row_noise_keys([r.seed for r in rows], positions),
         }
         penalised = [i for i, r in enumerate(rows) if r.uses_penalty_table]
         if penalised:
