@@ -131,9 +131,11 @@ fp8_gemm.gemm_path = lambda device, dtype, n, k, group_n, group_k, act_quant, ro
 splitk_common.MIN_BLOCKS_PER_SPLIT = 1
 # launches saved per layer (quantize_groups, split-K reductions) at the decode step: q/k/v, gate/up, down inputs
 # quantised by their norm / activation; o and down summed by the next norm. OLMo2's q/k/v and gate/up read the
-# residual stream itself (no kernel writes it); Starcoder2's LayerNorm quantises and sums apart (no launch saved).
-# The packed step (Triton GEMM: no split-K): the quantisers only
-SAVED = {"llama": (3, 2), "granite": (3, 2), "gemma2": (3, 2), "olmo2": (1, 2), "starcoder2": (0, 0)}
+# residual stream itself (no kernel writes it); Starcoder2's LayerNorm quantises and sums apart (no launch saved);
+# Qwen3-MoE: its attention's (the experts keep their own quantisers). The packed step (Triton GEMM, no split-K):
+# the quantisers only
+SAVED = {"llama": (3, 2), "granite": (3, 2), "gemma2": (3, 2), "olmo2": (1, 2), "starcoder2": (0, 0),
+         "qwen3_moe": (1, 1)}
 PACKED_SAVED = {"llama": (3, 0), "olmo2": (1, 0)}
 
 
@@ -196,17 +198,17 @@ print("ok")
 
 @needs_interpreter
 def test_fp8_decode_and_packed_steps_give_the_same_logits_and_cache_with_fewer_launches_fused_under_interpreter():
-    """Llama (and Granite's branch scale) through LlamaDecoder's loop, Gemma2's and OLMo2's own loops, Starcoder2's
-    LayerNorm (the hand-offs summed and quantised apart), in two processes at once (2 CPU cores)."""
+    """Llama (and Granite's branch scale, Qwen3-MoE's attention) through LlamaDecoder's loop, Gemma2's and OLMo2's
+    own loops, Starcoder2's LayerNorm (the hand-offs summed and quantised apart), in two processes (2 CPU cores)."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}  # a core each
     procs = [subprocess.Popen([sys.executable, "-c", HOPPER_PRELUDE + STEPS_SCRIPT, *archs], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-             for archs in (["olmo2", "starcoder2"], ["llama", "granite", "gemma2"])]
+             for archs in (["olmo2", "starcoder2", "granite"], ["llama", "gemma2", "qwen3_moe"])]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0 and "ok" in stdout, stderr[-3000:]

@@ -17,6 +17,7 @@ on tensor-parallel shards (their o and down outputs are all-reduced first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from batchgen.kernels import fp8_gemm
 from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight
 from batchgen.kernels.splitk_common import SplitKPartials
-from batchgen.models.fp8 import linear
+from batchgen.models.fp8 import linear as plain_or_fp8_linear
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Fp8Fusion:
                        bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
         """The decoder's GEMM x [M, K] -> [M, N] for an output that only blocks.add_norm reads: a split-K GEMM's
         partials left unsummed where `partials`."""
-        return linear(x, weight, bias, self.fp8_path, unreduced=self.partials)
+        return plain_or_fp8_linear(x, weight, bias, self.fp8_path, unreduced=self.partials)
 
 
 def input_quant(fusion: Fp8Fusion | None, weight: torch.Tensor | Fp8Weight, like: torch.Tensor) -> ActQuant | None:
@@ -55,7 +56,7 @@ def input_quant(fusion: Fp8Fusion | None, weight: torch.Tensor | Fp8Weight, like
     return None if fusion is None else fusion.input_quant(weight, like)
 
 
-def linear_to_norm(fusion: Fp8Fusion | None, linear, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+def linear_to_norm(fusion: Fp8Fusion | None, linear: Callable, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                    bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
     """fusion.linear_to_norm(x, weight, bias), or the decoder's `linear` without hand-offs (fusion None)."""
     return linear(x, weight, bias) if fusion is None else fusion.linear_to_norm(x, weight, bias)
