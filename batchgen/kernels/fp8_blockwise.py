@@ -122,7 +122,14 @@ def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     [N / 128, K / 128] row-major scales transposed as its 128x128 layout (_blockwise_mm). Only where
     blockwise_scaled_mm_supported."""
     xq, x_scale = quantize_groups(x, 128, scale_ub)
-    out = _blockwise_mm(xq, x_scale, weight, scale, x.dtype)
+    return blockwise_matmul(xq, x_scale, weight, scale, x.dtype, bias)
+
+
+def blockwise_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block-wise GEMM over already-quantised activations (quantize_groups' output or layout: xq [M, K] fp8,
+    x_scale [M, K / 128] with strides (1, M)) -> [M, N] in out_dtype, the bias added in out_dtype."""
+    out = _blockwise_mm(xq, x_scale, weight, scale, out_dtype)
     return out if bias is None else out.add_(bias)
 
 

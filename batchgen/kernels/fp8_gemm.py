@@ -21,6 +21,9 @@ README "FP8 checkpoints"):
     GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the H200 (session 11, W1 at 32 rows, forced paths in one
     run): split-K 5.27 s against the Triton GEMM's 6.20 s; cuBLAS block-wise did not pass its probe there.
 
+Where the kernel that writes a GEMM's input quantises it itself (`input_quant` says how, for a weight and M: the
+fused decoders' RMSNorms and gated activation), fp8_linear takes its QuantizedActs and runs the path's GEMM alone.
+
 Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), replaced for the weight
 shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (committed here: no
 environment variable or file read at import); a default config whose grid would not fill the GPU's SMs narrows
@@ -37,8 +40,10 @@ from typing import NamedTuple
 import torch
 
 from batchgen.kernels import fp8_blockwise
-from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, linear_ref, quantize_groups, quantize_rows
-from batchgen.kernels.fp8_splitk import num_sms as _num_sms, splitk_scaled_matmul
+from batchgen.kernels.fp8_quant import (CHANNEL_ACT_GROUP, ActQuant, Fp8Weight, QuantizedActs, gemm_operands,
+                                        linear_ref, quantize_groups, quantize_rows)
+from batchgen.kernels.fp8_splitk import num_sms as _num_sms, splitk_matmul
+from batchgen.kernels.splitk_common import SplitKPartials
 
 try:
     import triton
@@ -227,26 +232,69 @@ def describe_paths(device: torch.device, dtype: torch.dtype, group_n: int, group
             f"{f' (block-wise _scaled_mm off: {why})' if why else ''}")
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int | None,
-               bias: torch.Tensor | None = None, act_quant: bool = True, scale_ub: float | None = None,
-               path: str = "auto") -> torch.Tensor:
-    """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype, by gemm_path's choice. act_quant
+GROUP_PATHS = ("splitk", "blockwise", "triton")  # the paths whose GEMM reads quantize_groups' output
+
+
+def choose_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n: int, group_k: int | None,
+                act_quant: bool, rows: int, path: str = "auto") -> str:
+    """The path fp8_linear takes for `rows` activations of `dtype` on `device`: gemm_path's choice under
+    engine.fp8_gemm `path` (forced_path)."""
+    auto = gemm_path(device, dtype, n, k, group_n, group_k, act_quant, rows)
+    return forced_path(path, auto, device, dtype, n, k, group_n, group_k)
+
+
+def input_quant(weight: Fp8Weight, rows: int, dtype: torch.dtype, device: torch.device,
+                path: str = "auto") -> ActQuant | None:
+    """How fp8_linear would quantise an input of `rows` rows of `dtype` on `device` for `weight`, where the kernel
+    writing that input can do it instead (handing fp8_linear QuantizedActs): quantize_groups' arguments for a
+    block-scaled weight whose path reads quantize_groups' output (split-K, cuBLASLt block-wise, Triton); None where
+    the input is taken as it is (reference), or quantised per token (row-wise) or per CHANNEL_ACT_GROUP columns."""
+    n, k = weight.shape
+    if weight.group_k is None:
+        return None
+    chosen = choose_path(device, dtype, n, k, weight.group_n, weight.group_k, weight.act_quant, rows, path)
+    return ActQuant(weight.group_k, weight.scale_ub) if chosen in GROUP_PATHS else None
+
+
+def _grouped_gemm(path: str, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  group_n: int, group_k: int | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                  unreduced: bool) -> torch.Tensor | SplitKPartials:
+    """The GEMM of a GROUP_PATHS path over quantize_groups' output (xq [M, K] fp8, x_scale [M, G]) -> [M, N]
+    (split-K with `unreduced`: possibly its partials, see fp8_splitk.splitk_matmul)."""
+    if path == "blockwise":
+        return fp8_blockwise.blockwise_matmul(xq, x_scale, weight, scale, out_dtype, bias)
+    if path == "splitk":
+        return splitk_matmul(xq, x_scale, weight, scale, group_n, group_k, out_dtype, bias, unreduced=unreduced)
+    return w8a8_matmul(xq, x_scale, weight, scale, group_n, group_k, out_dtype, bias)
+
+
+def fp8_linear(x: torch.Tensor | QuantizedActs, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
+               group_k: int | None, bias: torch.Tensor | None = None, act_quant: bool = True,
+               scale_ub: float | None = None, path: str = "auto", unreduced: bool = False
+               ) -> torch.Tensor | SplitKPartials:
+    """x [..., K] @ dequant(weight [N, K])^T + bias -> [..., N] in x's dtype, by choose_path's choice. act_quant
     False: a weight-only checkpoint, the reference path everywhere. `path` (engine.fp8_gemm) "blockwise", "triton"
-    or "splitk": that path for block-scaled weights on CUDA at every M (others: gemm_path's choice)."""
+    or "splitk": that path for block-scaled weights on CUDA at every M (others: gemm_path's choice).
+    x QuantizedActs [M, K]: quantised by the kernel that wrote it, as input_quant said for this weight and M; the
+    path's GEMM reads it in place of quantize_groups' output (the same bits: the same result).
+    `unreduced` (x of 2 dims): a split-K GEMM of several splits returns its partials unsummed (SplitKPartials)."""
+    n, k = weight.shape
+    if isinstance(x, QuantizedActs):
+        path = choose_path(x.xq.device, x.dtype, n, k, group_n, group_k, act_quant, x.shape[0], path)
+        assert path in GROUP_PATHS and x.quant == ActQuant(group_k, scale_ub), (path, x.quant, group_k, scale_ub)
+        return _grouped_gemm(path, x.xq, x.scale, weight, scale, group_n, group_k, bias, x.dtype, unreduced)
+    assert x.dim() == 2 or not unreduced
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    n, k = weight.shape
-    auto = gemm_path(x.device, x.dtype, n, k, group_n, group_k, act_quant, x2.shape[0])
-    path = forced_path(path, auto, x.device, x.dtype, n, k, group_n, group_k)
+    path = choose_path(x.device, x.dtype, n, k, group_n, group_k, act_quant, x2.shape[0], path)
     if path == "reference":
         out = linear_ref(x2, weight, scale, group_n, group_k, bias)
     elif path == "rowwise":
         out = rowwise_scaled_mm(x2, weight, scale.view(1, -1), bias, scale_ub)
-    elif path == "blockwise":
-        out = fp8_blockwise.blockwise_scaled_mm(x2, weight, scale, bias, scale_ub)
-    elif path == "splitk":
-        out = splitk_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
-    else:
-        out = block_scaled_matmul(x2, weight, scale, group_n, group_k, bias, scale_ub)
+    else:  # one of GROUP_PATHS
+        xq, x_scale = quantize_groups(x2, group_k or CHANNEL_ACT_GROUP, scale_ub)
+        out = _grouped_gemm(path, xq, x_scale, weight, scale, group_n, group_k, bias, x.dtype, unreduced)
+        if isinstance(out, SplitKPartials):
+            return out
     return out.reshape(*x.shape[:-1], n)

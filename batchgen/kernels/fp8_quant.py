@@ -1,6 +1,7 @@
 """FP8 (float8_e4m3fn) quantisation: weights and activations, the torch references of the FP8 GEMMs, and the
 Triton activation quantisers: per token (feeds torch._scaled_mm row-wise) and per token and group of columns
-(feeds the block-scaled GEMMs, once per GEMM).
+(feeds the block-scaled GEMMs, once per GEMM: `quantize_groups`, or, fused, the kernel that writes the GEMM's input
+quantises it with the same jit helpers and hands the GEMM `QuantizedActs`).
 
 Conventions (those of the checkpoints: transformers' FineGrainedFP8 `weight_scale_inv`, compressed-tensors' and
 fbgemm's `weight_scale`): a scale multiplies, value = fp8 * scale. A weight [N, K] has either
@@ -49,6 +50,39 @@ class Fp8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """How a GEMM quantises its input (quantize_groups' arguments): per token and group of `group` columns (a power of
+    two), each group's absolute max capped at scale_ub first (None: no cap)."""
+
+    group: int
+    scale_ub: float | None = None
+
+
+@dataclass(frozen=True)
+class QuantizedActs:
+    """Activations x [M, K] already quantised for a GEMM, bit for bit as quantize_groups(x, quant.group,
+    quant.scale_ub) quantises them: what a kernel that writes a GEMM's input hands it in place of x
+    (kernels/rmsnorm.py, kernels/gated_act.py), so that no quantiser runs between them (kernels/fp8_gemm.py)."""
+
+    xq: torch.Tensor  # [M, K] float8_e4m3fn, row-major
+    scale: torch.Tensor  # [M, ceil(K / quant.group)] fp32, strides (1, M): quantize_groups' column-major layout
+    quant: ActQuant
+    dtype: torch.dtype  # x's dtype: the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.xq.shape
+
+
+def group_quant_buffers(m: int, k: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (fp8 [M, K], scales [M, ceil(K / group)] with strides (1, M)): where quantize_groups and the
+    kernels that quantise their own output write. Graph-capturable (shapes follow M and K only)."""
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=device)
+    scale = torch.empty(-(-k // group), m, dtype=torch.float32, device=device).t()  # [M, G], strides (1, M)
+    return q, scale
 
 
 def _expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], group_n: int, group_k: int | None) -> torch.Tensor:
@@ -178,6 +212,30 @@ def quantize_rows(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch
 
 if triton is not None:
     @triton.jit
+    def quantize_group_tile(x, scale_ub, HAS_UB: tl.constexpr):
+        """x [G, GROUP] fp32 (zeros past the row's end) -> (q [G, GROUP] fp32 on the fp8 range, scale [G]): each
+        group's absolute max (capped at scale_ub), its scale max(amax, 1e-10) / 448 and the group divided by it,
+        in IEEE division (as the torch reference). The one arithmetic of every group quantiser here."""
+        amax = tl.max(tl.abs(x), axis=1)  # [G]
+        if HAS_UB:
+            amax = tl.minimum(amax, scale_ub)
+        scale = tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
+        return tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0), scale
+
+    @triton.jit
+    def quantize_store_row(y, first_col, num_cols, q_row_ptr, s_row_ptr, stride_sg, scale_ub, HAS_UB: tl.constexpr,
+                           BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """Columns [first_col, first_col + BLOCK) of one row, y [BLOCK] fp32 (zeros past num_cols), quantised per
+        group of GROUP columns as quantize_groups does: the fp8 values to q_row_ptr + column, the scales to
+        s_row_ptr + group * stride_sg. first_col and BLOCK: multiples of GROUP. For kernels that quantise the row
+        they have just computed (y: its values as rounded to the activation dtype)."""
+        groups = first_col // GROUP + tl.arange(0, BLOCK // GROUP)  # [G]
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+        q, scale = quantize_group_tile(tl.reshape(y, (BLOCK // GROUP, GROUP)), scale_ub, HAS_UB)
+        tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=cols < num_cols)
+        tl.store(s_row_ptr + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
+
+    @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, stride_sm, stride_sg, scale_ub,
                                 HAS_UB: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
         """Program (row, GROUPS_PER_PROG groups): each [GROUP] slice of the row quantised with its own absolute max;
@@ -187,11 +245,7 @@ if triton is not None:
         cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
         mask = cols < num_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)  # [G]
-        if HAS_UB:
-            amax = tl.minimum(amax, scale_ub)
-        scale = tl.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as the torch reference
-        q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+        q, scale = quantize_group_tile(x, scale_ub, HAS_UB)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
 
@@ -205,8 +259,7 @@ def quantize_groups(x: torch.Tensor, group: int, scale_ub: float | None = None
     m, k = x.shape
     assert x.stride(1) == 1 and group & (group - 1) == 0, (x.stride(), group)
     groups = -(-k // group)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()  # [M, G], strides (1, M)
+    q, scale = group_quant_buffers(m, k, group, x.device)  # [M, K] fp8, [M, G] with strides (1, M)
     per_prog = max(1, min(triton.next_power_of_2(groups), 1024 // group))  # ~1024 elements a program
     _quantize_groups_kernel[(m, triton.cdiv(groups, per_prog))](
         x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), scale_ub or 0.0,

@@ -11,8 +11,10 @@ and SPLITS is chosen per (N, K) so that the grid holds >= 2 programs per SM, eac
 Epilogue, deterministic: with SPLITS > 1 each program writes its fp32 partial to a workspace [SPLITS, M, N]
 (torch.empty, its shape follows M: no memset, no host sync, CUDA-graph capturable), then a second small kernel
 sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32 and rounds once to the output dtype
-(as linear_ref rounds its fp32 result once). No atomics: the result does not depend on program order, and the
-bf16 output equals the fp32 output rounded. With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
+(as linear_ref rounds its fp32 result once); or, `unreduced`, the kernel that reads the output next does that
+sum (splitk_common.SplitKPartials: the fused decoders' residual add + RMSNorm after the o and down projections).
+No atomics: the result does not depend on program order, and the bf16 output equals the fp32 output rounded.
+With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
 
 fp8_gemm's default path for block-scaled weights at M <= fp8_gemm.SPLITK_MAX_ROWS (32: the rows at which a GPU run
 measured it faster end to end); bench/fp8_gemm.py times it (column `splitk`) and sweeps its configs.
@@ -27,8 +29,8 @@ import torch
 from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
 # the split rule, tile epilogue and reduce (splitk_common.py); num_sms and split_sizes re-exported (fp8_gemm and the
 # benches import them here)
-from batchgen.kernels.splitk_common import (block_m_for, device_sms, num_sms, reduce_splits, split_count, split_sizes,
-                                           store_tile, workspace)
+from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_sms, num_sms, split_count, split_sizes,
+                                           store_tile)
 
 try:
     import triton
@@ -104,20 +106,24 @@ if triton is not None:
 
 def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
                   group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                  config: SplitKConfig | tuple | None = None) -> torch.Tensor:
+                  config: SplitKConfig | tuple | None = None, unreduced: bool = False
+                  ) -> torch.Tensor | SplitKPartials:
     """The split-K GEMM over already-quantised activations: xq [M, K] fp8 with x_scale [M, ceil(K / G)] (any
-    strides; G = group_k, or CHANNEL_ACT_GROUP per channel) -> [M, N] in out_dtype. Arguments as w8a8_matmul's."""
+    strides; G = group_k, or CHANNEL_ACT_GROUP per channel) -> [M, N] in out_dtype. Arguments as w8a8_matmul's.
+    `unreduced`: with more than one split, the partials are returned unsummed (SplitKPartials) for the kernel
+    that reads the output next to sum; with one split the output, as always."""
     m, n, k, block_k, stride_bsn, stride_bsk, group_n = gemm_operands(xq, x_scale, weight, scale, group_n, group_k)
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
-        return out
+        return torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if config is None:
         config = splitk_config(m, n, k, block_k, device_sms(xq))
     cfg = SplitKConfig(*config)
     block_m = block_m_for(m)
     per_split, splits = split_sizes(-(-k // block_k), cfg.splits)
-    # one split: the GEMM kernel writes the output; else fp32 partials [splits, M, N], reduced in split order
-    part = workspace(out, splits)
+    # one split: the GEMM kernel writes the output [M, N]; else fp32 partials [splits, M, N] (no memset: each
+    # element is written by exactly one program), summed in split order by reduce_splits or the next kernel
+    part = torch.empty(m, n, dtype=out_dtype, device=xq.device) if splits == 1 else \
+        torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
     _splitk_kernel[grid](xq, x_scale, weight, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
@@ -125,8 +131,10 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                          stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.warps,
                          num_stages=cfg.stages)
-    reduce_splits(part, bias, out)
-    return out
+    if splits == 1:
+        return part
+    partials = SplitKPartials(part, bias, out_dtype)
+    return partials if unreduced else partials.reduce()
 
 
 def splitk_scaled_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,

@@ -15,15 +15,31 @@ before the add, as the eager `residual + out * m` rounds it.
 
 Rows may be strided (x: a column slice of a wider tensor, such as the q part of a fused QKV output), and `out`
 may be x itself: each program reads its whole row before it writes it (no residual then).
+
+Two hand-offs with the FP8 GEMMs around it (the fused decoders ask for them, models/fp8_fusion.py; CUDA only):
+  - `quant`: the normalised row, rounded to the activation dtype as it would be stored, is quantised per token and
+    group as quantize_groups would quantise the stored tensor (fp8_quant.quantize_store_row: the same arithmetic)
+    and handed over as QuantizedActs, in place of the activation-dtype output: the next GEMM's quantiser is gone;
+  - x a SplitKPartials: the previous split-K GEMM's fp32 partials, summed in split order with its bias and rounded
+    once to the activation dtype as its reduction kernel would (splitk_common.sum_splits), then the add and norm:
+    the reduction kernel is gone.
 """
 
 from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, group_quant_buffers
+from batchgen.kernels.splitk_common import SplitKPartials
+
 try:
     import triton
     import triton.language as tl
+
+    from batchgen.kernels.fp8_quant import quantize_store_row
+    from batchgen.kernels.splitk_common import sum_splits
+
+    TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
@@ -38,13 +54,23 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_cols, eps, x_scale, stride_x, stride_res, stride_out,
-                        HAS_RESIDUAL: tl.constexpr, HAS_X_SCALE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                        WEIGHT_FP32: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bias_ptr, q_ptr, s_ptr, num_cols, eps, x_scale, scale_ub,
+                        stride_x, stride_res, stride_out, stride_q, stride_sm, stride_sg, ACT_DTYPE: tl.constexpr,
+                        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        HAS_X_SCALE: tl.constexpr, UNIT_OFFSET: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+                        QUANT_GROUP: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row. x: the row at x_ptr + row * stride_x, or (SPLITS > 0) the sum of a split-K GEMM's
+        fp32 partials [SPLITS, M, num_cols] at x_ptr (stride_x between splits) + bias, rounded to ACT_DTYPE.
+        Output: the row at out_ptr + row * stride_out, or (QUANT_GROUP > 0) rounded to ACT_DTYPE and quantised per
+        QUANT_GROUP columns: fp8 at q_ptr + row * stride_q, scales at s_ptr + row * stride_sm + group * stride_sg."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if SPLITS > 0:  # the partials [S, M, N] are contiguous: row r's column c at r * N + c in each split
+            x = sum_splits(x_ptr, row * num_cols + cols, mask, stride_x, bias_ptr, cols, SPLITS, HAS_BIAS)
+            x = x.to(ACT_DTYPE)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_X_SCALE:  # the product rounded to the activation dtype, then the add (two roundings, as eager)
             x = (x.to(tl.float32) * x_scale).to(x.dtype)
         if HAS_RESIDUAL:
@@ -58,7 +84,12 @@ if triton is not None:
             out = w * (xf * rstd)
         else:
             out = w * (xf * rstd).to(x.dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT_GROUP > 0:  # the row as stored in ACT_DTYPE (0 past num_cols: x and w load 0 there), quantised
+            y = out.to(ACT_DTYPE).to(tl.float32)
+            quantize_store_row(y, 0, num_cols, q_ptr + row * stride_q, s_ptr + row * stride_sm, stride_sg, scale_ub,
+                               HAS_UB, BLOCK, QUANT_GROUP)
+        else:
+            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -78,23 +109,41 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     return weight * y.to(x.dtype)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rmsnorm(x: torch.Tensor | SplitKPartials, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             use_triton: bool = True, unit_offset: bool = False, weight_fp32: bool = False,
-            out: torch.Tensor | None = None, x_scale: float | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, x_scale: float | None = None,
+            quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
     """`out`: where the result goes ([T, N], may be x itself when there is no residual); default a new tensor.
-    `x_scale`: x is multiplied by it (rounded) first."""
+    `x_scale`: x is multiplied by it (rounded) first. Triton only (see the module docstring): x a SplitKPartials
+    (a split-K GEMM's [T, N] output, summed here); `quant`: the result returned as QuantizedActs (no `out`)."""
+    partials = x if isinstance(x, SplitKPartials) else None
     if not use_triton:
+        assert partials is None and quant is None, "the torch reference takes no FP8 hand-offs"
         y = rmsnorm_ref(x, weight, eps, residual, unit_offset, weight_fp32, x_scale)
         return y if out is None else out.copy_(y)
     num_rows, num_cols = x.shape
-    assert x.stride(1) == 1 and (residual is None or (residual.is_contiguous() and x.is_contiguous()))
-    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    assert out.shape == x.shape and out.stride(1) == 1 and (residual is None or out.data_ptr() != x.data_ptr())
+    dtype = x.dtype if partials is None else partials.dtype
+    src = x if partials is None else partials.part  # [T, N] (unit column stride), or [S, T, N] contiguous
+    assert src.stride(-1) == 1 and (partials is None or src.is_contiguous())
+    assert residual is None or (residual.is_contiguous() and src.is_contiguous())
     block = triton.next_power_of_2(num_cols)
-    res = residual if residual is not None else x
-    _rmsnorm_kernel[(num_rows,)](x, res, weight, out, num_cols, eps, 1.0 if x_scale is None else x_scale,
-                                x.stride(0), res.stride(0), out.stride(0),
-                                HAS_RESIDUAL=residual is not None, HAS_X_SCALE=x_scale is not None,
-                                UNIT_OFFSET=unit_offset,
-                                WEIGHT_FP32=weight_fp32, BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    return out
+    if quant is None:
+        out = torch.empty(num_rows, num_cols, dtype=dtype, device=src.device) if out is None else out
+        assert out.shape == x.shape and out.stride(1) == 1 and (residual is None or out.data_ptr() != src.data_ptr())
+        q, scale, group, scale_ub = out, out, 0, None  # q, scale: not written
+    else:
+        assert out is None
+        q, scale = group_quant_buffers(num_rows, num_cols, quant.group, src.device)  # [T, N] fp8, [T, G]
+        # a group wider than the row's block is one group over the whole row (K <= group: quantize_groups' too)
+        out, group, scale_ub = q, min(quant.group, block), quant.scale_ub  # out: not written
+    res = residual if residual is not None else src
+    has_bias = partials is not None and partials.bias is not None
+    _rmsnorm_kernel[(num_rows,)](src, res, weight, out, partials.bias if has_bias else weight, q, scale, num_cols,
+                                 eps, 1.0 if x_scale is None else x_scale, scale_ub or 0.0, src.stride(0),
+                                 res.stride(0), out.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+                                 ACT_DTYPE=TL_DTYPES[dtype], SPLITS=0 if partials is None else src.shape[0],
+                                 HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
+                                 HAS_X_SCALE=x_scale is not None, UNIT_OFFSET=unit_offset, WEIGHT_FP32=weight_fp32,
+                                 QUANT_GROUP=group, HAS_UB=scale_ub is not None, BLOCK=block,
+                                 num_warps=8 if block >= 4096 else 4)
+    return out if quant is None else QuantizedActs(q, scale, quant, dtype)

@@ -9,11 +9,15 @@ GEMM kernel does that epilogue itself (`store_tile`, one launch).
 
 SPLITS per (M, N, K) (`split_count`): the fewest that give >= 2 programs per SM, dividing K's blocks evenly where
 that costs at most twice as many splits, and never fewer than MIN_BLOCKS_PER_SPLIT blocks a split.
+
+The reduction may instead run inside the kernel that reads the GEMM's output next (`SplitKPartials`, summed by
+`sum_splits`, the reduction kernel's own arithmetic: kernels/rmsnorm.py sums them in its residual add + norm).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -65,15 +69,40 @@ def device_sms(t: torch.Tensor) -> int:
         else 132
 
 
-def workspace(out: torch.Tensor, splits: int) -> torch.Tensor:
-    """Where the GEMM kernel writes: `out` itself with one split, else fp32 partials [splits, M, N] (no memset:
-    every element is written by exactly one program)."""
-    if splits == 1:
+@dataclass(frozen=True)
+class SplitKPartials:
+    """A split-K GEMM's output left unsummed for the kernel that reads it next: fp32 partials [S, M, N] (S >= 2)
+    and the bias, to be summed in split order 0, 1, ... in fp32, the bias added in fp32, rounded once to `dtype`
+    (`sum_splits`; `reduce` where the reader cannot sum)."""
+
+    part: torch.Tensor  # [S, M, N] fp32, contiguous
+    bias: torch.Tensor | None  # [N]
+    dtype: torch.dtype  # the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.part.shape[1:]
+
+    def reduce(self) -> torch.Tensor:
+        """The GEMM's output [M, N] in `dtype` (reduce_splits: one launch)."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.part.device)
+        reduce_splits(self.part, self.bias, out)
         return out
-    return torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
 
 
 if triton is not None:
+    @triton.jit
+    def sum_splits(p_ptr, offs, mask, split_stride, bias_ptr, bias_offs, SPLITS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+        """The fp32 sum over s = 0, 1, ..., in that order, of the partials at p_ptr + s * split_stride + offs, plus
+        the bias at bias_ptr + bias_offs in fp32: a split-K output before its one rounding (0 where masked)."""
+        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(p_ptr + s * split_stride + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
+        return acc
+
     @triton.jit
     def store_tile(acc, bias_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -92,11 +121,7 @@ if triton is not None:
         """c [M, N] = (sum over s = 0, 1, ... of partial [s, M, N], in that order, fp32) + bias, rounded once."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
-        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        acc = sum_splits(p_ptr, offs, mask, MN, bias_ptr, offs % N, SPLITS, HAS_BIAS)
         tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 

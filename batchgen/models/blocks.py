@@ -15,17 +15,21 @@ import torch.nn.functional as F
 
 from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
+from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, quantize_groups
 from batchgen.kernels.layernorm import layernorm
 from batchgen.kernels.rmsnorm import rmsnorm
 from batchgen.kernels.rope_kv import QKNorm, rope_kv
 from batchgen.kernels.gated_act import gated_act
+from batchgen.kernels.splitk_common import SplitKPartials
 from batchgen.models.fp8 import Fp8Weight
+from batchgen.models.fp8_fusion import Fp8Fusion, linear_to_norm
 
-__all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "self_attention"]
+__all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "mlp_input_quant", "self_attention"]
 
 # a GEMM with F.linear's signature, the decoder's choice: models/fp8.linear (F.linear, or the FP8 GEMM for an
-# Fp8Weight), or a kernels.invariant_linear.InvariantLinear (engine.deterministic; plain weights only)
-Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# Fp8Weight, which also takes QuantizedActs), or a kernels.invariant_linear.InvariantLinear (engine.deterministic;
+# plain weights only)
+Linear = Callable[["torch.Tensor | QuantizedActs", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -69,31 +73,37 @@ class Norm:
         assert self.kind in NORM_KINDS and (self.bias is None or self.kind == "layer")
 
 
-def add_norm(x: torch.Tensor, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
-             out: torch.Tensor | None = None, x_scale: float | None = None) -> torch.Tensor:
+def add_norm(x: torch.Tensor | SplitKPartials, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
+             out: torch.Tensor | None = None, x_scale: float | None = None,
+             quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
     """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
     x: [B, N] -> [B, N]; `out`: where the result goes (no residual: may be x itself); `x_scale` (RMS kinds:
-    Granite's residual_multiplier): x * x_scale, rounded, takes x's place."""
+    Granite's residual_multiplier): x * x_scale, rounded, takes x's place. FP8 hand-offs (models/fp8_fusion.py,
+    Triton only): x a split-K GEMM's unsummed output; `quant`: the result quantised for the next GEMM
+    (QuantizedActs). RMS kinds do both inside the norm kernel; "layer" sums first and quantises after it."""
     if norm.kind == "layer":  # the residual add rounded like the eager `residual + hidden_states`
         assert x_scale is None
-        return layernorm(x, norm.weight, norm.bias, norm.eps, residual=residual, use_triton=use_triton, out=out)
+        x = x.reduce() if isinstance(x, SplitKPartials) else x
+        y = layernorm(x, norm.weight, norm.bias, norm.eps, residual=residual, use_triton=use_triton, out=out)
+        return y if quant is None else QuantizedActs(*quantize_groups(y, quant.group, quant.scale_ub), quant, y.dtype)
     return rmsnorm(x, norm.weight, norm.eps, residual=residual, use_triton=use_triton,
                    unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out,
-                   x_scale=x_scale)
+                   x_scale=x_scale, quant=quant)
 
 
-def self_attention(h: torch.Tensor, qkv_weight: torch.Tensor | Fp8Weight, qkv_bias: torch.Tensor | None,
-                   o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int, scale: float,
-                   qk_norm: QKNorm | None = None,
-                   sliding_window: int | None = None, *, linear: Linear) -> torch.Tensor:
+def self_attention(h: torch.Tensor | QuantizedActs, qkv_weight: torch.Tensor | Fp8Weight,
+                   qkv_bias: torch.Tensor | None, o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int,
+                   scale: float, qk_norm: QKNorm | None = None, sliding_window: int | None = None, *, linear: Linear,
+                   fusion: Fp8Fusion | None = None) -> torch.Tensor | SplitKPartials:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3, Gemma3); `sliding_window`: the
-    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant)."""
+    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant);
+    `fusion` (the decoder's FP8 hand-offs): the output GEMM's as `fusion.linear_to_norm` leaves it, for add_norm."""
     qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
                       sliding_window=sliding_window)
-    return linear(attn, o_weight, o_bias)
+    return linear_to_norm(fusion, linear, attn, o_weight, o_bias)
 
 
 def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
@@ -131,18 +141,34 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 @dataclass
 class GatedMLP:
     """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh". The weights are
-    plain tensors or FP8 (models/fp8.py), both through `linear`."""
+    plain tensors or FP8 (models/fp8.py), both through `linear`; with `fusion` the activation kernel quantises the
+    down GEMM's input where that GEMM wants it so, and the down output may be split-K partials."""
 
     gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
     down_weight: torch.Tensor | Fp8Weight  # [E, I]
     activation: str = "silu"
     linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)
+    # the decoder's FP8 hand-offs (models/fp8_fusion.py), where only blocks.add_norm reads the output; None: none
+    fusion: Fp8Fusion | None = field(default=None, kw_only=True)
 
-    def __call__(self, h: torch.Tensor, use_triton: bool) -> torch.Tensor:
-        """h: [B, E] -> [B, E]."""
+    def input_quant(self, like: torch.Tensor) -> ActQuant | None:
+        """How the gate/up GEMM wants h (like's rows, dtype, device) quantised by the kernel writing it, or None."""
+        return None if self.fusion is None else self.fusion.input_quant(self.gate_up_weight, like)
+
+    def __call__(self, h: torch.Tensor | QuantizedActs, use_triton: bool) -> torch.Tensor | SplitKPartials:
+        """h: [B, E] (as input_quant asked) -> [B, E] (with `fusion`: as its linear_to_norm leaves it)."""
         gate_up = self.linear(h, self.gate_up_weight, None)  # [B, 2 I]
-        gated = gated_act(gate_up, self.activation, use_triton=use_triton)  # [B, I]
-        return self.linear(gated, self.down_weight, None)
+        if self.fusion is None:
+            return self.linear(gated_act(gate_up, self.activation, use_triton=use_triton), self.down_weight, None)
+        quant = self.fusion.input_quant(self.down_weight, gate_up)
+        gated = gated_act(gate_up, self.activation, use_triton=use_triton, quant=quant)  # [B, I]
+        return self.fusion.linear_to_norm(gated, self.down_weight, None)
+
+
+def mlp_input_quant(mlp: object, like: torch.Tensor) -> ActQuant | None:
+    """How a layer's MLP wants its input quantised by the norm writing it: a GatedMLP's gate/up GEMM's wish
+    (GatedMLP.input_quant); PlainMLP and the MoE blocks take it as a tensor (None)."""
+    return mlp.input_quant(like) if isinstance(mlp, GatedMLP) else None
 
 
 @dataclass

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.fp8_gemm import fp8_linear
-from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight
+from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight, QuantizedActs
+from batchgen.kernels.splitk_common import SplitKPartials
 from batchgen.kernels.moe import fused_experts
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
@@ -104,13 +105,15 @@ class Fp8Experts(torch.nn.Module):
         return f"experts={e}, hidden={h}, inter={two_i // 2}, fp8 blocks {self.group_n}x{self.group_k}"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
-           fp8_path: str = "auto") -> torch.Tensor:
+def linear(x: torch.Tensor | QuantizedActs, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+           fp8_path: str = "auto", unreduced: bool = False) -> torch.Tensor | SplitKPartials:
     """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8_gemm.py) for an
-    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here."""
+    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here. An
+    Fp8Weight's GEMM also takes x already quantised (QuantizedActs) and, `unreduced`, may return split-K partials
+    (models/fp8_fusion.py)."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight.weight, weight.scale, weight.group_n, weight.group_k, bias, weight.act_quant,
-                          weight.scale_ub, path=fp8_path)
+                          weight.scale_ub, path=fp8_path, unreduced=unreduced)
     return F.linear(x, weight, bias)
 
 

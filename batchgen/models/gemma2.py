@@ -26,6 +26,7 @@ import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
 from batchgen.models.fp8 import Fp8Weight, linear_weight
+from batchgen.models.fp8_fusion import input_quant, linear_to_norm
 from batchgen.models.gemma import ACTIVATIONS
 from batchgen.kernels.rope_kv import QKNorm
 from batchgen.models.llama import LlamaDecoder, module_reason, qk_norm
@@ -139,16 +140,19 @@ class Gemma2Decoder(LlamaDecoder):
         else:
             shared = make_step(*self._cos_sin(residual, positions))
             steps = {t: shared for t in types}
-        h = add_norm(residual, self.layers[0].input_norm, None, tri)
+        h = add_norm(residual, self.layers[0].input_norm, None, tri,
+                     quant=input_quant(self.fusion, self.layers[0].qkv_weight, residual))
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             qkv = self.linear(h, layer.qkv_weight, None)  # [B, (H + 2 Hkv) D]
             attn = attend_qkv(qkv, k_cache, v_cache, steps[layer.layer_type], geo.num_heads, geo.num_kv_heads,
                               layer.scale, layer.qk_norm, sliding_window=layer.sliding_window,
                               softcap=layer.softcap)  # [B, H D]
-            o = add_norm(self._reduce(self.linear(attn, layer.o_weight, None)), layer.post_attention_norm, None, tri)
-            h = add_norm(o, layer.pre_mlp_norm, residual, tri)  # residual <- residual + o, then its norm
+            o = linear_to_norm(self.fusion, self.linear, attn, layer.o_weight, None)
+            o = add_norm(self._reduce(o), layer.post_attention_norm, None, tri)
+            # residual <- residual + o, then its norm
+            h = add_norm(o, layer.pre_mlp_norm, residual, tri, quant=layer.mlp.input_quant(residual))
             mlp = add_norm(self._reduce(layer.mlp(h, tri)), layer.post_mlp_norm, None, tri)
-            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            h = add_norm(mlp, norm, residual, tri)
+            norm, quant = self._next_norm(i, residual)
+            h = add_norm(mlp, norm, residual, tri, quant=quant)
         return h

@@ -8,9 +8,9 @@ and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 G
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 (plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
-separate rotary kernel for Qwen3, whose q/k RMSNorm runs there). Prefill and mixed steps (`forward_packed`)
-run the same layers over every token, with the rotary + K/V write kernel and the prefill attention kernel
-(decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; FP8 GEMMs: models/fp8_fusion.py). Prefill and
+mixed steps (`forward_packed`) run the same layers over every token, with the rotary + K/V write kernel and the
+prefill attention kernel (decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
 kernel has a torch reference with the same rounding, so CI runs this exact code path.
 """
 
@@ -23,11 +23,14 @@ import torch
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
+from batchgen.kernels.fp8_quant import ActQuant
 from batchgen.kernels.invariant_linear import InvariantLinear
 from batchgen.kernels.rope_kv import QKNorm
+from batchgen.kernels.splitk_common import SplitKPartials
 from batchgen.models.base import DecodeForward
-from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, self_attention
+from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, mlp_input_quant, self_attention
 from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
+from batchgen.models.fp8_fusion import Fp8Fusion, input_quant
 from batchgen.models.shard import SHARD_ATTR, Shard, VocabParallelHead, local_geometry
 from batchgen.models.weights import PaddedHead, fuse_linears
 
@@ -151,6 +154,7 @@ class LlamaDecoder(DecodeForward):
     norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
     activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
     branch_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
+    fuse_fp8 = True  # FP8 hand-offs between the GEMMs and the norms / activation (models/fp8_fusion.py), with Triton
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                  shard: Shard | None = None, deterministic: bool = False, fp8_gemm: str = "auto") -> None:
@@ -167,6 +171,10 @@ class LlamaDecoder(DecodeForward):
         # set before the layers read it; fp8_gemm (engine.fp8_gemm): the FP8 projections' GEMM path
         self.linear = InvariantLinear() if deterministic else plain_or_fp8_linear if fp8_gemm == "auto" else \
             functools.partial(plain_or_fp8_linear, fp8_path=fp8_gemm)
+        # the FP8 GEMMs' hand-offs (the same fp8_gemm as self.linear's); None: none (no Triton, deterministic).
+        # A tensor-parallel shard's o / down outputs are all-reduced (_reduce) before the norm: no partials
+        fuse = self.fuse_fp8 and use_triton and not deterministic
+        self.fusion = Fp8Fusion(fp8_gemm, partials=shard is None) if fuse else None
         # tensor parallelism: the model's weights are this rank's shard (models/shard.py shard_model_), the
         # geometry this rank's heads; None: the whole model
         self.shard = shard
@@ -215,7 +223,8 @@ class LlamaDecoder(DecodeForward):
 
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | PlainMLP:
         gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        return GatedMLP(gate_up_w, linear_weight(mlp.down_proj), self.activation, linear=self.linear)
+        return GatedMLP(gate_up_w, linear_weight(mlp.down_proj), self.activation, linear=self.linear,
+                        fusion=self.fusion)
 
     # ---- the step: hooks ---------------------------------------------------------------------------------------
 
@@ -228,9 +237,15 @@ class LlamaDecoder(DecodeForward):
         cos, sin = self.rotary(x, positions[None])  # [1, B, D] each
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def _next_norm(self, i: int, like: torch.Tensor) -> tuple[Norm, ActQuant | None]:
+        """The norm after layer i (the next one's input norm, or the final norm) and its GEMM's input_quant."""
+        if i + 1 < len(self.layers):
+            return self.layers[i + 1].input_norm, input_quant(self.fusion, self.layers[i + 1].qkv_weight, like)
+        return self.final_norm, None
+
+    def _reduce(self, partial: torch.Tensor | SplitKPartials) -> torch.Tensor | SplitKPartials:
         """A row-parallel GEMM's output [B, E] summed over the tensor-parallel ranks (in place), before anything
-        else reads it; the identity without a shard."""
+        else reads it; the identity without a shard (the only case where it may be SplitKPartials)."""
         return partial if self.shard is None else self.shard.all_reduce(partial)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -270,14 +285,16 @@ class LlamaDecoder(DecodeForward):
         tri, geo = self.use_triton, self.geometry
         residual = self._embed(input_ids)  # [B, E]; updated in place below
         step = make_step(*self._cos_sin(residual, positions))
-        h = add_norm(residual, self.layers[0].input_norm, None, tri)
+        h = add_norm(residual, self.layers[0].input_norm, None, tri,
+                     quant=input_quant(self.fusion, self.layers[0].qkv_weight, residual))
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv_cache.layer(i)
             o = self_attention(h, layer.qkv_weight, layer.qkv_bias, layer.o_weight, layer.o_bias, k_cache, v_cache,
                                step, geo.num_heads, geo.num_kv_heads, layer.scale, layer.qk_norm,
-                               sliding_window=layer.sliding_window, linear=self.linear)
-            h = add_norm(self._reduce(o), layer.post_norm, residual, tri, x_scale=self.branch_scale)
+                               sliding_window=layer.sliding_window, linear=self.linear, fusion=self.fusion)
+            h = add_norm(self._reduce(o), layer.post_norm, residual, tri, x_scale=self.branch_scale,
+                         quant=mlp_input_quant(layer.mlp, residual))
             mlp = layer.mlp(h, tri)
-            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            h = add_norm(self._reduce(mlp), norm, residual, tri, x_scale=self.branch_scale)
+            norm, quant = self._next_norm(i, residual)
+            h = add_norm(self._reduce(mlp), norm, residual, tri, x_scale=self.branch_scale, quant=quant)
         return h

@@ -28,6 +28,7 @@ import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
 from batchgen.models.fp8 import Fp8Weight, linear_weight
+from batchgen.models.fp8_fusion import linear_to_norm
 from batchgen.models.llama import LlamaDecoder, fused_groups_reason, rope_reason, window_reason
 
 MODEL_TYPES = ("olmo2",)
@@ -93,7 +94,7 @@ class Olmo2Decoder(LlamaDecoder):
                 self._sharded_qk_norm(q, k, layer)
             attn = attend_qkv(qkv, k_cache, v_cache, step, geo.num_heads, geo.num_kv_heads, layer.scale,
                               rotate_fp32=True)  # [B, H D]
-            o = self.linear(attn, layer.o_weight, layer.o_bias)  # [B, E]
+            o = linear_to_norm(self.fusion, self.linear, attn, layer.o_weight, layer.o_bias)  # [B, E]
             residual.add_(add_norm(self._reduce(o), layer.post_attention_norm, None, tri))
             mlp = layer.mlp(residual, tri)  # [B, E]
             residual.add_(add_norm(self._reduce(mlp), layer.post_mlp_norm, None, tri))

@@ -75,7 +75,7 @@ class Phi3Decoder(LlamaDecoder):
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP:
         # gate_up_proj: [2 I, E], the gate rows then the up rows
         return GatedMLP(linear_weight(mlp.gate_up_proj), linear_weight(mlp.down_proj), self.activation,
-                        linear=self.linear)
+                        linear=self.linear, fusion=self.fusion)
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos_table is None:

@@ -1,0 +1,92 @@
+"""Checks of the FP8 hand-offs (models/fp8_fusion.py) at the kernel level, shared by the interpreter scripts (CPU,
+tiny shapes) and the GPU tests (Llama-8B shapes): each fused kernel against the unfused kernels it replaces,
+compared bit for bit (the fp8 bytes as uint8, the fp32 scales and their strides, the residual stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, quantize_groups, quantize_weight
+from batchgen.kernels.gated_act import gated_act
+from batchgen.kernels.rmsnorm import rmsnorm
+from batchgen.kernels.splitk_common import SplitKPartials
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors of one dtype and shape (torch.equal on floats calls -0.0 and 0.0 equal)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+def assert_quantized_as(got: QuantizedActs, x: torch.Tensor, quant: ActQuant, what) -> None:
+    """`got` is quantize_groups(x, quant.group, quant.scale_ub), bit for bit, in its layout."""
+    q, scale = quantize_groups(x, quant.group, quant.scale_ub)
+    assert got.quant == quant and got.dtype == x.dtype, what
+    assert same_bits(got.xq, q), (what, (got.xq.float() != q.float()).sum().item())
+    assert same_bits(got.scale, scale) and got.scale.stride() == scale.stride(), what
+
+
+def _rows(rows: int, cols: int, dtype: torch.dtype, device, g: torch.Generator, amp: float = 3.0) -> torch.Tensor:
+    """[rows, cols] normal * amp with row 1 all zeros (the quantiser's zero-row guard; its norm stays finite)."""
+    x = torch.randn(rows, cols, generator=g) * amp
+    x[1] = 0.0
+    return x.to(device, dtype)
+
+
+def check_norm(device, dtype: torch.dtype, rows: int, cols: int, group: int, scale_ub: float | None, kind: str,
+               residual: bool, x_scale: float | None, splits: int, bias: bool, seed: int = 0) -> None:
+    """rmsnorm with `quant` (and, splits > 0, over a split-K GEMM's partials) against the unfused kernels:
+    reduce_splits, then rmsnorm, then quantize_groups. Also the partials alone (step 2 without a quantised
+    output) against reduce_splits then rmsnorm."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(cols, generator=g) * 0.3 + (0.0 if kind == "rms_unit_offset" else 1.0)).to(device, dtype)
+    res = _rows(rows, cols, dtype, device, g) if residual else None
+    flags = dict(unit_offset=kind == "rms_unit_offset", weight_fp32=kind == "rms_fp32_weight", x_scale=x_scale)
+    if splits:
+        part = (torch.randn(splits, rows, cols, generator=g) * 2).to(device)
+        part[:, 1] = 0.0
+        b = (torch.randn(cols, generator=g) * 0.1).to(device, dtype) if bias else None
+        x = SplitKPartials(part, b, dtype)
+    else:
+        x = _rows(rows, cols, dtype, device, g)
+    what = (dtype, rows, cols, group, scale_ub, kind, residual, x_scale, splits, bias)
+    quant = ActQuant(group, scale_ub)
+    for q in (quant, None) if splits else (quant,):
+        res_ref, res_got = (res.clone(), res.clone()) if residual else (None, None)
+        plain = x.reduce() if splits else x
+        ref = rmsnorm(plain, weight, 1e-5, residual=res_ref, **flags)
+        got = rmsnorm(x, weight, 1e-5, residual=res_got, quant=q, **flags)
+        assert not residual or same_bits(res_got, res_ref), what
+        if q is None:
+            assert same_bits(got, ref), what
+        else:
+            assert_quantized_as(got, ref, quant, what)
+
+
+def check_gated(device, dtype: torch.dtype, rows: int, inter: int, group: int, scale_ub: float | None,
+                activation: str, seed: int = 0) -> None:
+    """gated_act with `quant` against gated_act, then quantize_groups."""
+    g = torch.Generator().manual_seed(seed)
+    x = _rows(rows, 2 * inter, dtype, device, g, amp=2.0)
+    quant = ActQuant(group, scale_ub)
+    got = gated_act(x, activation, quant=quant)
+    assert_quantized_as(got, gated_act(x, activation), quant, (dtype, rows, inter, group, scale_ub, activation))
+
+
+def check_gemm_reads_quantized(device, dtype: torch.dtype, m: int, n: int, k: int, group: int, path: str,
+                               seed: int = 0) -> None:
+    """fp8_linear over QuantizedActs (a fused norm's output) equals fp8_linear over the norm's output tensor on
+    `path` (the caller makes choose_path take it), bias included; split-K also unreduced."""
+    from batchgen.kernels.fp8_gemm import fp8_linear
+
+    g = torch.Generator().manual_seed(seed)
+    w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, group, group)
+    w, s = w.to(device), s.to(device)
+    bias = (torch.randn(n, generator=g) * 0.1).to(device, dtype)
+    x, norm_w = _rows(m, k, dtype, device, g), (torch.randn(k, generator=g) * 0.3 + 1.0).to(device, dtype)
+    acts = rmsnorm(x, norm_w, 1e-5, quant=ActQuant(group))
+    ref = fp8_linear(rmsnorm(x, norm_w, 1e-5), w, s, group, group, bias)
+    assert same_bits(fp8_linear(acts, w, s, group, group, bias), ref), (path, m, n, k)
+    if path == "splitk":
+        partials = fp8_linear(acts, w, s, group, group, bias, unreduced=True)
+        assert isinstance(partials, SplitKPartials) and same_bits(partials.reduce(), ref), (m, n, k)
