@@ -27,9 +27,10 @@ def assert_quantized_as(got: QuantizedActs, x: torch.Tensor, quant: ActQuant, wh
 
 
 def _rows(rows: int, cols: int, dtype: torch.dtype, device, g: torch.Generator, amp: float = 3.0) -> torch.Tensor:
-    """[rows, cols] normal * amp with row 1 all zeros (the quantiser's zero-row guard; its norm stays finite)."""
+    """[rows, cols] normal * amp with row 1 (if any) all zeros (the quantiser's zero-row guard; its norm stays finite)."""
     x = torch.randn(rows, cols, generator=g) * amp
-    x[1] = 0.0
+    if rows > 1:
+        x[1] = 0.0
     return x.to(device, dtype)
 
 
@@ -44,7 +45,8 @@ def check_norm(device, dtype: torch.dtype, rows: int, cols: int, group: int, sca
     flags = dict(unit_offset=kind == "rms_unit_offset", weight_fp32=kind == "rms_fp32_weight", x_scale=x_scale)
     if splits:
         part = (torch.randn(splits, rows, cols, generator=g) * 2).to(device)
-        part[:, 1] = 0.0
+        if rows > 1:  # a zero row (the quantiser's zero-row guard)
+            part[:, 1] = 0.0
         b = (torch.randn(cols, generator=g) * 0.1).to(device, dtype) if bias else None
         x = SplitKPartials(part, b, dtype)
     else:
