@@ -37,7 +37,7 @@
 #   bash bench/gpu_proofs.sh prefill    # issue 18: a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
 #                                       # 2,048-token prompts), then the mixed 2,000-request load with its step kinds (~4 min)
 #   bash bench/gpu_proofs.sh fp8job     # issue 19: the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
-#                                       # step kinds and idle gaps (~9 min; the two may need a command each: FP8_SEQS)
+#                                       # step kinds and idle gaps (~7 min each: one command each, FP8_WEIGHTS=bf16 | fp8)
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
@@ -132,7 +132,7 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
     prefill) step profile_prefill 120 python3 bench/profile_prefill.py --json "$LOGS/profile_prefill.json"
              step mixed 300 "${BG[@]}" --workload mixed --requests 2000 --json "$LOGS/mixed.json" ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
-              step "job_$w" 290 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+              step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \
                 --json "$LOGS/job_$w.json"; done ;;
     detcheck) step det_tests 200 python3 -m pytest -q -m gpu tests/test_fixed_row_gemm.py \
