@@ -83,6 +83,28 @@ def test_gc_timer_adds_collector_time_while_installed_and_leaves_no_hook_behind(
     assert totals.gc_s == before
 
 
+def test_a_run_freezes_what_its_set_up_built_so_no_full_collection_walks_the_model_mid_run(tmp_path,
+                                                                                          tiny_model_dir):
+    """After the engine's set-up the job runner collects once and freezes every object alive (the model, the
+    tokenizer, torch's modules): later full GC passes skip them. That set-up pass is not in the loop's GC time."""
+    import gc
+
+    rows = seed_rows(6)
+    job = write_job(tmp_path, tiny_model_dir, {"path": str(write_jsonl(tmp_path / "in.jsonl", rows)),
+                                               "key_column": "id"},
+                    prompt={"template": "Tell me about {{ topic }}."},
+                    sampling={"max_new_tokens": 4, "temperature": 0.0}, output={"dir": str(tmp_path / "out")})
+    gc.unfreeze()
+    try:
+        result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert gc.get_freeze_count() > 1000  # at least the tiny model's modules and the tokenizer
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as before
+    report = json.loads(next((tmp_path / "out" / "reports").glob("w*.json")).read_text())
+    assert report["loop_s"]["gc"] < report["setup_s"]
+
+
 def test_compile_timer_times_each_triton_build_chains_the_previous_hooks_and_puts_them_back():
     """Triton calls knobs.runtime.jit_cache_hook before building a kernel specialisation and
     jit_post_compile_hook after (keyword arguments key= and fn=, a JitFunctionInfo); here the hooks are called as
