@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -28,6 +29,12 @@ def _share_cores_between_xdist_workers() -> None:
 
 
 _share_cores_between_xdist_workers()
+
+# Triton 3.6's interpreter fails on numpy >= 2.4 (InterpreterError: only 0-dimensional arrays can be converted to
+# Python scalars): the interpreter tests are skipped there, saying so
+NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
+needs_interpreter = pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's "
+                                       "interpreter needs numpy < 2.4")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -7,17 +7,13 @@ tests/test_fp8_fusion_steps.py."""
 
 from __future__ import annotations
 
-import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from conftest import run_under_interpreter  # noqa: E402
+from conftest import needs_interpreter, run_under_interpreter  # noqa: E402
 
-NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
-needs_interpreter = pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's "
-                                       "interpreter needs numpy < 2.4")
 
 
 KERNELS_SCRIPT = r"""

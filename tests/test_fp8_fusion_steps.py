@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from conftest import HOPPER_PRELUDE, make_model, make_tokenizer, random_prompts  # noqa: E402
+from conftest import HOPPER_PRELUDE, make_model, make_tokenizer, needs_interpreter, random_prompts  # noqa: E402
 
 from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight, quantize_weight  # noqa: E402
 from batchgen.models.fp8_fusion import Fp8Fusion  # noqa: E402
 
-NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
-needs_interpreter = pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's "
-                                       "interpreter needs numpy < 2.4")
 
 
 STEPS_SCRIPT = r"""

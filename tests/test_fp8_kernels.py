@@ -10,19 +10,17 @@ fails in its own code: "only 0-dimensional arrays can be converted to Python sca
 from __future__ import annotations
 
 
-import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from conftest import run_under_interpreter  # noqa: E402
+from conftest import needs_interpreter, run_under_interpreter  # noqa: E402
 
 from batchgen.kernels.fp8_blockwise import blockwise_scaled_mm, blockwise_scaled_mm_supported  # noqa: E402
 from batchgen.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, gemm_path, rowwise_scaled_mm  # noqa: E402
 from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
 
-NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
 
 INTERPRET_SCRIPT = r"""
 import torch
@@ -65,8 +63,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs numpy < 2.4 "
-                    "(InterpreterError: only 0-dimensional arrays can be converted to Python scalars)")
+@needs_interpreter
 def test_fp8_gemm_kernels_match_reference_under_triton_interpreter():
     run_under_interpreter(INTERPRET_SCRIPT, timeout=600)
 

@@ -9,20 +9,18 @@ is checked to one bf16 ulp of the fp32 output; on the GPU it must equal the fp32
 from __future__ import annotations
 
 
-import numpy
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from conftest import run_under_interpreter  # noqa: E402
+from conftest import needs_interpreter, run_under_interpreter  # noqa: E402
 
 from batchgen.kernels import fp8_blockwise, fp8_gemm  # noqa: E402
 from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
 from batchgen.kernels.fp8_splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
 
-NUMPY_TOO_NEW = tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 INTERPRET_SCRIPT = r"""
@@ -58,8 +56,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"numpy {numpy.__version__} >= 2.4: Triton 3.6's interpreter needs "
-                    "numpy < 2.4")
+@needs_interpreter
 def test_splitk_gemm_matches_the_w8a8_reference_under_triton_interpreter():
     run_under_interpreter(INTERPRET_SCRIPT, timeout=300)
 
