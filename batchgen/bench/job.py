@@ -192,12 +192,12 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
         "host_ms_per_step": round(1e3 * (e["schedule_cpu_s"] + e["prepare_cpu_s"]) / steps, 2),
         # device time of the steps over the loop's wall time: below 1, the device waited for the host
         "gpu_busy": round(e.get("gpu_busy_s", 0.0) / report["wall_s"], 3),
-        # Triton builds in the loop (the first timed run's slowness, issue 18): seconds and kernels specialised
         # where the loop's wall time went on the device (issue 18), by kind of step: GPU ms a step of each kind,
         # and the shares of the wall time the device was busy with decode / mixed steps or idle before them
         **step_kinds(e, report["wall_s"]),
         # the job loop's seconds: engine steps, rendering / queueing rows, commits, Python's GC, Triton builds
         "loop_breakdown_s": report["loop_s"],
+        # Triton builds in the loop (the first timed run's slowness, issue 18): seconds and kernels specialised
         "triton_compile_s": report["loop_s"].get("triton_compile", 0.0),
         "triton_kernels_compiled": report.get("triton_kernels_compiled", {}),
         "engine_setup_triton_compile_s": report.get("engine_setup_triton_compile_s", 0.0),

@@ -235,7 +235,7 @@ class JobLoop:
             raise
         while self._commit():
             pass
-        self.meter.maybe_log(self._stats(), force=True)
+        self.meter.maybe_log(self._stats, force=True)
         self.meter.close()
         t = self.meter.totals
         # the loop's wall time without the model load and engine set-up (those are in setup_s)
@@ -300,7 +300,7 @@ class JobLoop:
             totals.step_s += time.perf_counter() - t0
             while writer.should_commit():
                 self._commit()
-            self.meter.maybe_log(self._stats())
+            self.meter.maybe_log(self._stats)
 
     def _wants_rows(self, num_admitted: int, lookahead: int, refill: int) -> bool:
         """Whether this loop pass renders another row: always while the engine holds fewer prompts than one step

@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,9 @@ class ThroughputMeter:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.start
 
-    def maybe_log(self, engine_stats: dict[str, Any], force: bool = False) -> None:
+    def maybe_log(self, engine_stats: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        """Append a record every interval_s (or now, with force); `engine_stats` is called only then (the loop
+        asks every step)."""
         now = time.monotonic()
         if not force and now - self._last_t < self.interval_s:
             return
@@ -193,7 +196,7 @@ class ThroughputMeter:
             "rows_s_window": round((t.rows_done - self._last_rows) / window, 3),
             "step_s": round(t.step_s, 3), "admit_s": round(t.admit_s, 3), "commit_s": round(t.commit_s, 3),
             "gc_s": round(t.gc_s, 3), "compile_s": round(t.compile_s, 3), "rss_mib": round(rss_mib(), 1),
-            **engine_stats,
+            **engine_stats(),
         }
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
