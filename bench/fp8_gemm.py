@@ -52,21 +52,22 @@ SMALL = [GemmConfig(*c) for c in ((16, 32, 8, 4, 4), (16, 64, 8, 4, 4), (16, 64,
 LARGE = [GemmConfig(*c) for c in ((64, 64, 8, 4, 3), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4), (128, 64, 8, 4, 3),
                                   (128, 128, 8, 8, 3), (64, 256, 8, 8, 3), (128, 256, 8, 8, 3))]
 
-# split-K sweep: (BLOCK_N, warps, stages) tiles x every split count that divides K's scale blocks into 132 to 1600
-# programs (at most SPLITK_MAX_SPLITS; splits are a runtime argument: one compile per tile, BLOCK_M, SPLITS of the
-# reduction)
-SPLITK_TILES = ((32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 8, 4))
+# split-K sweep: (BLOCK_N, warps, stages, TMA weight loads) tiles x every split count that divides K's scale blocks
+# into 132 to 1600 programs (at most SPLITK_MAX_SPLITS; splits are a runtime argument: one compile per tile,
+# BLOCK_M, SPLITS of the reduction)
+SPLITK_TILES = ((32, 4, 4, False), (32, 4, 6, False), (64, 4, 4, False), (64, 4, 6, False), (128, 4, 4, False),
+                (128, 8, 4, False), (64, 4, 4, True), (64, 4, 6, True), (128, 4, 4, True), (128, 8, 6, True))
 SPLITK_MAX_SPLITS = 16
 
 
 def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
     blocks = -(-k // 128)
     out = []
-    for block_n, warps, stages in SPLITK_TILES:
+    for block_n, warps, stages, tma in SPLITK_TILES:
         for splits in range(1, min(blocks, SPLITK_MAX_SPLITS) + 1):
             programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // 64)
             if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
-                out.append(SplitKConfig(block_n, splits, warps, stages))
+                out.append(SplitKConfig(block_n, splits, warps, stages, tma))
     return out
 
 
@@ -217,6 +218,9 @@ def sweep_splitk(name: str, n: int, k: int, m: int, xq, xs, block, copies: int, 
            "splitk_default_ms": timed.get(default, float("nan")),
            "splitk_best_TBps": n * k / (timed[best] / 1e3) / 1e12,
            "splitk_all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
+    for tma in (False, True):  # the best with plain pointer loads of the weight and with TMA descriptor loads
+        times = [t for c, t in timed.items() if c.tma == tma]
+        out[f"splitk_best_{'tma' if tma else 'plain'}_ms"] = min(times) if times else float("nan")
     if blockwise_scaled_mm_fits(torch.bfloat16, n, k, 128, 128) and blockwise_scaled_mm_supported(0):
         out["cublas_alone_ms"] = time_graph_ms(lambda i: torch._scaled_mm(
             xq, block[i][0].t(), scale_a=xs, scale_b=block[i][1].t(), out_dtype=torch.bfloat16), copies, 10, 5)
@@ -269,13 +273,14 @@ def main() -> None:
             table.setdefault((s["N"], s["K"]), {})[s["M"]] = tuple(s["best"])
         skw = [s for s in sweeps if "splitk_best" in s]
         if skw:
-            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages) vs its default, the "
+            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages, TMA) vs its default, the "
                   "Triton GEMM's best and cuBLAS block-wise alone")
-            print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}{'triton ms':>10}{'cublas ms':>10}"
-                  "  best / default")
+            print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}{'plain ms':>9}{'tma ms':>8}"
+                  f"{'triton ms':>10}{'cublas ms':>10}  best / default")
             for s in skw:
                 print(f"{s['shape']:<8}{s['M']:>5}{s['splitk_best_ms']:>9.4f}{s['splitk_best_TBps']:>7.2f}"
-                      f"{s['splitk_default_ms']:>11.4f}{s['best_ms']:>10.4f}"
+                      f"{s['splitk_default_ms']:>11.4f}{s['splitk_best_plain_ms']:>9.4f}{s['splitk_best_tma_ms']:>8.4f}"
+                      f"{s['best_ms']:>10.4f}"
                       f"{s.get('cublas_alone_ms', float('nan')):>10.4f}"
                       f"  {tuple(s['splitk_best'])} / {tuple(s['splitk_default'])}")
         print("\nSHAPE_CONFIGS = {")

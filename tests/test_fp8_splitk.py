@@ -40,6 +40,10 @@ from fp8_checkpoints import exact_activations as exact_x
 cases = [(5, 200, 576, 128, 128, cfg) for cfg in (SplitKConfig(32, 3, 4, 1), SplitKConfig(64, 2, 4, 1))]
 cases += [(1, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1)), (1, 200, 576, 128, 128, SplitKConfig(32, 1, 4, 1))]
 cases += [(5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1))]
+# weight tiles through a TMA descriptor: zero-filled past N (200) and K (576) instead of wrapped / masked
+cases += [(5, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)),
+          (1, 200, 576, 128, 128, SplitKConfig(32, 1, 4, 1, True)),
+          (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1, True))]
 for m, n, k, gn, gk, cfg in cases:
     x = exact_x(m, k, gk or 128)
     w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)

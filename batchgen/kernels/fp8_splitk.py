@@ -35,6 +35,7 @@ from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
@@ -46,6 +47,9 @@ class SplitKConfig(NamedTuple):
     splits: int  # requested K splits; the launch uses ceil(blocks / ceil(blocks / splits)): none empty
     warps: int
     stages: int
+    # weight tiles through a TMA descriptor (Hopper's bulk tensor copies; zero-filled past N and K) instead of one
+    # pointer per element: fewer instructions a byte streamed. Under trial (bench/fp8_gemm.py --sweep), off by default
+    tma: bool = False
 
 
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
@@ -63,37 +67,44 @@ if triton is not None:
     def scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, pid_m, pid_n, kb_first, kb_end, M, N, K,
                           stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, group_n,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, B_TMA: tl.constexpr = False):
         """Output tile (pid_m, pid_n) of the k blocks [kb_first, kb_end): the sum over them of
         (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb] in fp32 (+ bias), stored in c's
         dtype at c_ptr. Rows / columns past the edge wrap (unmasked loads in bounds) and are not stored. Shared by
-        the split-K kernel (one k range a program) and fp8_gemm's whole-K kernel."""
+        the split-K kernel (one k range a program) and fp8_gemm's whole-K kernel. B_TMA: b_ptr is a TMA
+        descriptor of the weight [N, K] with [BLOCK_N, BLOCK_K] tiles (zeros past N and K), not a pointer."""
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_k = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        if not B_TMA:
+            b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         as_ptrs = as_ptr + offs_m * stride_asm
         bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(kb_first, kb_end):
             k_left = K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=tl.arange(0, BLOCK_K)[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
+            if B_TMA:
+                b = tl.trans(b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]))  # [BLOCK_K, BLOCK_N]
+            else:
+                b = tl.load(b_ptrs, mask=tl.arange(0, BLOCK_K)[:, None] < k_left, other=0.0)
+                b_ptrs += BLOCK_K
             a_s = tl.load(as_ptrs + kb * stride_ask)
             b_s = tl.load(bs_ptrs + kb * stride_bsk)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
         store_tile(acc, bias_ptr, c_ptr, pid_m, pid_n, M, N, stride_cm, HAS_BIAS, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, stride_am, stride_asm,
                        stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       B_TMA: tl.constexpr):
         """Program (column tile, split, row tile): the sum over its k blocks kb of
         (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
-        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored."""
+        c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored. B_TMA:
+        b_ptr is the weight's TMA descriptor (scaled_block_tile)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         kb_first = split * per_split
@@ -101,7 +112,7 @@ if triton is not None:
         scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr + split.to(tl.int64) * stride_cs,
                           tl.program_id(2), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
-                          BLOCK_K)
+                          BLOCK_K, B_TMA)
 
 
 def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
@@ -126,10 +137,13 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
-    _splitk_kernel[grid](xq, x_scale, weight, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
+    # a TMA descriptor needs 16-byte aligned rows and base (K a multiple of 16 fp8 values): else plain loads
+    tma = cfg.tma and k % 16 == 0 and weight.data_ptr() % 16 == 0
+    b = TensorDescriptor.from_tensor(weight, [cfg.block_n, block_k]) if tma else weight
+    _splitk_kernel[grid](xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
                          xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
                          stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
-                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.warps,
+                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, B_TMA=tma, num_warps=cfg.warps,
                          num_stages=cfg.stages)
     if splits == 1:
         return part
