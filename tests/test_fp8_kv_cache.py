@@ -56,13 +56,20 @@ qkv[:, -16:] *= 100.0
 cos, sin = torch.ones(6, 16), torch.zeros(6, 16)
 slots = torch.tensor([3, 9, 17, 30, 31, 12])
 for rotate_fp32 in (False, True):  # True: OLMo2's rotation in fp32
-    caches = [torch.zeros(4, 8, 2, 16).to(KV_FP8) for _ in range(4)]
-    q = rope_kv(qkv, cos, sin, slots, caches[0], caches[1], 4, 2, use_triton=True, rotate_fp32=rotate_fp32)
-    q_ref = rope_kv_ref(qkv, cos, sin, slots, caches[2], caches[3], 4, 2, rotate_fp32=rotate_fp32)
-    torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
-    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert (got.float() != want.float()).float().mean() <= 0.06 and fp8_carry_dropped(got, want).all()
-    assert caches[1].float().abs().max() == 448.0 and not caches[1].float().isnan().any()  # saturated, no NaN
+    caches = [torch.zeros(4, 8, 2, 16).to(KV_FP8) for _ in range(2)]
+    q_ref = rope_kv_ref(qkv, cos, sin, slots, caches[0], caches[1], 4, 2, rotate_fp32=rotate_fp32)
+    one_token = None
+    for block_tokens in (1, 4):  # one token a program; tiles of 4 (6 tokens: a partial last tile)
+        out = [torch.zeros(4, 8, 2, 16).to(KV_FP8) for _ in range(2)]
+        q = rope_kv(qkv, cos, sin, slots, out[0], out[1], 4, 2, use_triton=True, rotate_fp32=rotate_fp32,
+                    block_tokens=block_tokens)
+        torch.testing.assert_close(q, q_ref, atol=0, rtol=0)
+        for got, want in zip(out, caches):
+            assert (got.float() != want.float()).float().mean() <= 0.06 and fp8_carry_dropped(got, want).all()
+        assert out[1].float().abs().max() == 448.0 and not out[1].float().isnan().any()  # saturated, no NaN
+        bits = [c.view(torch.uint8) for c in out]
+        one_token = one_token or bits
+        assert all(torch.equal(a, b) for a, b in zip(bits, one_token)), "a tile's fp8 cache differs from BLOCK_T 1's"
 print("ok")
 """
 

@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from batchgen.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from conftest import run_under_interpreter
+from conftest import needs_interpreter, run_under_interpreter
 
 
 def _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, device, seed=0):
@@ -358,6 +358,95 @@ print("ok")
 
 def test_fused_decode_kernels_match_reference_under_triton_interpreter():
     run_under_interpreter(FUSED_INTERPRET_SCRIPT)
+
+
+# ---- rope_kv's token tiles: BLOCK_T tokens of one head a program ----------------------------------------------
+
+def _check_rope_kv_launches(device, dtype, num_tokens, launches, heads=4, kv_heads=2, head_dim=32, atol=1e-5):
+    """rope_kv at each (BLOCK_T, num_warps) of `launches` and at rope_kv_launch's, in each mode (plain, Qwen3's and
+    Gemma3's q/k norms, OLMo2's fp32 rotation): q and both caches the same bits as one token a program (1, 1) gives,
+    and the reference's: the values exactly; q and the keys exactly on CPU without a q/k norm (the same fp32
+    arithmetic), else within atol (the fp32 sum of squares in another order; bf16 on the GPU as in _check_fused)."""
+    from batchgen.kernels.rope_kv import QKNorm, rope_kv, rope_kv_launch
+
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    qkv = rand(num_tokens, (heads + 2 * kv_heads) * head_dim)
+    angle = torch.rand(num_tokens, head_dim // 2, generator=g) * 6.0
+    cos32, sin32 = (torch.cat([f(angle)] * 2, -1).to(device) for f in (torch.cos, torch.sin))
+    block_size = 8
+    num_blocks = -(-2 * num_tokens // block_size)  # twice the slots the step writes, scattered
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(device)
+    caches = [rand(num_blocks, block_size, kv_heads, head_dim) for _ in "kv"]
+    modes = {"plain": (None, False), "qwen3": (QKNorm(rand(2, head_dim), 1e-6), False),
+             "gemma3": (QKNorm(rand(2, head_dim), 1e-6, unit_offset=True), False), "olmo2": (None, True)}
+    for mode, (qk_norm, rotate_fp32) in modes.items():
+        tables = (cos32, sin32) if rotate_fp32 else (cos32.to(dtype), sin32.to(dtype))
+
+        def call(use_triton, launch=(None, None)):  # caches of random values: a stray write shows
+            k, v = (cache.clone() for cache in caches)
+            q = rope_kv(qkv, *tables, slots, k, v, heads, kv_heads, qk_norm, use_triton=use_triton,
+                        rotate_fp32=rotate_fp32, block_tokens=launch[0], num_warps=launch[1])
+            return q, k, v
+
+        one = call(True, (1, 1))
+        for launch in {*launches, rope_kv_launch(num_tokens)} - {(1, 1)}:
+            got = call(True, launch)
+            for name, a, b in zip("qkv", got, one):
+                assert torch.equal(a, b), f"{mode}, {num_tokens} tokens, launch {launch}: {name} differs from (1, 1)'s"
+        ref = call(False)
+        tol = 0.0 if device == "cpu" and qk_norm is None else atol
+        for name, a, b in zip("qk", one, ref):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{mode}, {name}: {m}")
+        assert torch.equal(one[2], ref[2]), f"{mode}: the values differ from the reference's"
+
+
+ROPE_KV_LAUNCHES_INTERPRET_SCRIPT = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_rope_kv_launches
+# 13 tokens: a partial last tile at BLOCK_T 2, 4 and 8, one tile wider than the step at 16
+launches = [(2, 1), (4, 2), (8, 2), (16, 4)]
+_check_rope_kv_launches("cpu", torch.float32, 13, launches)
+# MHA, head_dim 24: columns 12..15 of each half masked (out of the q/k norm's sum of squares too); 5 tokens
+_check_rope_kv_launches("cpu", torch.float32, 5, launches, heads=3, kv_heads=3, head_dim=24)
+print("ok")
+"""
+
+
+@needs_interpreter
+def test_rope_kv_gives_the_same_bits_at_every_tile_size_and_matches_reference_under_triton_interpreter():
+    run_under_interpreter(ROPE_KV_LAUNCHES_INTERPRET_SCRIPT)
+
+
+@needs_interpreter
+def test_rope_kv_sweep_check_finds_every_launch_equal_to_the_reference_under_triton_interpreter():
+    # bench/rope_kv_sweep.py --check sets TRITON_INTERPRET=1 itself (no Hopper compile: a plain interpreter)
+    run_under_interpreter("import runpy, sys; sys.argv = ['rope_kv_sweep.py', '--check']; "
+                          "runpy.run_path('bench/rope_kv_sweep.py', run_name='__main__')", hopper=False)
+
+
+def test_rope_kv_launch_tiles_are_powers_of_two_growing_with_the_step_and_single_tokens_for_decode_steps():
+    from batchgen.kernels.rope_kv import rope_kv_launch
+
+    sizes = [1, 2, 8, 64, 127, 128, 256, 1000, 1024, 4096, 8192, 65536]
+    launches = [rope_kv_launch(n) for n in sizes]
+    assert all(b & (b - 1) == 0 and w & (w - 1) == 0 for b, w in launches)  # tl.arange's and num_warps' rule
+    assert launches == sorted(launches)
+    assert all(launch == (1, 1) for n, launch in zip(sizes, launches) if n < 128)  # decode-sized: as before tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 100, 1000, 8195])
+def test_rope_kv_gives_the_same_bits_at_every_tile_size_bf16_on_gpu(num_tokens):
+    """Llama-8B's heads: every tile size and warp count the same bits as one token a program (what makes a row's
+    q / k independent of the step's token count: engine.deterministic), in every mode."""
+    launches = [(1, 2), (2, 1), (4, 1), (4, 2), (8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+    _check_rope_kv_launches("cuda", torch.bfloat16, num_tokens, launches, heads=32, kv_heads=8, head_dim=128,
+                            atol=1.6e-2)
 
 
 @pytest.mark.gpu

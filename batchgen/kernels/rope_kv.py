@@ -2,7 +2,11 @@
 
 Input: the fused QKV projection of T tokens, [T, (H + 2 * Hkv) * D] (q heads, then k heads, then v heads).
 Output: the rotated queries [T, H, D]; the rotated keys and the values go straight into the paged cache at
-each token's slot. One program per (token, head); no intermediate K/V tensors.
+each token's slot; no intermediate K/V tensors. One program per (tile of BLOCK_T tokens, head), each half of the
+head a [BLOCK_T, head_dim / 2] tile; BLOCK_T and the warps come from `rope_kv_launch` (one token a program for
+decode-sized steps, 16-token tiles for long prefill steps). A token's results do not depend on its tile (the q/k
+norm's sum of squares is a fixed tree of adds, not tl.sum, whose order follows the launch's layout), so the step's
+token count changes no bits of a row: engine.deterministic relies on that.
 
 Optionally each q and k head is RMS-normalised first (`QKNorm`: Qwen3's and Gemma3's q_norm / k_norm, over the
 head dim, each with its module's rounding).
@@ -74,37 +78,51 @@ if triton is not None:
         return y.to(x.dtype)
 
     @triton.jit
+    def _row_sums(x, LOG2_WIDTH: tl.constexpr):
+        """Each row's sum of x [R, 2 ** LOG2_WIDTH] by a fixed pairwise tree of elementwise adds ((x0 + x1) +
+        (x2 + x3)) + ...: the same bits whatever the tile's row count and the compiler's layout (tl.sum's order
+        follows the layout, which follows the launch: a row's q/k norm would depend on the step's token count)."""
+        for _ in tl.static_range(LOG2_WIDTH):
+            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            x = a + b
+        return tl.reshape(x, [x.shape[0]])
+
+    @triton.jit
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                        qk_norm_ptr, norm_eps,
+                        qk_norm_ptr, norm_eps, num_tokens,
                         stride_qkv, stride_cs,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HALF_P: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
-                        ROTATE_FP32: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+                        HALF_P: tl.constexpr, LOG2_HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                        HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr, ROTATE_FP32: tl.constexpr):
+        # tile [BLOCK_T tokens, HALF_P]: each token's first half (x1) and second half (x2) of head h
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         h = tl.program_id(1)
         half = HEAD_DIM // 2
         i = tl.arange(0, HALF_P)
-        m = i < half
-        src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
-        x1 = tl.load(src + i, mask=m, other=0.0)
-        x2 = tl.load(src + half + i, mask=m, other=0.0)
+        t_ok = t < num_tokens  # the last tile's rows past the step's tokens: loaded as 0, never stored
+        m = t_ok[:, None] & (i < half)[None, :]
+        src = qkv_ptr + t[:, None] * stride_qkv + h * HEAD_DIM + i[None, :]
+        x1 = tl.load(src, mask=m, other=0.0)
+        x2 = tl.load(src + half, mask=m, other=0.0)
         dtype = x1.dtype
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        kv_row = slot * (NUM_KV_HEADS * HEAD_DIM)
+        slot = tl.load(slot_ptr + t, mask=t_ok, other=0).to(tl.int64)
+        kv_row = (slot * (NUM_KV_HEADS * HEAD_DIM))[:, None] + i[None, :]
         if h < NUM_HEADS + NUM_KV_HEADS:
             if HAS_QK_NORM:  # per-head RMSNorm before the rotation (Qwen3, Gemma3), rounded as its eager module
                 w_row = qk_norm_ptr + (h >= NUM_HEADS).to(tl.int32) * HEAD_DIM  # row 0: q weight, row 1: k
                 f1 = x1.to(tl.float32)
                 f2 = x2.to(tl.float32)
-                rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + norm_eps)
-                w1 = tl.load(w_row + i, mask=m, other=0.0).to(tl.float32)
-                w2 = tl.load(w_row + half + i, mask=m, other=0.0).to(tl.float32)
+                # one rstd per (token, head) row; masked columns add exact zeros
+                rstd = tl.rsqrt(_row_sums(f1 * f1 + f2 * f2, LOG2_HALF_P) / HEAD_DIM + norm_eps)[:, None]
+                w1 = tl.load(w_row + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+                w2 = tl.load(w_row + half + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
                 x1 = qk_norm_rounded(x1, rstd, w1, QK_UNIT_OFFSET)
                 x2 = qk_norm_rounded(x2, rstd, w2, QK_UNIT_OFFSET)
-            c1 = tl.load(cos_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + t * stride_cs + i, mask=m, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + t * stride_cs + half + i, mask=m, other=0.0).to(tl.float32)
+            cs = t[:, None] * stride_cs + i[None, :]
+            c1 = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
             if ROTATE_FP32:  # the compiler may contract a product and the sum into an FMA: at most 1 fp32 ulp
                 o1 = (x1.to(tl.float32) * c1 - x2.to(tl.float32) * s1).to(dtype)
                 o2 = (x2.to(tl.float32) * c2 + x1.to(tl.float32) * s2).to(dtype)
@@ -114,17 +132,17 @@ if triton is not None:
             # one name per pointer type: the GPU compiler refuses a variable whose type differs between the two
             # branches of a runtime `if` (an fp8 cache's pointers are not the queries')
             if h < NUM_HEADS:
-                q_dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
-                tl.store(q_dst + i, o1, mask=m)
-                tl.store(q_dst + half + i, o2, mask=m)
+                q_dst = q_out_ptr + (t[:, None] * NUM_HEADS + h) * HEAD_DIM + i[None, :]
+                tl.store(q_dst, o1, mask=m)
+                tl.store(q_dst + half, o2, mask=m)
             else:
                 k_dst = k_cache_ptr + kv_row + (h - NUM_HEADS) * HEAD_DIM
-                tl.store(k_dst + i, as_cached(o1, k_cache_ptr), mask=m)
-                tl.store(k_dst + half + i, as_cached(o2, k_cache_ptr), mask=m)
+                tl.store(k_dst, as_cached(o1, k_cache_ptr), mask=m)
+                tl.store(k_dst + half, as_cached(o2, k_cache_ptr), mask=m)
         else:
             v_dst = v_cache_ptr + kv_row + (h - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
-            tl.store(v_dst + i, as_cached(x1, v_cache_ptr), mask=m)
-            tl.store(v_dst + half + i, as_cached(x2, v_cache_ptr), mask=m)
+            tl.store(v_dst, as_cached(x1, v_cache_ptr), mask=m)
+            tl.store(v_dst + half, as_cached(x2, v_cache_ptr), mask=m)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_fp32: bool = False) -> torch.Tensor:
@@ -153,10 +171,27 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
     return q
 
 
+def rope_kv_launch(num_tokens: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) for a step of `num_tokens` tokens. Decode-sized steps: one token a program on one
+    warp, as before token tiles (the (tokens, heads) grid spreads them over the SMs). Longer steps: tiles of
+    BLOCK_T = 4 * num_warps tokens, so that at head_dim 128 each thread moves 8 contiguous values (16-byte accesses
+    in bf16). One-token programs took ~5x their bytes' time at 8,192 tokens (7.7 ms over 32 layers on the H200,
+    393k programs of one warp: bench/RESULTS.md, session 14). The thresholds are guesses until
+    bench/rope_kv_sweep.py has measured them. Any launch gives the same bits: a token's row never depends on its
+    tile."""
+    if num_tokens < 128:
+        return 1, 1
+    if num_tokens < 1024:
+        return 8, 2
+    return 16, 4
+
+
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
             qk_norm: QKNorm | None = None, use_triton: bool = True,
-            rotate_fp32: bool = False) -> torch.Tensor:
+            rotate_fp32: bool = False, *, block_tokens: int | None = None, num_warps: int | None = None
+            ) -> torch.Tensor:
+    """`block_tokens` / `num_warps` (benchmarks only: bench/rope_kv_sweep.py) replace rope_kv_launch's."""
     if not use_triton:
         return rope_kv_ref(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, qk_norm,
                            rotate_fp32)
@@ -164,12 +199,15 @@ def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mappin
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride() and k_cache.is_contiguous()
     assert head_dim % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert qk_norm is None or (qk_norm[0].shape == (2, head_dim) and qk_norm[0].is_contiguous())
+    block_t, warps = rope_kv_launch(num_tokens)
+    block_t, warps = block_tokens or block_t, num_warps or warps
+    half_p = triton.next_power_of_2(head_dim // 2)
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+    _rope_kv_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
-        *(qk_norm[:2] if qk_norm is not None else (qkv, 0.0)), qkv.stride(0), cos.stride(0),
+        *(qk_norm[:2] if qk_norm is not None else (qkv, 0.0)), num_tokens, qkv.stride(0), cos.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_P=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None,
+        HALF_P=half_p, LOG2_HALF_P=half_p.bit_length() - 1, BLOCK_T=block_t, HAS_QK_NORM=qk_norm is not None,
         QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
-        ROTATE_FP32=rotate_fp32, num_warps=1)
+        ROTATE_FP32=rotate_fp32, num_warps=warps)
     return q
