@@ -38,7 +38,7 @@ from fp8_fusion_cases import same_bits
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 from batchgen.kernels import fp8_gemm, splitk_common
-from batchgen.kernels.paged_prefill import prefill_work
+from batchgen.kernels.prefill_launch import PrefillWork
 from batchgen.models.registry import DECODERS
 from batchgen.runner.loader import load_model
 
@@ -82,7 +82,7 @@ def packed_step(decoder, cache):
     meta = AttentionMetadata(kv_cache=cache, slot_mapping=slots, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
                              max_query_len=5, max_seq_len=9, use_triton=True, num_decode_seqs=2,
-                             prefill_work=torch.from_numpy(prefill_work(q_lens, qsl)))
+                             prefill_work=PrefillWork.build(q_lens, qsl))
     return decoder.forward_packed(torch.tensor([3, 7, 11, 15, 19, 23, 27]), pos, meta, torch.tensor([0, 1, 6]))
 
 

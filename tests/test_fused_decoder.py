@@ -177,7 +177,7 @@ for arch in sys.argv[1:]:
     # a packed (mixed) step: two decode rows first, then a 5-token prefill chunk after 3 cached tokens
     import numpy as np
     from batchgen.attention.backend import AttentionMetadata
-    from batchgen.kernels.paged_prefill import prefill_work
+    from batchgen.kernels.prefill_launch import PrefillWork
     q_lens, seq_lens = np.array([1, 1, 5]), np.array([9, 2, 8])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
@@ -191,7 +191,7 @@ for arch in sys.argv[1:]:
         meta = AttentionMetadata(kv_cache=c, slot_mapping=slots, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
                                  max_query_len=5, max_seq_len=9, use_triton=tri, num_decode_seqs=2,
-                                 prefill_work=torch.from_numpy(prefill_work(q_lens, qsl)) if tri else None)
+                                 prefill_work=PrefillWork.build(q_lens, qsl) if tri else None)
         logits.append(decoder_cls(model, c, use_triton=tri).forward_packed(ids, pos, meta, keep))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k_cache[:, real], caches[1].k_cache[:, real], atol=1e-5, rtol=1e-5)

@@ -487,11 +487,14 @@ def _check_fp8_cache_write(k_cache, k_ref, v_cache, v_ref, real, written):
 # ---- prefill / chunked prefill over cached context ------------------------------------------------------
 
 def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-                   sliding_window=None, softcap=None, skip_first=0, seed=0, kv_dtype=None):
+                   sliding_window=None, softcap=None, skip_first=0, seed=0, kv_dtype=None, launch=None):
+    """paged_prefill_attention against the reference; `launch` a PrefillLaunch (None: prefill_launch's choice for
+    the longest query)."""
     import numpy as np
 
     from batchgen.kernels.paged_attention_ref import as_cached
-    from batchgen.kernels.paged_prefill import paged_prefill_attention, prefill_work
+    from batchgen.kernels.paged_prefill import paged_prefill_attention
+    from batchgen.kernels.prefill_launch import PrefillWork
 
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
@@ -503,48 +506,69 @@ def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_hea
     block_tables = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1)
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     query = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(device, dtype)
-    work = prefill_work(np.asarray(q_lens), qsl)[skip_first:]  # skip_first: leading one-token sequences
+    work = PrefillWork.build(np.asarray(q_lens), qsl, launch, device).after(skip_first)  # leading 1-token seqs
     args = (torch.tensor(qsl, dtype=torch.int32, device=device), torch.tensor(seq_lens, dtype=torch.int32,
             device=device), block_tables.to(torch.int32).to(device))
     out = torch.full_like(query, 7.0)
-    paged_prefill_attention(query, k_cache, v_cache, *args, torch.from_numpy(work).to(device), head_dim ** -0.5,
-                            sliding_window=sliding_window, softcap=softcap, out=out)
+    paged_prefill_attention(query, k_cache, v_cache, *args, work, head_dim ** -0.5, sliding_window=sliding_window,
+                            softcap=softcap, out=out)
     ref = paged_attention_ref(query.double(), k_cache.double(), v_cache.double(), *args, max(q_lens), max(seq_lens),
                               head_dim ** -0.5, sliding_window=sliding_window, softcap=softcap)
     rows = slice(int(qsl[skip_first]), None)
     assert (out[: rows.start] == 7.0).all(), "rows outside the work list were written"
     assert not out[rows].isnan().any()
     err = (out[rows].double() - ref[rows]).norm() / ref[rows].norm()
-    assert err < tol, f"relative error {err:.2e}"
+    assert err < tol, f"relative error {err:.2e} ({work.launch})"
 
 
 PREFILL_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check_prefill
-# first chunks, a chunk after cached context, a decode row, a 1-token prompt; GQA 4
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[1, 20, 37, 5, 1], seq_lens=[9, 20, 50, 5, 1])
+from batchgen.kernels.prefill_launch import PrefillLaunch
+check = lambda *a, **k: _check_prefill("cpu", torch.float32, 1e-5, *a, **k)
+# first chunks, a chunk after cached context, a decode row, a 1-token prompt; GQA 4; the default launch
+check(q_lens=[1, 20, 37, 5, 1], seq_lens=[9, 20, 50, 5, 1])
 # the decode rows (packed first) left to the decode kernel
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[1, 1, 19], seq_lens=[30, 4, 40], skip_first=2)
+check(q_lens=[1, 1, 19], seq_lens=[30, 4, 40], skip_first=2)
 # no GQA with a head_dim that is not a power of 2; a group of 3; sliding window; softcap
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[17, 3], seq_lens=[17, 40], num_heads=4, num_kv_heads=4,
-               head_dim=24, block_size=8)
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[18, 2], seq_lens=[33, 2], num_heads=6, num_kv_heads=2)
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[40, 1], seq_lens=[70, 45], sliding_window=16)
-_check_prefill("cpu", torch.float32, 1e-5, q_lens=[21, 4], seq_lens=[21, 30], softcap=5.0)
+check(q_lens=[17, 3], seq_lens=[17, 40], num_heads=4, num_kv_heads=4, head_dim=24, block_size=8)
+check(q_lens=[18, 2], seq_lens=[33, 2], num_heads=6, num_kv_heads=2)
+check(q_lens=[40, 1], seq_lens=[70, 45], sliding_window=16)
+check(q_lens=[21, 4], seq_lens=[21, 30], softcap=5.0)
+# Every block_m, with block_n 16: many unmasked tiles below each item's diagonal. Sequences: a first chunk longer
+# than one item, a chunk of 50 after 200 cached tokens (its diagonal crosses a tile edge), a decode row, a short
+# prompt. Each block_m with no window nor softcap, with a window (block_m + 40: masked tiles at its lower edge,
+# then unmasked ones, then the diagonal), and with both; the GQA groups 1, 4 and 8 (two head chunks of 4) in turn.
+q_lens, seq_lens = [130, 50, 1, 20], [130, 250, 70, 20]
+groups = [(2, 2), (8, 2), (8, 1)]  # (query heads, KV heads): GQA groups 1, 4, 8
+for i, block_m in enumerate((16, 32, 64, 128)):
+    launch = PrefillLaunch(block_m, 16, 4, 2)
+    for j, extra in enumerate([{}, dict(sliding_window=block_m + 40), dict(sliding_window=block_m + 40, softcap=5.0)]):
+        heads, kv_heads = groups[(i + j) % 3]
+        check(q_lens=q_lens, seq_lens=seq_lens, num_heads=heads, num_kv_heads=kv_heads, launch=launch, **extra)
+# the long-prompt default; warps / stages other than 4 / 2 (compiled for sm_90); tiles wider than a KV block
+check(q_lens=[520, 30], seq_lens=[520, 80], num_heads=8, num_kv_heads=1)
+check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=100, launch=PrefillLaunch(64, 64, 8, 3))
+check(q_lens=q_lens, seq_lens=seq_lens, softcap=5.0, launch=PrefillLaunch(32, 128, 8, 4))
 print("ok")
 """
 
 
-def test_paged_prefill_kernel_matches_reference_under_triton_interpreter():
+@needs_interpreter
+def test_prefill_kernel_matches_reference_at_every_block_m_with_and_without_window_and_softcap_under_interpreter():
     run_under_interpreter(PREFILL_INTERPRET_SCRIPT)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 512])
-def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes(window):
+@pytest.mark.parametrize("launch", ["long", "short"])
+def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes_with_both_default_launches(window, launch):
+    from batchgen.kernels.prefill_launch import LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH
+
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 1, 2048, 700, 512, 33], seq_lens=[900, 3000, 2048, 1900,
-                   4096, 33], num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2)
+                   4096, 33], num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2,
+                   launch=LONG_PROMPT_LAUNCH if launch == "long" else SHORT_PROMPT_LAUNCH)
 
 
 ARGMAX_INTERPRET_SCRIPT = """

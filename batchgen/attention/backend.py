@@ -17,6 +17,7 @@ from batchgen.attention.kv_cache import KVCache
 from batchgen.kernels.invariant_attention import query_attention_rows
 from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from batchgen.kernels.paged_prefill import paged_prefill_attention
+from batchgen.kernels.prefill_launch import PrefillWork
 from batchgen.kernels.rope_kv import QKNorm
 
 
@@ -31,7 +32,7 @@ class AttentionMetadata:
     max_seq_len: int
     use_triton: bool = False  # on CUDA the decode rows run the Triton kernel; the other rows the reference
     num_decode_seqs: int = 0  # the leading sequences with one new token each (the runner packs them first)
-    prefill_work: torch.Tensor | None = None  # [P, 2] int32 work items of the Triton prefill kernel, all sequences
+    prefill_work: PrefillWork | None = None  # the Triton prefill kernel's work items (all sequences) and launch
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -104,8 +105,8 @@ def attend_cached(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tenso
         # every other row the prefill kernel, over its own sequence only.
         d = meta.num_decode_seqs
         out = paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                      meta.prefill_work[d:], scale, sliding_window=sliding_window, softcap=softcap,
-                                      out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+                                      meta.prefill_work.after(d), scale, sliding_window=sliding_window,
+                                      softcap=softcap, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
         if d:
             out[:d] = decode(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, True,
                              sliding_window=sliding_window, softcap=softcap)

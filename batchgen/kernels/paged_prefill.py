@@ -1,18 +1,21 @@
 """Triton paged prefill attention: ragged query chunks over each sequence's cached context (chunked prefill).
 
-The step's K/V are already in the cache. Work is split into items of up to BLOCK_M query tokens of one
-sequence (a host-built list, `prefill_work`); program (item, kv head, head chunk) holds BLOCK_M tokens x
-HEADS query heads that share one KV head as the rows of one tile, and streams that sequence's K/V blocks
-once for all of them with an online softmax (flash-attention style), causal by absolute position, with
-optional sliding window and logit softcap. No padding to the longest sequence, no mask tensor.
+The step's K/V are already in the cache. Work is split into items of up to block_m query tokens of one sequence (a
+host-built list with the launch it was cut for, `prefill_launch.PrefillWork`); program (item, kv head, head chunk)
+holds block_m tokens x HEADS query heads that share one KV head as the rows of one tile, and streams that sequence's
+K/V blocks once for all of them with an online softmax (flash-attention style, in exp2 with log2(e) folded into the
+scale), causal by absolute position, with optional sliding window and logit softcap. No padding to the longest
+sequence, no mask tensor: only the tiles that some row must not fully see (the diagonal, a window's lower edge)
+build a mask; the others run unmasked.
 
 The torch reference is `paged_attention_ref` (same arguments less the work list).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from batchgen.kernels.prefill_launch import PrefillWork
 
 try:
     import triton
@@ -20,20 +23,9 @@ try:
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
-BLOCK_M = 16  # query tokens per work item
-
-
-def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
-    """[P, 2] int32 work items (sequence index, packed index of the item's first token), in sequence order:
-    ceil(q_len / BLOCK_M) items per sequence."""
-    counts = (q_lens + BLOCK_M - 1) // BLOCK_M
-    seq = np.repeat(np.arange(len(q_lens)), counts)
-    first_item = np.cumsum(counts) - counts
-    offset = np.arange(len(seq)) - np.repeat(first_item, counts)
-    return np.stack([seq, query_start_loc[:-1][seq] + BLOCK_M * offset], axis=1).astype(np.int32)
-
-
 if triton is not None:
+    LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+
     @triton.jit
     def softcapped(s, softcap):
         """softcap * tanh(s / softcap), with tanh from one exp of a non-positive argument (no overflow)."""
@@ -53,6 +45,38 @@ if triton is not None:
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         return k, v
+
+    @triton.jit
+    def attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h, stride_kn, stride_kb,
+                    stride_kh, d, d_ok, scale, softcap, window, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr):
+        """The K/V tile of keys [n0, n0 + BLOCK_N) folded into the rows' online softmax: acc [ROWS, D_P], m_i (running
+        max) and l_i (running sum) [ROWS], scores in log2 units (exp2 of score * log2(e) = exp of the score). MASKED
+        False: the caller guarantees every key of the tile below kv_end and visible to every row it stores (causal,
+        inside the window), so no mask is built and every score is finite."""
+        pos = n0 + tl.arange(0, BLOCK_N)
+        k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos < kv_end, h, stride_kn, stride_kb,
+                             stride_kh, d, d_ok, BLOCK_SIZE)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
+        if HAS_SOFTCAP:  # the cap applies to the natural-unit score
+            s = softcapped(tl.dot(q, tl.trans(k)) * scale, softcap) * LOG2E  # [ROWS, BLOCK_N] fp32
+        else:
+            s = tl.dot(q, tl.trans(k)) * (scale * LOG2E)
+        if MASKED:
+            visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (q_pos[:, None] - pos[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new  # finite: so is every score of the tile
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)  # 0 while m_i is -inf (nothing seen yet)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
 
     @triton.jit(do_not_specialize=["stride_bt"])  # the step's block-table width varies (paged_decode.py)
     def _prefill_kernel(
@@ -77,7 +101,7 @@ if triton is not None:
         r = tl.arange(0, ROWS)
         tok = tok0 + r // HEADS
         g = chunk * HEADS + r % HEADS
-        row_ok = (tok < q_end) & (g < GROUP)
+        row_ok = (tok < q_end) & (g < GROUP)  # the rows stored
         head = h * GROUP + g
         q_pos = ctx + tok - q_start  # absolute position of each row's token
         d = tl.arange(0, D_P)
@@ -85,35 +109,37 @@ if triton is not None:
         q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, D_P]
 
-        last_pos = tl.minimum(ctx + tok0 - q_start + BLOCK_M - 1, seq_len - 1)
+        first_pos = ctx + tok0 - q_start  # the item's first token's absolute position
+        last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)  # its last stored token's
         kv_end = last_pos + 1
+        # The keys [kv_start, kv_end), in tiles of BLOCK_N from multiples of BLOCK_N, as three runs (each tile once):
+        # [kv_start, full_start) masked: keys the window hides from some rows (none without a window);
+        # [full_start, full_end) unmasked: keys every stored row sees (at or before first_pos, and at or after
+        #     last_pos - window + 1);
+        # [full_end, kv_end) masked: the diagonal, keys some rows are too early to see.
         kv_start = 0
+        full_start = 0
         if HAS_WINDOW:
-            kv_start = tl.maximum(ctx + tok0 - q_start - window + 1, 0) // BLOCK_N * BLOCK_N
+            kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_start)
 
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt  # this sequence's block-table row
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D_P], dtype=tl.float32)
-        for n0 in tl.range(kv_start, kv_end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pos_ok = pos < kv_end
-            k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, pos,
-                                 pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok, BLOCK_SIZE)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
-            s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] fp32
-            if HAS_SOFTCAP:
-                s = softcapped(s, softcap)
-            visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (q_pos[:, None] - pos[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        for n0 in tl.range(kv_start, full_start, BLOCK_N):
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
+                                        stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
+                                        BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=True)
+        for n0 in tl.range(full_start, full_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
+                                        stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
+                                        BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=False)
+        for n0 in tl.range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
+                                        stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
+                                        BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=True)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -126,30 +152,33 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32
     block_tables: torch.Tensor,  # [S, W] int32
-    work: torch.Tensor,  # [P, 2] int32 from `prefill_work` (any subset of it: only those tokens are written)
+    work: PrefillWork,  # the step's work list (any subset of it: only those tokens are written) and its launch
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,  # [T, H, D]; rows outside `work` are left as they are
-    block_n: int = 64,
 ) -> torch.Tensor:
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     heads = min(triton.next_power_of_2(group), 4)
-    assert k_cache.stride(3) == 1 and query.stride(2) == 1 and BLOCK_M * heads >= 16
+    launch = work.launch  # the block_m the items were cut with: the kernel's, never another
+    rows = launch.block_m * heads
+    assert rows >= 16 and rows & (rows - 1) == 0, "a tile's rows: a power of two (tl.arange), >= 16 (tl.dot)"
+    assert work.items.dtype == torch.int32 and work.items.device == query.device and work.items.shape[-1] == 2
+    assert k_cache.stride(3) == 1 and query.stride(2) == 1
     out = torch.empty_like(query) if out is None else out
-    if work.shape[0] == 0:
+    if work.items.shape[0] == 0:
         return out
-    grid = (work.shape[0], num_kv_heads, triton.cdiv(group, heads))
+    grid = (work.items.shape[0], num_kv_heads, triton.cdiv(group, heads))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, work, query_start_loc, seq_lens, block_tables,
+        query, k_cache, v_cache, out, work.items, query_start_loc, seq_lens, block_tables,
         scale, softcap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS=heads, HEAD_DIM=head_dim, D_P=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-        num_warps=4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

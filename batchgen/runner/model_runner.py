@@ -19,7 +19,7 @@ import torch
 from batchgen.attention.interface import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.engine.batch import ScheduledBatch, StepOutput
-from batchgen.kernels.paged_prefill import prefill_work
+from batchgen.kernels.prefill_launch import PrefillWork, prefill_launch, prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
@@ -196,8 +196,10 @@ class ModelRunner:
         if batch.num_forced:
             extra.append(np.array([s.sampling.forced_token_id for s in batch.seqs if s.sampling is not None],
                                   dtype=np.int64))
-        # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA
-        work = [prefill_work(a.q_lens, a.query_start_loc)] if self.use_triton and not graphed else []
+        # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA, cut for its launch
+        max_query_len = int(a.q_lens.max())
+        launch = prefill_launch(max_query_len)
+        work = [prefill_work(a.q_lens, a.query_start_loc, launch.block_m)] if self.use_triton and not graphed else []
         self.staging.begin_step()
         ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
             [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
@@ -226,8 +228,9 @@ class ModelRunner:
             else:
                 attention = AttentionMetadata(
                     kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
-                    block_tables=tables_d, max_query_len=int(a.q_lens.max()), max_seq_len=int(a.seq_lens.max()),
-                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs, prefill_work=work_d)
+                    block_tables=tables_d, max_query_len=max_query_len, max_seq_len=int(a.seq_lens.max()),
+                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs,
+                    prefill_work=None if work_d is None else PrefillWork(work_d, launch))
                 if self.decode_forward.has_packed:  # the fused layers, with the prefill attention kernel
                     logits = self.decode_forward.forward_packed(ids_d, pos_d, attention, keep_d)
                 else:

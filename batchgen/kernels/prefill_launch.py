@@ -1,0 +1,82 @@
+"""How the paged prefill attention kernel (kernels/paged_prefill.py) is cut and launched for a step, on the host.
+
+`prefill_launch` is the one place that picks a launch from the step's shape; `prefill_work` cuts the step's
+queries into work items of that launch's block_m tokens; `PrefillWork` carries the two together from the runner to
+the kernel (through the attention metadata), so the kernel never tiles a work list with another block_m.
+Invariant: a launch changes the kernel's speed and the order of its fp32 additions, never which keys a query sees.
+No Triton here: the runner imports this on every install.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+BLOCK_N_CHOICES = (16, 32, 64, 128)
+NUM_WARPS_CHOICES = (4, 8)
+NUM_STAGES_CHOICES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Query tokens a work item (a program's tile holds block_m tokens x the query heads sharing its KV head),
+    keys a K/V tile, and Triton's warps and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name, choices in (("block_m", BLOCK_M_CHOICES), ("block_n", BLOCK_N_CHOICES),
+                              ("num_warps", NUM_WARPS_CHOICES), ("num_stages", NUM_STAGES_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"PrefillLaunch.{name} is {getattr(self, name)}, not one of {choices}")
+
+
+# Steps whose longest query is shorter (a job's short prompts, decode-heavy mixed steps): the tiles measured before
+# any sweep (session 2): 16 tokens an item wastes little on the padding of each sequence's last item.
+SHORT_PROMPT_LAUNCH = PrefillLaunch(block_m=16, block_n=64, num_warps=4, num_stages=2)
+LONG_PROMPT = 512  # the longest query, in tokens, from which a step takes LONG_PROMPT_LAUNCH
+# PROVISIONAL until measured (bench/prefill_attention_sweep.py on the H200): larger tiles for long prompts, each K/V
+# tile read once for 32 tokens x 4 query heads (128 rows, the usual flash-attention tile) instead of 16 x 4.
+LONG_PROMPT_LAUNCH = PrefillLaunch(block_m=32, block_n=64, num_warps=8, num_stages=2)
+
+
+def prefill_launch(max_query_len: int) -> PrefillLaunch:
+    """The launch for a step whose longest query (new tokens of one sequence) is max_query_len tokens."""
+    return LONG_PROMPT_LAUNCH if max_query_len >= LONG_PROMPT else SHORT_PROMPT_LAUNCH
+
+
+def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) -> np.ndarray:
+    """[P, 2] int32 work items (sequence index, packed index of the item's first token), in sequence order:
+    ceil(q_len / block_m) items per sequence, each of block_m tokens but a sequence's last.
+    q_lens: [S]; query_start_loc: [S + 1]."""
+    counts = (q_lens + block_m - 1) // block_m
+    seq = np.repeat(np.arange(len(q_lens)), counts)
+    first_item = np.cumsum(counts) - counts
+    offset = np.arange(len(seq)) - np.repeat(first_item, counts)
+    return np.stack([seq, query_start_loc[:-1][seq] + block_m * offset], axis=1).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """A work list and the launch it was cut for: `items` come from prefill_work(..., launch.block_m)."""
+
+    items: torch.Tensor  # [P, 2] int32, on the queries' device
+    launch: PrefillLaunch
+
+    @staticmethod
+    def build(q_lens: np.ndarray, query_start_loc: np.ndarray, launch: PrefillLaunch | None = None,
+              device: torch.device | str = "cpu") -> PrefillWork:
+        """The step's work list on `device`, for `launch` (None: prefill_launch of the longest query)."""
+        launch = launch or prefill_launch(int(np.max(q_lens)))
+        items = torch.from_numpy(prefill_work(q_lens, query_start_loc, launch.block_m)).to(device)
+        return PrefillWork(items, launch)
+
+    def after(self, num_items: int) -> PrefillWork:
+        """The list less its first num_items items (a mixed step's decode rows: one item each, packed first)."""
+        return replace(self, items=self.items[num_items:])
