@@ -29,8 +29,8 @@ import torch
 from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
 # the split rule, tile epilogue and reduce (splitk_common.py); num_sms and split_sizes re-exported (fp8_gemm and the
 # benches import them here)
-from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_sms, num_sms, split_count, split_sizes,
-                                           store_tile)
+from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_has_tma, device_sms, num_sms,
+                                           split_count, split_sizes, store_tile)
 
 try:
     import triton
@@ -48,7 +48,7 @@ class SplitKConfig(NamedTuple):
     warps: int
     stages: int
     # weight tiles through a TMA descriptor (Hopper's bulk tensor copies; zero-filled past N and K) instead of one
-    # pointer per element: fewer instructions a byte streamed. Under trial (bench/fp8_gemm.py --sweep), off by default
+    # pointer per element; ignored on GPUs without TMA (splitk_common.has_tma)
     tma: bool = False
 
 
@@ -56,10 +56,12 @@ def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) ->
     """Default launch config: 64-column tiles; splits: splitk_common.split_count (the fewest giving >= 2 programs
     per SM, dividing K's scale blocks evenly where that costs at most twice as many; 1 where the column tiles
     alone do: gate_up; never under 8 blocks a split); 4 warps, 4 stages (the H200 sweep of session 13,
-    bench/fp8_gemm.py --sweep: 4 stages at least as fast as 5 or 6 at every Llama-8B shape, M 16-64)."""
+    bench/fp8_gemm.py --sweep: 4 stages at least as fast as 5 or 6 at every Llama-8B shape, M 16-64); weight
+    tiles by TMA (session 15's sweep at M = 32, these tiles: qkv 13.6 vs 14.4 us, o 11.0 vs 12.1, down 26.2 vs
+    27.0; gate_up 40.1 vs 39.8, a tie)."""
     block_n = 64
     splits = split_count(m, n, -(-k // block_k), block_n, sms)
-    return SplitKConfig(block_n, splits, 4, 4)
+    return SplitKConfig(block_n, splits, 4, 4, True)
 
 
 if triton is not None:
@@ -138,7 +140,7 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
     # a TMA descriptor needs 16-byte aligned rows and base (K a multiple of 16 fp8 values): else plain loads
-    tma = cfg.tma and k % 16 == 0 and weight.data_ptr() % 16 == 0
+    tma = cfg.tma and k % 16 == 0 and weight.data_ptr() % 16 == 0 and device_has_tma(weight)
     b = TensorDescriptor.from_tensor(weight, [cfg.block_n, block_k]) if tma else weight
     _splitk_kernel[grid](xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
                          xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,

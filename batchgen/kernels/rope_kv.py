@@ -172,18 +172,15 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
 
 
 def rope_kv_launch(num_tokens: int) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for a step of `num_tokens` tokens. Decode-sized steps: one token a program on one
-    warp, as before token tiles (the (tokens, heads) grid spreads them over the SMs). Longer steps: tiles of
-    BLOCK_T = 4 * num_warps tokens, so that at head_dim 128 each thread moves 8 contiguous values (16-byte accesses
-    in bf16). One-token programs took ~5x their bytes' time at 8,192 tokens (7.7 ms over 32 layers on the H200,
-    393k programs of one warp: bench/RESULTS.md, session 14). The thresholds are guesses until
-    bench/rope_kv_sweep.py has measured them. Any launch gives the same bits: a token's row never depends on its
-    tile."""
-    if num_tokens < 128:
-        return 1, 1
-    if num_tokens < 1024:
-        return 8, 2
-    return 16, 4
+    """(BLOCK_T, num_warps) for a step of `num_tokens` tokens. Measured on the H200 (bench/rope_kv_sweep.py,
+    Llama-8B heads, session 15): 16-token tiles on 8 warps were the fastest at 256 and 8,192 tokens and within
+    0.4 % of the fastest at 2,048 (3.45 / 15.56 / 55.3 us a call against the one-token-a-program launch's 8.96 /
+    62.9 / 240: 2.6-4.3x); below 256 tokens (the deterministic path's and OLMo2's decode steps) 4-token tiles on
+    one warp, so that a small step still spreads over the SMs (at 256 tokens 4.16 us, 2.2x the old launch; smaller
+    steps not measured). Any launch gives the same bits: a token's row never depends on its tile."""
+    if num_tokens < 256:
+        return 4, 1
+    return 16, 8
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,

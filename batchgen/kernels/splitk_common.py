@@ -63,6 +63,18 @@ def split_count(m: int, n: int, k_blocks: int, block_n: int, sms: int) -> int:
     return even if even is not None else split_sizes(k_blocks, need)[1]
 
 
+@functools.lru_cache(maxsize=None)
+def has_tma(device_index: int) -> bool:
+    """Whether the GPU has the Tensor Memory Accelerator (Hopper, sm_90, and later)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def device_has_tma(t: torch.Tensor) -> bool:
+    """has_tma of t's GPU; True off CUDA (the interpreter emulates TMA descriptors: the CPU tests cover that path)."""
+    return has_tma(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda \
+        else True
+
+
 def device_sms(t: torch.Tensor) -> int:
     """SMs of t's GPU (132, an H100 / H200, off CUDA: the interpreter's launches are sized as on the GPU)."""
     return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda \
