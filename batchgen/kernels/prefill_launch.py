@@ -37,13 +37,16 @@ class PrefillLaunch:
                 raise ValueError(f"PrefillLaunch.{name} is {getattr(self, name)}, not one of {choices}")
 
 
-# Steps whose longest query is shorter (a job's short prompts, decode-heavy mixed steps): the tiles measured before
-# any sweep (session 2): 16 tokens an item wastes little on the padding of each sequence's last item.
-SHORT_PROMPT_LAUNCH = PrefillLaunch(block_m=16, block_n=64, num_warps=4, num_stages=2)
+# Measured on the H200 (bench/prefill_attention_sweep.py, Llama-8B heads, session 15; ms over 32 layers):
+# - steps whose longest query is shorter than LONG_PROMPT (a job's refills, decode-heavy mixed steps): 16 tokens an
+#   item on 32-key tiles, 8,192 tokens of 68-token prompts 2.62 ms against 3.58 with 64-key tiles (the launch
+#   before the sweep) and 3.28-4.66 for every larger item;
+# - a step with a long prompt: 64 tokens an item (256 rows: 64 tokens x 4 query heads), 64-key tiles, 8 warps,
+#   3 stages: 8,192 tokens of 2,048-token prompts 13.15 ms against 14.23, 512-token chunks after 1,536 cached
+#   5.84 against 6.63; a lone 2,048-token prompt 4.81 against 4.40 (too few items to fill the GPU: accepted).
+SHORT_PROMPT_LAUNCH = PrefillLaunch(block_m=16, block_n=32, num_warps=4, num_stages=2)
 LONG_PROMPT = 512  # the longest query, in tokens, from which a step takes LONG_PROMPT_LAUNCH
-# PROVISIONAL until measured (bench/prefill_attention_sweep.py on the H200): larger tiles for long prompts, each K/V
-# tile read once for 32 tokens x 4 query heads (128 rows, the usual flash-attention tile) instead of 16 x 4.
-LONG_PROMPT_LAUNCH = PrefillLaunch(block_m=32, block_n=64, num_warps=8, num_stages=2)
+LONG_PROMPT_LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=8, num_stages=3)
 
 
 def prefill_launch(max_query_len: int) -> PrefillLaunch:
