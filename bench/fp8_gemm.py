@@ -37,6 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from batchgen.bench.graph_timing import median_replay_ms
 from batchgen.kernels import fp8_gemm
 from batchgen.kernels.fp8_blockwise import (blockwise_scaled_mm, blockwise_scaled_mm_fits,
                                             blockwise_scaled_mm_supported, blockwise_unsupported_reason)
@@ -105,18 +106,9 @@ def time_graph_ms(fn, copies: int, calls: int = CALLS, replays: int = 10) -> flo
             for i in range(calls):
                 fn(i % copies)
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+    ms = median_replay_ms(graph, calls, replays)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

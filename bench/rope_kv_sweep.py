@@ -21,7 +21,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -99,21 +98,11 @@ def copy_bytes_s() -> float:
 
 
 def replay_ms(fn, calls: int, reps: int) -> float:
-    """Per-call device ms of `fn`: a CUDA graph of `calls` calls (after a warm-up call), each replay event-timed,
-    the median of `reps` replays (after one untimed replay)."""
-    from batchgen.bench.graph_timing import capture_graph
+    """Per-call device ms of `fn`: a CUDA graph of `calls` calls (after a warm-up call), the median of `reps`
+    event-timed replays (after one untimed replay)."""
+    from batchgen.bench.graph_timing import capture_graph, median_replay_ms
 
-    graph = capture_graph(fn, calls, warmup=1)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return median_replay_ms(capture_graph(fn, calls, warmup=1), calls, reps)
 
 
 def grid(args) -> list[tuple[int, int]]:
