@@ -1,6 +1,7 @@
 """Hopper compile mode for the interpreter scripts (conftest.run_under_interpreter): every Triton kernel launch is
 first compiled for an H100 / H200 (sm_90, through ptxas, as on the GPU: no GPU needed), then run by Triton's
-interpreter as before. Why: the interpreter accepts code that the GPU compiler refuses (session 13: a jit
+interpreter as before; a build needing more shared memory than an sm_90 block has is refused, as the GPU refuses it
+when loading. Why: the interpreter accepts code that the GPU compiler refuses (session 13: a jit
 helper's `CACHE: tl.constexpr = ""` default passed every CPU test and broke every split decode launch on the
 GPU: "'str' object has no attribute 'type'"), so a CPU-only change could land with the GPU path broken.
 
@@ -18,10 +19,12 @@ import collections
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
+from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction, _patch_lang  # triton==3.6.0 (pyproject pins it)
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200: the GPUs batchgen's kernels are tuned and tested on
+SM90_MAX_SHARED_BYTES = 232_448  # a block's shared memory on an H100 / H200 (227 KiB): Triton refuses more at load
 _BUILT: collections.Counter = collections.Counter()
 
 
@@ -55,8 +58,10 @@ def install() -> None:
 
     def run(self, *args, grid, warmup, **kwargs):
         # the GPU compiler's view first (its errors name the kernel and line), then the interpreter's result
-        compile_for_hopper(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = compile_for_hopper(self, *args, grid=grid, warmup=True, **kwargs)
         _BUILT[self.fn.__name__] += 1
+        if kernel.metadata.shared > SM90_MAX_SHARED_BYTES:  # the GPU's load-time check, which warmup never reaches
+            raise OutOfResources(kernel.metadata.shared, SM90_MAX_SHARED_BYTES, f"shared memory ({self.fn.__name__})")
         if warmup:
             return None
         interpreting[0] = True

@@ -561,6 +561,40 @@ def test_prefill_kernel_matches_reference_at_every_block_m_with_and_without_wind
     run_under_interpreter(PREFILL_INTERPRET_SCRIPT)
 
 
+PREFILL_SHARED_MEMORY_SCRIPT = """
+import numpy as np, torch, sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_prefill
+from batchgen.kernels.paged_prefill import paged_prefill_attention
+from batchgen.kernels.prefill_launch import LONG_PROMPT, PrefillWork, prefill_launch
+# (query heads, KV heads, head dim, dtype): Gemma-2B's and Gemma3-1B's 256-dim heads in bf16, Llama's heads in bf16
+# and in fp32 (job spec model.dtype: float32), each with the launch a long prompt gets: every launch is compiled for
+# sm_90 first, and a build over an sm_90 block's shared memory is refused there (tests/hopper_compile.py), as the GPU
+# refuses it. The interpreter has no bf16 arithmetic: bf16 launches are compiled and run, fp32 ones also checked.
+q_lens, seq_lens = [70, 9], [90, 9]
+for heads, kv_heads, head_dim, dtype in ((8, 1, 256, torch.bfloat16), (4, 1, 256, torch.bfloat16),
+                                         (8, 2, 128, torch.bfloat16), (8, 2, 128, torch.float32)):
+    launch = prefill_launch(LONG_PROMPT, head_dim, dtype.itemsize)
+    if dtype == torch.float32:
+        _check_prefill("cpu", dtype, 1e-5, q_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=head_dim, launch=launch)
+        continue
+    qsl = np.array([0, 70, 79])
+    query = torch.randn(79, heads, head_dim).to(dtype)
+    k_cache, v_cache = (torch.randn(14, 16, kv_heads, head_dim).to(dtype) for _ in range(2))
+    tables = torch.arange(12, dtype=torch.int32).view(2, 6)
+    paged_prefill_attention(query, k_cache, v_cache, torch.tensor(qsl, dtype=torch.int32),
+                            torch.tensor(seq_lens, dtype=torch.int32), tables,
+                            PrefillWork.build(np.array(q_lens), qsl, launch), head_dim ** -0.5)
+print("ok")
+"""
+
+
+@needs_interpreter
+def test_the_prefill_launch_a_long_prompt_gets_fits_an_sm90_blocks_shared_memory_for_wide_heads_and_fp32():
+    run_under_interpreter(PREFILL_SHARED_MEMORY_SCRIPT)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 512])
 @pytest.mark.parametrize("launch", ["long", "short"])

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kernels.prefill_launch import (LONG_PROMPT, SHORT_PROMPT_LAUNCH, PrefillLaunch, PrefillWork,
-                                             prefill_launch, prefill_work)
+from batchgen.kernels.prefill_launch import (LONG_PROMPT, LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH, PrefillLaunch,
+                                             PrefillWork, prefill_launch, prefill_work)
 from conftest import needs_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +31,14 @@ def test_steps_with_a_long_prompt_take_larger_tiles_on_8_warps():
     for longest in (LONG_PROMPT, 2048, 8192):
         launch = prefill_launch(longest)
         assert launch.block_m > SHORT_PROMPT_LAUNCH.block_m and launch.num_warps == 8
+
+
+def test_query_rows_wider_than_llamas_bf16_heads_keep_the_short_launch_on_long_prompts():
+    # head dim (padded to a power of two) x element bytes: <= 256 takes the long launch, wider rows do not
+    assert prefill_launch(4096, 128, 2) == LONG_PROMPT_LAUNCH and prefill_launch(4096, 96, 2) == LONG_PROMPT_LAUNCH
+    assert prefill_launch(4096, 64, 4) == LONG_PROMPT_LAUNCH
+    for head_dim, element_bytes in ((256, 2), (128, 4), (192, 2), (256, 4)):
+        assert prefill_launch(4096, head_dim, element_bytes) == SHORT_PROMPT_LAUNCH, (head_dim, element_bytes)
 
 
 def test_a_launch_the_kernel_cannot_run_is_refused():

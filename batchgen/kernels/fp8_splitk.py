@@ -35,9 +35,10 @@ from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton 3.6 (pinned) has it: no silent fallback
 
 __all__ = ["SplitKConfig", "num_sms", "split_sizes", "splitk_config", "splitk_matmul", "splitk_scaled_matmul"]
 
@@ -139,8 +140,8 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
     gemm_bias = bias is not None and splits == 1
-    # a TMA descriptor needs 16-byte aligned rows and base (K a multiple of 16 fp8 values): else plain loads
-    tma = cfg.tma and k % 16 == 0 and weight.data_ptr() % 16 == 0 and device_has_tma(weight)
+    # a TMA descriptor needs a 16-byte aligned base and row stride (fp8: 16 values): else plain loads
+    tma = cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0 and device_has_tma(weight)
     b = TensorDescriptor.from_tensor(weight, [cfg.block_n, block_k]) if tma else weight
     _splitk_kernel[grid](xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
                          xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,

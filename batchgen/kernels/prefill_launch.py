@@ -47,11 +47,20 @@ class PrefillLaunch:
 SHORT_PROMPT_LAUNCH = PrefillLaunch(block_m=16, block_n=32, num_warps=4, num_stages=2)
 LONG_PROMPT = 512  # the longest query, in tokens, from which a step takes LONG_PROMPT_LAUNCH
 LONG_PROMPT_LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=8, num_stages=3)
+# The long launch's tiles fit a Hopper SM's shared memory (227 KiB a block) only for query rows of at most this
+# many bytes (its head dim padded to a power of two x the activations' element size): Llama's 128 dims in bf16
+# take 131,328 bytes; 256 dims in bf16 (Gemma's) or 128 in fp32 take 262,400 (sm_90 compiles, session 15's
+# review), a launch Triton refuses. Wider rows keep the short launch (98,304 bytes at 128 x bf16).
+LONG_LAUNCH_MAX_ROW_BYTES = 256
 
 
-def prefill_launch(max_query_len: int) -> PrefillLaunch:
-    """The launch for a step whose longest query (new tokens of one sequence) is max_query_len tokens."""
-    return LONG_PROMPT_LAUNCH if max_query_len >= LONG_PROMPT else SHORT_PROMPT_LAUNCH
+def prefill_launch(max_query_len: int, head_dim: int = 128, element_bytes: int = 2) -> PrefillLaunch:
+    """The launch for a step whose longest query (new tokens of one sequence) is max_query_len tokens, for query
+    heads of head_dim values of element_bytes each (the activations' dtype)."""
+    row_bytes = (1 << max(0, head_dim - 1).bit_length()) * element_bytes
+    if max_query_len >= LONG_PROMPT and row_bytes <= LONG_LAUNCH_MAX_ROW_BYTES:
+        return LONG_PROMPT_LAUNCH
+    return SHORT_PROMPT_LAUNCH
 
 
 def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) -> np.ndarray:
@@ -75,7 +84,8 @@ class PrefillWork:
     @staticmethod
     def build(q_lens: np.ndarray, query_start_loc: np.ndarray, launch: PrefillLaunch | None = None,
               device: torch.device | str = "cpu") -> PrefillWork:
-        """The step's work list on `device`, for `launch` (None: prefill_launch of the longest query)."""
+        """The step's work list on `device`, for `launch` (None: prefill_launch of the longest query, Llama's
+        128-dim bf16 heads)."""
         launch = launch or prefill_launch(int(np.max(q_lens)))
         items = torch.from_numpy(prefill_work(q_lens, query_start_loc, launch.block_m)).to(device)
         return PrefillWork(items, launch)

@@ -3,8 +3,8 @@
 Input: the fused QKV projection of T tokens, [T, (H + 2 * Hkv) * D] (q heads, then k heads, then v heads).
 Output: the rotated queries [T, H, D]; the rotated keys and the values go straight into the paged cache at
 each token's slot; no intermediate K/V tensors. One program per (tile of BLOCK_T tokens, head), each half of the
-head a [BLOCK_T, head_dim / 2] tile; BLOCK_T and the warps come from `rope_kv_launch` (one token a program for
-decode-sized steps, 16-token tiles for long prefill steps). A token's results do not depend on its tile (the q/k
+head a [BLOCK_T, head_dim / 2] tile; BLOCK_T and the warps come from `rope_kv_launch` (4-token tiles below 256
+tokens, 16-token tiles from there). A token's results do not depend on its tile (the q/k
 norm's sum of squares is a fixed tree of adds, not tl.sum, whose order follows the launch's layout), so the step's
 token count changes no bits of a row: engine.deterministic relies on that.
 

@@ -78,6 +78,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        # the activations' element size, as the K/V cache's but at least 2 bytes (an fp8 cache under bf16 queries)
+        self._act_bytes = max(2, kv_cache.k_cache.element_size())
         self.vocab_size = model.config.get_text_config().vocab_size
         self.prepare_s = 0.0  # CPU time building step inputs
         self.timing = StepTiming()  # device time of collected steps by kind, and the idle time before them (CUDA)
@@ -198,7 +200,7 @@ class ModelRunner:
                                   dtype=np.int64))
         # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA, cut for its launch
         max_query_len = int(a.q_lens.max())
-        launch = prefill_launch(max_query_len)
+        launch = prefill_launch(max_query_len, self.kv_cache.geometry.head_dim, self._act_bytes)
         work = [prefill_work(a.q_lens, a.query_start_loc, launch.block_m)] if self.use_triton and not graphed else []
         self.staging.begin_step()
         ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
