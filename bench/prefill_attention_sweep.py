@@ -97,6 +97,10 @@ class Geometry:
     window: int | None = None
     softcap: float | None = None
 
+    def default_launch(self, max_query_len: int) -> PrefillLaunch:
+        """The launch the engine picks for a step of these heads in bf16 whose longest query is max_query_len."""
+        return prefill_launch(max_query_len, self.head_dim, 2)
+
     def floor_ms(self, shape: Shape, flop_s: float) -> float:
         """The causal-attention FLOPs of one layer (QK^T and PV: 2 x 2 FLOPs a pair a head dim) at `flop_s`."""
         return 4 * shape.causal_pairs(self.window) * self.head_dim * self.heads / flop_s * 1e3
@@ -157,9 +161,9 @@ def grid(block_ms: list[int], block_ns: list[int], warps: list[int], stages: lis
     return [PrefillLaunch(*p) for p in itertools.product(block_ms, block_ns, warps, stages)]
 
 
-def candidates(launches: list[PrefillLaunch], max_query_len: int) -> list[PrefillLaunch]:
+def candidates(launches: list[PrefillLaunch], default: PrefillLaunch) -> list[PrefillLaunch]:
     """The baseline first, the default second, then the grid's other launches (each once)."""
-    return list(dict.fromkeys([BASELINE, prefill_launch(max_query_len), *launches]))
+    return list(dict.fromkeys([BASELINE, default, *launches]))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -172,7 +176,7 @@ def check_shape(shape: Shape, geometry: Geometry, launches: list[PrefillLaunch],
     step = Step.build(shape, geometry, dtype, device)
     ref = step.reference()
     rows = []
-    for launch in candidates(launches, int(step.q_lens.max())):
+    for launch in candidates(launches, geometry.default_launch(int(step.q_lens.max()))):
         err = relative_error(step.attend(launch), ref)
         rows.append({"shape": str(shape), **asdict(launch), "rel_err": err, "ok": err < CHECK_TOL[dtype]})
     return rows
@@ -234,9 +238,9 @@ def sweep_shape(shape: Shape, geometry: Geometry, launches: list[PrefillLaunch],
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     baseline_out = step.attend(BASELINE)
     rows = []
-    for launch in candidates(launches, max_query_len):
-        row = {**asdict(launch), "baseline": launch == BASELINE,
-               "default": launch == prefill_launch(max_query_len)}
+    default = geometry.default_launch(max_query_len)
+    for launch in candidates(launches, default):
+        row = {**asdict(launch), "baseline": launch == BASELINE, "default": launch == default}
         if launch in failed:
             rows.append({**row, "skipped": failed[launch]})
             continue
@@ -332,7 +336,7 @@ def main() -> None:
     flop_s = matmul_flop_s()
     report.update(device=torch.cuda.get_device_name(), matmul_TFLOPs=flop_s / 1e12)
     print(f"{report['device']}: bf16 matmul {flop_s / 1e12:.0f} TFLOP/s; {geometry}; KV blocks of {BLOCK_SIZE}")
-    defaults = [prefill_launch(max(s.q_lens())) for s in shapes]
+    defaults = [geometry.default_launch(max(s.q_lens())) for s in shapes]
     every = list(dict.fromkeys([BASELINE, *defaults, *launches]))
     failed = {}
     if args.compile_workers > 1:
