@@ -606,6 +606,20 @@ def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes_with_both_default_l
                    launch=LONG_PROMPT_LAUNCH if launch == "long" else SHORT_PROMPT_LAUNCH)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(8, 1, 256, torch.bfloat16), (4, 1, 256, torch.bfloat16),
+                                                           (32, 8, 128, torch.float32)])
+def test_paged_prefill_kernel_on_gpu_at_wide_heads_and_fp32_with_the_launch_a_long_prompt_gets(heads, kv_heads,
+                                                                                               head_dim, dtype):
+    """Gemma-2B's and Gemma3-1B's 256-dim heads, Llama's heads in fp32: the launch prefill_launch gives them loads
+    (the long launch would not fit an sm_90 block's shared memory) and matches the reference."""
+    from batchgen.kernels.prefill_launch import LONG_PROMPT, prefill_launch
+
+    _check_prefill("cuda", dtype, 2e-2 if dtype == torch.bfloat16 else 1e-4, q_lens=[1, 1, 1024, 600],
+                   seq_lens=[900, 2000, 1024, 1900], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   skip_first=2, launch=prefill_launch(LONG_PROMPT, head_dim, dtype.itemsize))
+
+
 ARGMAX_INTERPRET_SCRIPT = """
 import torch
 from batchgen.kernels.argmax import greedy_argmax, num_chunks_for
