@@ -207,6 +207,41 @@ def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[Dec
     return rows
 
 
+def launch_of(row: dict) -> DecodeLaunch:
+    return DecodeLaunch(**{f: row[f] for f in LAUNCH_FIELDS})
+
+
+def across_contexts(rows: list[dict]) -> list[dict]:
+    """Per (geometry, sequences) swept at several contexts: each launch timed at all of them, ranked by its worst
+    time over the fastest at a context (a CUDA graph is captured per batch bucket, so one launch serves every
+    context the bucket meets). Returns one dict per group: its contexts, the ranking [(launch, worst ratio, ratio
+    per context)], and the heuristic's place in it."""
+    groups: dict[tuple, dict[int, dict[DecodeLaunch, float]]] = {}
+    defaults: dict[tuple, DecodeLaunch] = {}
+    for r in rows:
+        key = (r["geometry"], r["num_seqs"])
+        per_launch = groups.setdefault(key, {}).setdefault(r["context"], {})
+        launch = launch_of(r)
+        per_launch[launch] = min(r["us"], per_launch.get(launch, float("inf")))
+        if r.get("default"):
+            defaults[key] = launch
+    out = []
+    for (geometry, num_seqs), by_context in groups.items():
+        if len(by_context) < 2:
+            continue
+        contexts = sorted(by_context)
+        best = {c: min(by_context[c].values()) for c in contexts}
+        common = set.intersection(*(set(by_context[c]) for c in contexts))
+        ranking = sorted(((launch, max(ratios), ratios) for launch in common
+                          for ratios in [[by_context[c][launch] / best[c] for c in contexts]]),
+                         key=lambda t: (t[1], sum(t[2])))
+        heuristic = defaults.get((geometry, num_seqs))
+        place = next((i for i, (launch, _, _) in enumerate(ranking) if launch == heuristic), None)
+        out.append({"geometry": geometry, "num_seqs": num_seqs, "contexts": contexts, "ranking": ranking,
+                    "heuristic": heuristic, "heuristic_place": place})
+    return out
+
+
 def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: float = MIN_GAIN
                 ) -> tuple[list[dict], list[str]]:
     """A launch table's entries with the sweep's `rows` merged in, and a note per swept shape (pure). Per shape
@@ -333,6 +368,11 @@ def main() -> None:
                 print("\n".join(f"    table: {n}" for n in notes), flush=True)
     if pool:
         pool.shutdown()
+    for group in across_contexts(report["rows"]):
+        print(f"{group['geometry']} {group['num_seqs']} seqs, one launch for contexts {group['contexts']} (worst time "
+              f"over a context's fastest; the heuristic's place {group['heuristic_place']}):")
+        for launch, worst, ratios in group["ranking"][:5]:
+            print(f"    {launch}: worst {worst:.3f}, per context {[round(x, 3) for x in ratios]}")
 
 
 if __name__ == "__main__":

@@ -186,6 +186,19 @@ def _rows(geometry, head_dim, num_kv_heads, group, num_seqs, context, default_us
     return rows + [{**base, **asdict(launch), "us": us} for launch, us in timings]
 
 
+def test_the_sweep_ranks_launches_by_their_worst_ratio_over_each_contexts_fastest(sweep):
+    short, long_ = DecodeLaunch(1, 32, 2, 2), DecodeLaunch(1, 128, 4)  # fast at short / at long contexts
+    both = DecodeLaunch(1, 64, 4)  # the rows' heuristic: never the fastest, never far off
+    rows = (_rows("llama-8b", 128, 8, 4, 256, 160, 50.0, [(short, 46.0), (long_, 58.0)])
+            + _rows("llama-8b", 128, 8, 4, 256, 2048, 400.0, [(short, 480.0), (long_, 380.0)])
+            + _rows("llama-8b", 128, 8, 4, 32, 768, 80.0, [(short, 70.0)]))  # one context: no ranking
+    (group,) = sweep.across_contexts(rows)
+    assert (group["num_seqs"], group["contexts"]) == (256, [160, 2048])
+    assert [launch for launch, _, _ in group["ranking"]] == [both, long_, short]
+    assert group["ranking"][0][2] == pytest.approx([50 / 46, 400 / 380])
+    assert group["heuristic"] == both and group["heuristic_place"] == 0
+
+
 def test_the_sweep_merges_a_shapes_fastest_launch_only_where_it_beats_the_heuristic_by_3_percent(sweep):
     fast, slow = DecodeLaunch(2, 32, 2, 2, mma=False, heads_first=True), DecodeLaunch(4, 32, 4, 3)
     old = [{**GOOD, "head_dim": 128, "group": 4},  # another geometry: kept
