@@ -18,6 +18,7 @@ import torch
 from batchgen.engine.batch import StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request
+from batchgen.sample.penalty import PenaltyTable
 from batchgen.sample.tensors import SamplingTensors
 from batchgen.engine.scheduler import Scheduler
 from batchgen.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ def measure(num_seqs: int, context: int, penalty: float, steps: int) -> dict:
     for i in range(num_seqs):
         s.add(Request(request_id=f"r{i}", prompt_token_ids=[(i * 7 + j) % VOCAB for j in range(context)],
                       params=params, seed=0, eos_token_ids=frozenset({2}), max_model_len=context + steps + 16))
+    penalty_table = PenaltyTable(num_seqs, VOCAB, torch.device("cpu"))  # as the runner's: a row per slot
     batch = s.schedule()  # the whole prefill in one step
     s.update(batch, StepOutput([7] * batch.num_samples))
     schedule_s, build_s = [], []
@@ -41,7 +43,7 @@ def measure(num_seqs: int, context: int, penalty: float, steps: int) -> dict:
         batch = s.schedule()
         t1 = time.perf_counter()
         rows = [x.sampling for x in batch.seqs if x.sampling is not None]
-        SamplingTensors.build(rows, [0] * len(rows), VOCAB, torch.device("cpu"))
+        SamplingTensors.build(rows, [0] * len(rows), VOCAB, torch.device("cpu"), penalty_table=penalty_table)
         t2 = time.perf_counter()
         s.update(batch, StepOutput([(k * 13 + i) % VOCAB for i in range(batch.num_samples)]))
         schedule_s.append(time.perf_counter() - t2 + t1 - t0)

@@ -174,3 +174,16 @@ def test_a_prompt_to_score_takes_no_prefix_from_the_cache_until_it_scored_it():
     s.add(scored)
     seq = next(x for x in _step_scored(s).seqs if x.request_id == "scored")
     assert seq.start_pos == 0 and len(seq.prompt_logprob_targets) == 12 and scored.num_cached_tokens == 0
+
+
+def test_the_scheduler_cost_bench_runs_with_and_without_a_repetition_penalty(monkeypatch):
+    """bench/scheduler_cost.py (the host-cost A/B of scheduler and sampler changes) keeps working with the API it
+    measures: a penalised row's sampling inputs need the runner's PenaltyTable (it broke once, unnoticed)."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = importlib.import_module("scheduler_cost")
+    for penalty in (1.0, 1.1):
+        row = bench.measure(num_seqs=8, context=32, penalty=penalty, steps=4)
+        assert row["repetition_penalty"] == penalty and row["schedule_update_ms"] > 0 and row["sampling_build_ms"] > 0
