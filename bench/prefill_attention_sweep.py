@@ -197,14 +197,6 @@ def timed_ms(fn, warmup: int, reps: int, flush: torch.Tensor) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def matmul_flop_s(warmup: int = 3, reps: int = 10) -> float:
-    """The bf16 matmul rate of this GPU: a timed 8192^3 torch.matmul."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    return 2 * n**3 / (timed_ms(lambda: a @ b, warmup, reps, torch.empty(0, device="cuda")) / 1e3)
-
-
 def compile_launches(geometry: Geometry, launches: list[PrefillLaunch]) -> list[tuple[PrefillLaunch, str]]:
     """A compile worker's job: run each launch once on a small step of the geometry (the kernel is specialised on
     strides and flags alone, so its compiled binary is the one the timed shapes use) and return (launch, why) for
@@ -333,7 +325,9 @@ def main() -> None:
         print(f"{bad} launches off the reference" if bad else "every launch matches the reference: ok")
         sys.exit(1 if bad else 0)
 
-    flop_s = matmul_flop_s()
+    from batchgen.bench.seed import measure_ceilings
+
+    flop_s = measure_ceilings().matmul_flop_s  # the benches' one matmul-rate measurement
     report.update(device=torch.cuda.get_device_name(), matmul_TFLOPs=flop_s / 1e12)
     print(f"{report['device']}: bf16 matmul {flop_s / 1e12:.0f} TFLOP/s; {geometry}; KV blocks of {BLOCK_SIZE}")
     defaults = [geometry.default_launch(max(s.q_lens())) for s in shapes]

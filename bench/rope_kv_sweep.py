@@ -90,13 +90,6 @@ class Step:
                 + 2 * num_tokens * kv_row)
 
 
-def copy_bytes_s() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second): 1 GiB copied, median of 10."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (replay_ms(lambda: y.copy_(x), calls=1, reps=10) / 1e3)
-
-
 def replay_ms(fn, calls: int, reps: int) -> float:
     """Per-call device ms of `fn`: a CUDA graph of `calls` calls (after a warm-up call), the median of `reps`
     event-timed replays (after one untimed replay)."""
@@ -197,7 +190,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.check:
         return check()
-    bandwidth = copy_bytes_s()
+    from batchgen.bench.seed import measure_ceilings
+
+    bandwidth = measure_ceilings().copy_bytes_s  # the benches' one copy-rate measurement
     report = {"device": torch.cuda.get_device_name(), "copy_TBps": round(bandwidth / 1e12, 3),
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm,
               "rotate_fp32": args.rotate_fp32, "kv_fp8": args.kv_fp8, "sweeps": []}
