@@ -14,9 +14,11 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over random block tables (blocks
 scattered as a long run leaves them; the calls cycle through copies of the cache, >= 200 MB together, so no call
 reads K/V left in L2 by the one before); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
+A context LO-HI is ragged (every length from LO to HI, shuffled): a long run's decode batches look like that, and a
+launch that wins at every uniform length can lose there (session 16: block_n 32 / 2 warps, the fastest at uniform
+contexts 160-2,048, spent 13 % more decode attention time on the mixed load than session 6's 128 / 4).
 Compiling a launch takes ~1-2 s (the full grid: 42 launches a shape, 70 where few programs add 8-16 splits; 12
-workers compiled 55 in 14-21 s on the H200), so before timing a
-shape `--compile-workers N` processes run every candidate once, filling Triton's on-disk kernel cache, and the
+workers compiled 55 in 14-21 s on the H200), so before timing a shape `--compile-workers N` processes run every candidate once, filling Triton's on-disk kernel cache, and the
 timing loop's compiles are cache hits (N 0 or 1: no workers; each launch compiles as it is timed). A candidate
 that failed to compile or launch there (too much shared memory) is skipped, with a note.
 
@@ -113,7 +115,7 @@ class ShapeInputs:
                                            softcap=self.softcap, launch=launch)
 
     def kv_bytes(self) -> int:
-        return 2 * self.lens.numel() * int(self.lens[0]) * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+        return 2 * int(self.lens.sum()) * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
 
 # K/V copies a timed call cycles through: together at least this many bytes, 4x the H200's 50 MB L2 (Qwen2-7B's
@@ -121,17 +123,44 @@ class ShapeInputs:
 COLD_BYTES = 200 * 2**20
 
 
-def build_inputs(geometry: str, num_seqs: int, context: int, dev: str = "cuda", copies: int = 1) -> ShapeInputs:
+def parse_context(text: str) -> int | str:
+    """A shape's context: "768" (every sequence 768 tokens) or "32-3072" (ragged: the lengths spread evenly from
+    32 to 3,072 in a fixed shuffled order, as a long mixed run's decode batch holds sequences of every age)."""
+    lo, dash, hi = text.partition("-")
+    if not lo.isdigit() or (dash and not hi.isdigit()) or int(lo) < 1 or (hi and int(hi) < int(lo)):
+        raise ValueError(f"context {text!r} is not N or LO-HI (tokens, 1 <= LO <= HI)")
+    return f"{int(lo)}-{int(hi)}" if hi else int(lo)
+
+
+def context_lengths(context: int | str, num_seqs: int) -> list[int]:
+    """Each sequence's context (the new token included) for a shape's context (parse_context)."""
+    if isinstance(context, int):
+        return [context] * num_seqs
+    lo, hi = (int(x) for x in context.split("-"))
+    even = [lo + (hi - lo) * i // max(1, num_seqs - 1) for i in range(num_seqs)]
+    order = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(0)).tolist()
+    return [even[i] for i in order]
+
+
+def context_mean(context: int | str) -> float:
+    """Where a shape's context sits among others (ragged: the mean of its ends)."""
+    return context if isinstance(context, int) else sum(int(x) for x in context.split("-")) / 2
+
+
+def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "cuda", copies: int = 1
+                 ) -> ShapeInputs:
     """Random bf16 inputs of the shape (the same in the compile workers and the timing process, so a launch's
     compiled kernel, specialised on these shapes and strides, is the same cache entry in both); `copies` block
-    tables over disjoint blocks of one cache (same strides: the same compiled kernel)."""
+    tables over disjoint blocks of one cache (same strides: the same compiled kernel). A ragged context's
+    sequences each hold the blocks of the longest (their tables' unused tail is never read)."""
     num_heads, num_kv_heads, head_dim, softcap = heads(geometry)
     dtype = torch.bfloat16
-    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
+    lengths = context_lengths(context, num_seqs)
+    blocks_per_seq = -(-(max(lengths) + 1) // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     k = torch.randn(copies * num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype)
     v = torch.randn_like(k)
-    lens = torch.full((num_seqs,), context, device=dev, dtype=torch.int32)  # the new token included
+    lens = torch.tensor(lengths, device=dev, dtype=torch.int32)  # the new token included
     pos = lens.long() - 1
     tables, slots = [], []
     for c in range(copies):  # blocks scattered as a long run leaves them, each copy within its own range
@@ -144,7 +173,7 @@ def build_inputs(geometry: str, num_seqs: int, context: int, dev: str = "cuda", 
     return ShapeInputs(qkv, cos, sin, slots, k, v, tables, lens, num_heads, softcap)
 
 
-def compile_launches(geometry: str, num_seqs: int, context: int, chunk: list[DecodeLaunch],
+def compile_launches(geometry: str, num_seqs: int, context: int | str, chunk: list[DecodeLaunch],
                      dev: str = "cuda") -> list[tuple]:
     """A compile worker's job: run each launch of `chunk` once (its kernels land in Triton's on-disk cache).
     Returns (launch, why) for each launch that failed to compile or launch. (dev "cpu": tests, interpreted.)"""
@@ -163,7 +192,7 @@ def compile_launches(geometry: str, num_seqs: int, context: int, chunk: list[Dec
     return failed
 
 
-def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_seqs: int, context: int,
+def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_seqs: int, context: int | str,
                     candidates: list[DecodeLaunch], dev: str = "cuda") -> dict[DecodeLaunch, str]:
     """Every candidate compiled once across the pool's workers (round-robin chunks); launch -> why it failed."""
     chunks = [candidates[i::workers] for i in range(workers)]
@@ -171,7 +200,7 @@ def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_
     return {launch: why for future in futures for launch, why in future.result()}
 
 
-def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[DecodeLaunch], copy_bytes_s: float,
+def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: list[DecodeLaunch], copy_bytes_s: float,
                 failed: dict[DecodeLaunch, str] | None = None) -> list[dict]:
     """One row per timed launch (the heuristic's first, marked "default"), each candidate in both grid orders."""
     from triton.runtime.errors import OutOfResources
@@ -179,7 +208,7 @@ def sweep_shape(geometry: str, num_seqs: int, context: int, candidates: list[Dec
     from profile_decode import graph_ms
 
     num_heads, num_kv_heads, head_dim, _ = heads(geometry)
-    one_copy = 2 * num_seqs * context * num_kv_heads * head_dim * 2  # the bf16 K and V one call reads
+    one_copy = 2 * sum(context_lengths(context, num_seqs)) * num_kv_heads * head_dim * 2  # bf16 K and V a call reads
     inputs = build_inputs(geometry, num_seqs, context, copies=max(1, -(-COLD_BYTES // one_copy)))
     floor_us = inputs.kv_bytes() / copy_bytes_s * 1e6
 
@@ -229,7 +258,7 @@ def across_contexts(rows: list[dict]) -> list[dict]:
     for (geometry, num_seqs), by_context in groups.items():
         if len(by_context) < 2:
             continue
-        contexts = sorted(by_context)
+        contexts = sorted(by_context, key=context_mean)
         best = {c: min(by_context[c].values()) for c in contexts}
         common = set.intersection(*(set(by_context[c]) for c in contexts))
         ranking = sorted(((launch, max(ratios), ratios) for launch in common
@@ -245,7 +274,7 @@ def across_contexts(rows: list[dict]) -> list[dict]:
 def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: float = MIN_GAIN
                 ) -> tuple[list[dict], list[str]]:
     """A launch table's entries with the sweep's `rows` merged in, and a note per swept shape (pure). Per shape
-    (head_dim, num_kv_heads, group, num_seqs, context): if its fastest row beats its "default" (heuristic) row by
+    (head_dim, num_kv_heads, group, num_seqs, context; ragged contexts are skipped): if its fastest row beats its "default" (heuristic) row by
     >= min_gain, that launch becomes the entry of (head_dim, num_kv_heads, group, num_seqs), replacing an older
     one; otherwise that older entry, if any, is dropped (the heuristic stays). Other entries are kept; the result
     is sorted by its key."""
@@ -258,6 +287,9 @@ def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: fl
     out, notes = list(entries), []
     for (*k, context), shape_rows in shapes.items():
         k = tuple(k)
+        if isinstance(context, str):  # a table entry is keyed by one context; a ragged shape only ranks launches
+            notes.append(f"{shape_rows[0].get('geometry', '?')} {k[3]} seqs x {context}: ragged, not a table entry")
+            continue
         defaults = [r for r in shape_rows if r.get("default")]
         if len(defaults) != 1:
             raise ValueError(f"shape {k} x {context}: {len(defaults)} default rows, not 1")
@@ -316,7 +348,8 @@ def table_from_report(report_path: str, table_path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometries", default="llama-8b,gemma2-9b,phi3-mini")
-    ap.add_argument("--shapes", default="32:768,256:160,256:512", help="sequences:context pairs")
+    ap.add_argument("--shapes", default="32:768,256:160,256:512",
+                    help="sequences:context pairs; a context LO-HI is ragged (parse_context)")
     ap.add_argument("--grid", choices=("full", "all", "small"), default="full")
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
@@ -339,7 +372,8 @@ def main() -> None:
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers else None
     for geometry in args.geometries.split(","):
         for shape in args.shapes.split(","):
-            num_seqs, context = (int(x) for x in shape.split(":"))
+            seqs_text, _, context_text = shape.partition(":")
+            num_seqs, context = int(seqs_text), parse_context(context_text)
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
             candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads)
             failed = {}

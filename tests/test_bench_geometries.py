@@ -186,6 +186,11 @@ def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
     assert window_tok_s(log, 1000, 0.45, 0.55) == pytest.approx(2500.0)
     assert window_tok_s(log, 1000, 0.9, 1.0) == pytest.approx(1250.0)
     assert window_tok_s(log, 1000, 0.999, 1.0) is None  # one record: no rate
+    # a short run's final record at the last periodic record's time (a job bench run failed on it, session 16)
+    records.append({**records[-1], "rows_done": 1000})
+    records[-2]["rows_done"] = 990
+    log.write_text("\n".join(json.dumps(r) for r in records[-2:]))
+    assert window_tok_s(log, 1000, 0.9, 1.0) is None
 
 
 def test_the_seed_summary_lists_a_refused_variant_beside_the_ones_that_ran():
@@ -212,3 +217,21 @@ def test_the_job_bench_splits_a_loop_into_decode_mixed_and_idle_shares_of_its_wa
     assert kinds["share_busy_decode"] == 0.72 and kinds["share_idle_before_mixed"] == 0.032
     assert kinds["gpu_idle_max_ms"] == 12.3 and kinds["num_gpu_idle_over_1ms"] == 3
     assert step_kinds({"gpu_busy_s": 1.0}, 2.0) == {}  # a report from before the counters
+
+
+def test_the_mixed_kernel_diff_ranks_kernels_by_how_much_more_time_the_second_run_spent(monkeypatch):
+    """bench/mixed_kernels.py --compare: the tool that found session 16's decode attention regression."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import mixed_kernels
+
+    a = {"kernels": {"decode": {"us": 9_000.0, "count": 32}, "silu": {"us": 400.0, "count": 32},
+                     "gemm": {"us": 3_000.0, "count": 7}}}
+    b = {"kernels": {"decode": {"us": 10_000.0, "count": 32}, "gated_act": {"us": 390.0, "count": 32},
+                     "gemm": {"us": 2_950.0, "count": 7}}}
+    rows = mixed_kernels.compare(a, b)
+    assert [r["name"] for r in rows] == ["decode", "silu", "gated_act", "gemm"]
+    assert rows[0] == {"name": "decode", "a_ms": 9.0, "b_ms": 10.0, "a_count": 32, "b_count": 32, "delta_ms": 1.0}
+    assert rows[1]["b_count"] == 0 and rows[2]["a_ms"] == 0.0  # a kernel of one run only
+    assert len(mixed_kernels.compare(a, b, top=2)) == 2

@@ -68,7 +68,8 @@ def test_a_table_launch_is_the_nearest_entrys_tile_with_scaled_or_explicit_split
 
 
 def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
-    """default_launch's rules before the table (commit 5f5654f), verbatim."""
+    """default_launch's rules without a table entry (commit 5f5654f's; c7ac56f's short tiles for >= 1,024
+    programs were taken back in session 16: slower on ragged batches), verbatim."""
     import triton
 
     splits = 1
@@ -76,8 +77,6 @@ def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
         splits *= 2
     num_splits = num_splits or splits
     narrow = max(1, triton.next_power_of_2(head_dim) // 128)
-    if num_splits == 1 and num_seqs * num_kv_heads >= 1024:
-        return DecodeLaunch(1, max(16, 32 // narrow), 2, 2)
     if num_splits == 1:
         return DecodeLaunch(1, max(16, 128 // narrow), 4)
     return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
@@ -197,6 +196,32 @@ def test_the_sweep_ranks_launches_by_their_worst_ratio_over_each_contexts_fastes
     assert [launch for launch, _, _ in group["ranking"]] == [both, long_, short]
     assert group["ranking"][0][2] == pytest.approx([50 / 46, 400 / 380])
     assert group["heuristic"] == both and group["heuristic_place"] == 0
+
+
+def test_a_ragged_context_spreads_every_length_in_a_fixed_order_and_ranks_beside_uniform_ones(sweep):
+    """A ragged shape ("32-3072") holds every length from LO to HI once per sequence, shuffled the same way in
+    the compile workers and the timing process; it ranks launches with the uniform shapes but writes no table
+    entry (an entry is keyed by one context)."""
+    assert sweep.parse_context("768") == 768 and sweep.parse_context("32-3072") == "32-3072"
+    for bad in ("0", "x", "5-3", "3-", "-3", ""):
+        with pytest.raises(ValueError, match="is not N or LO-HI"):
+            sweep.parse_context(bad)
+    lengths = sweep.context_lengths("32-3072", 256)
+    assert sorted(lengths) == [32 + 3040 * i // 255 for i in range(256)] and lengths != sorted(lengths)
+    assert lengths == sweep.context_lengths("32-3072", 256)
+    inputs = sweep.build_inputs("llama-8b", 4, "10-40", dev="cpu")
+    assert sorted(inputs.lens.tolist()) == [10, 20, 30, 40]
+    assert inputs.kv_bytes() == 2 * 100 * 8 * 128 * 2  # K and V of every sequence's own length, bf16
+    short, long_ = DecodeLaunch(1, 32, 2, 2), DecodeLaunch(1, 128, 4)
+    rows = (_rows("llama-8b", 128, 8, 4, 256, 2048, 400.0, [(short, 420.0), (long_, 380.0)])
+            + _rows("llama-8b", 128, 8, 4, 256, "32-3072", 450.0, [(short, 460.0), (long_, 395.0)])
+            + _rows("llama-8b", 128, 8, 4, 256, 160, 50.0, [(short, 46.0), (long_, 58.0)]))
+    (group,) = sweep.across_contexts(rows)
+    assert group["contexts"] == [160, "32-3072", 2048]  # by mean length
+    entries, notes = sweep.merge_table([], rows, "NVIDIA H200")
+    # one entry per (geometry, sequences): the last uniform shape's (160); the ragged one in between wrote none
+    assert [(e["context"], e["launch"]["block_n"]) for e in entries] == [(160, 32)]
+    assert any("32-3072: ragged, not a table entry" in n for n in notes)
 
 
 def test_the_sweep_merges_a_shapes_fastest_launch_only_where_it_beats_the_heuristic_by_3_percent(sweep):

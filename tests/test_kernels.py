@@ -94,7 +94,7 @@ def test_paged_decode_kernel_bf16_on_gpu(seq_lens):
 
 @pytest.mark.gpu
 def test_paged_decode_kernel_default_launch_for_many_sequences_bf16_on_gpu():
-    """160 sequences x 8 KV heads: one split with the short-tile launch (block_n 32, 2 warps)."""
+    """160 sequences x 8 KV heads at ragged lengths: one split at the default launch (block_n 128, 4 warps)."""
     seq_lens = [7, 200, 1, 0, 33, 161, 16, 1030] * 20
     _check("cuda", torch.bfloat16, 2e-2, num_splits=None, block_n=None, num_seqs=len(seq_lens), num_heads=32,
            num_kv_heads=8, head_dim=128, block_size=16, seq_lens=seq_lens)

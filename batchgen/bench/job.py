@@ -129,10 +129,11 @@ def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings, kv_ele
 
 def window_tok_s(log_path: Path, rows: int, lo: float, hi: float) -> float | None:
     """Engine tokens per second between fractions lo and hi of the rows done, from the run's throughput log (a
-    record every ~5 s: None when fewer than two records fall in the window)."""
+    record every ~5 s: None when fewer than two records fall in the window, or when they carry one time: the
+    final record of a short run can repeat the last periodic one's rounded elapsed_s)."""
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     mid = [r for r in records if lo * rows <= r["rows_done"] <= hi * rows]
-    if len(mid) < 2:
+    if len(mid) < 2 or mid[-1]["elapsed_s"] <= mid[0]["elapsed_s"]:
         return None
     field = "num_generated_tokens" if "num_generated_tokens" in mid[0] else "generated_tokens"  # older logs
     return (mid[-1][field] - mid[0][field]) / (mid[-1]["elapsed_s"] - mid[0]["elapsed_s"])

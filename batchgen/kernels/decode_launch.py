@@ -78,15 +78,15 @@ MEASURED_HEAD_DIM = 128
 def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
     """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
     Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at
-    64 / 2 warps; 256 seqs (2,048 programs) at 160 / 1,024 context: one split at block_n 32 / 2 warps / 2 stages,
-    46 / 252 µs against 58 / 258 at 128 / 4 (many small programs per SM hide the latency that long tiles hid when
-    programs were few). Wider heads: the same launch with block_n scaled by MEASURED_HEAD_DIM / padded head dim.
-    `num_splits`: the caller's (None: default_num_splits)."""
+    64 / 2 warps. 256 seqs (2,048 programs): 1 split at 128 / 4. Where every sequence has the same context, block_n
+    32 / 2 warps / 2 stages is up to 5 % faster (at 160 tokens 53 against 64 µs), but a long run's batches are
+    ragged, and there the short tiles lose: lengths 32-3,072 took 462 µs against 396 (128 / 4), and the mixed
+    2,000-request load ran 13 % slower with them (session 16, bench/RESULTS.md: the few long sequences left at
+    the end of a launch stream too slowly through 32-key tiles). Wider heads: the same launch with block_n
+    scaled by MEASURED_HEAD_DIM / padded head dim. `num_splits`: the caller's (None: default_num_splits)."""
     num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
     padded = 1 << (head_dim - 1).bit_length()  # triton.next_power_of_2 (head_dim >= 1)
     narrow = max(1, padded // MEASURED_HEAD_DIM)  # 2 for 256-dim heads
-    if num_splits == 1 and num_seqs * num_kv_heads >= 1024:
-        return DecodeLaunch(1, max(16, 32 // narrow), 2, 2)
     if num_splits == 1:
         return DecodeLaunch(1, max(16, 128 // narrow), 4)
     return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)

@@ -1,0 +1,96 @@
+"""Where the mixed load's device time goes, kernel by kernel: the load's first `--requests` requests
+(batchgen.bench.mixed.mixed_workload, greedy, 256 sequences, 8,192 batched tokens: the `batchgen bench --workload
+mixed` engine) run once under torch.profiler (device activity only), every kernel's total time and count written
+to --json. Run it from two checkouts and `--compare A.json B.json` ranks the kernels by how much more time B spent:
+the tool that finds a regression between two commits when their schedules are the same.
+
+It uses only what every batchgen since session 6 has (Engine, EngineConfig, SamplingParams, bench.seed's
+build_model, bench.mixed's mixed_workload), so it profiles an older checkout too: run it with that checkout's
+folder first on PYTHONPATH (the script's own folder, bench/, holds no batchgen), e.g.
+
+    cd .prev && PYTHONPATH=/tmp/site:$PWD python3 ../bench/mixed_kernels.py --requests 400 --json prev.json
+    PYTHONPATH=/tmp/site:$PWD python3 bench/mixed_kernels.py --requests 400 --json this.json
+    python3 bench/mixed_kernels.py --compare prev.json this.json
+
+Needs a CUDA GPU (the compare mode does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import batchgen
+    from batchgen.bench.mixed import mixed_workload
+    from batchgen.bench.seed import build_model
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.engine import Engine
+    from batchgen.sampling_params import SamplingParams
+
+    model = build_model()
+    prompts, output_lens = mixed_workload(requests)
+    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                              cuda_graphs=True, async_pipeline=True))
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    steps0 = engine.num_steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = {}
+    for avg in prof.key_averages():
+        us = avg.self_device_time_total
+        if us > 0:
+            kernels[avg.key] = {"us": us, "count": avg.count}
+    return {"batchgen": batchgen.__file__, "gpu": torch.cuda.get_device_name(0), "requests": requests,
+            "steps": engine.num_steps - steps0, "wall_s_profiled": wall,
+            "device_s": sum(k["us"] for k in kernels.values()) / 1e6, "kernels": kernels}
+
+
+def compare(a: dict, b: dict, top: int = 30) -> list[dict]:
+    """Kernels ranked by B's time minus A's (names in either), with both times and counts."""
+    names = set(a["kernels"]) | set(b["kernels"])
+    zero = {"us": 0.0, "count": 0}
+    rows = [{"name": n, "a_ms": a["kernels"].get(n, zero)["us"] / 1e3, "b_ms": b["kernels"].get(n, zero)["us"] / 1e3,
+             "a_count": a["kernels"].get(n, zero)["count"], "b_count": b["kernels"].get(n, zero)["count"]}
+            for n in names]
+    for r in rows:
+        r["delta_ms"] = r["b_ms"] - r["a_ms"]
+    rows.sort(key=lambda r: -abs(r["delta_ms"]))
+    return rows[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--json")
+    ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.load(open(p)) for p in args.compare)
+        print(f"A {a['batchgen']}: {a['steps']} steps, device {a['device_s']:.2f} s, wall {a['wall_s_profiled']:.2f} s")
+        print(f"B {b['batchgen']}: {b['steps']} steps, device {b['device_s']:.2f} s, wall {b['wall_s_profiled']:.2f} s")
+        print(f"{'B - A ms':>10} {'A ms':>10} {'B ms':>10} {'A n':>8} {'B n':>8}  kernel")
+        for r in compare(a, b):
+            print(f"{r['delta_ms']:>10.1f} {r['a_ms']:>10.1f} {r['b_ms']:>10.1f} {r['a_count']:>8} {r['b_count']:>8}  "
+                  f"{r['name'][:110]}")
+        return
+    report = profile_load(args.requests)
+    print(f"{report['batchgen']}: {report['steps']} steps, device {report['device_s']:.2f} s, "
+          f"wall {report['wall_s_profiled']:.2f} s (profiled)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
