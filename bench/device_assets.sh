@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || { echo "device_assets: no $PY: run \`make install\` first (or set PY)" >&2; exit 1; }
+mkdir -p .git/info && touch .git/info/exclude
 for p in /.whl/ /.bench-assets/ /.devrun/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
 mkdir -p .whl .bench-assets .devrun
 PACKAGES="pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi jsonschema attrs
