@@ -235,3 +235,28 @@ def test_the_mixed_kernel_diff_ranks_kernels_by_how_much_more_time_the_second_ru
     assert rows[0] == {"name": "decode", "a_ms": 9.0, "b_ms": 10.0, "a_count": 32, "b_count": 32, "delta_ms": 1.0}
     assert rows[1]["b_count"] == 0 and rows[2]["a_ms"] == 0.0  # a kernel of one run only
     assert len(mixed_kernels.compare(a, b, top=2)) == 2
+
+
+def test_the_mixed_bench_times_its_load_after_a_warm_up_and_reports_the_timed_runs_steps_alone(monkeypatch):
+    """batchgen bench --workload mixed (run here on CPU, its CUDA synchronisation made a no-op): the warm-up's
+    requests are not in the timed run's steps or step kinds, every request gets its exact length, and the
+    Triton builds inside the timed run are reported (none on CPU)."""
+    import torch
+
+    from batchgen.bench import mixed
+    from conftest import make_model, random_prompts
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    monkeypatch.setattr(mixed, "WARMUP_REQUESTS", 3)
+    monkeypatch.setattr(mixed, "WARMUP_TOKENS", 2)
+    prompts = random_prompts([5, 9, 3, 7, 4, 6])
+    output_lens = [3, 6, 2, 5, 4, 1]
+    report = mixed.run_ours(make_model(), prompts, output_lens, max_num_seqs=4)
+    assert report["all_lengths_exact"] and report["tokens"] == sum(output_lens)
+    kinds = report["step_kinds"]
+    assert kinds["num_prefill_tokens"] == sum(map(len, prompts))  # the warm-up's prompts not counted again
+    assert kinds["num_decode_steps"] + kinds["num_mixed_steps"] == report["steps"]
+    assert report["triton_compile_s"] == 0.0 and report["triton_kernels_compiled"] == {}
+    assert mixed.counters_since({"a": 1, "b": 2.5, "gpu_idle_max_s": 0.1}, {"a": 4, "b": 3.0, "gpu_idle_max_s": 0.3,
+                                                                            "name": "x"}) == {"a": 3, "b": 0.5}
