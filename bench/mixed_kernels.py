@@ -1,8 +1,10 @@
 """Where the mixed load's device time goes, kernel by kernel: the load's first `--requests` requests
 (batchgen.bench.mixed.mixed_workload, greedy, 256 sequences, 8,192 batched tokens: the `batchgen bench --workload
 mixed` engine) run once under torch.profiler (device activity only), every kernel's total time and count written
-to --json. Run it from two checkouts and `--compare A.json B.json` ranks the kernels by how much more time B spent:
-the tool that finds a regression between two commits when their schedules are the same.
+to --json, with the device's idle stretches between kernels charged to the kernel each one waited for. Run it from
+two checkouts and `--compare A.json B.json` ranks the kernels (and the idle before them) by how much more time B
+spent: the tool that finds a regression between two commits when their schedules are the same. Kernel times do not
+depend on Triton's disk cache; the idle does (a build in the loop is idle before the kernel built).
 
 It uses only what every batchgen since session 6 has (Engine, EngineConfig, SamplingParams, bench.seed's
 build_model, bench.mixed's mixed_workload), so it profiles an older checkout too: run it with that checkout's
@@ -24,6 +26,7 @@ import time
 
 def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import batchgen
@@ -51,9 +54,32 @@ def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
         us = avg.self_device_time_total
         if us > 0:
             kernels[avg.key] = {"us": us, "count": avg.count}
+    intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     return {"batchgen": batchgen.__file__, "gpu": torch.cuda.get_device_name(0), "requests": requests,
             "steps": engine.num_steps - steps0, "wall_s_profiled": wall,
-            "device_s": sum(k["us"] for k in kernels.values()) / 1e6, "kernels": kernels}
+            "device_s": sum(k["us"] for k in kernels.values()) / 1e6, "kernels": kernels,
+            "gaps": gaps_by_next_kernel(intervals)}
+
+
+def gaps_by_next_kernel(intervals: list[tuple[str, float, float]], long_us: float = 100.0) -> dict:
+    """Where the device sat idle between kernels: each idle stretch (a kernel starting after every earlier one
+    ended) charged to the kernel that ended it, the one the device waited for (late from the host: its launch, a
+    Triton build, a host sync before it). intervals: (name, start µs, end µs) of every device activity. Returns
+    {"idle_us": total, "by_kernel": {name: {"us", "count", "count_over_long"}}} (count_over_long: stretches of
+    more than long_us)."""
+    by_kernel: dict[str, dict] = {}
+    idle, busy_until = 0.0, None
+    for name, start, end in sorted(intervals, key=lambda t: t[1]):
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle += gap
+            k = by_kernel.setdefault(name, {"us": 0.0, "count": 0, "count_over_long": 0})
+            k["us"] += gap
+            k["count"] += 1
+            k["count_over_long"] += gap > long_us
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return {"idle_us": idle, "by_kernel": by_kernel}
 
 
 def compare(a: dict, b: dict, top: int = 30) -> list[dict]:
@@ -83,6 +109,11 @@ def main() -> None:
         for r in compare(a, b):
             print(f"{r['delta_ms']:>10.1f} {r['a_ms']:>10.1f} {r['b_ms']:>10.1f} {r['a_count']:>8} {r['b_count']:>8}  "
                   f"{r['name'][:110]}")
+        if "gaps" in a and "gaps" in b:  # idle stretches, charged to the kernel each one waited for
+            print(f"idle between kernels: A {a['gaps']['idle_us'] / 1e3:.1f} ms, B {b['gaps']['idle_us'] / 1e3:.1f} ms")
+            for r in compare({"kernels": a["gaps"]["by_kernel"]}, {"kernels": b["gaps"]["by_kernel"]}, top=12):
+                print(f"{r['delta_ms']:>10.1f} {r['a_ms']:>10.1f} {r['b_ms']:>10.1f} {r['a_count']:>8} "
+                      f"{r['b_count']:>8}  idle before {r['name'][:100]}")
         return
     report = profile_load(args.requests)
     print(f"{report['batchgen']}: {report['steps']} steps, device {report['device_s']:.2f} s, "

@@ -260,3 +260,19 @@ def test_the_mixed_bench_times_its_load_after_a_warm_up_and_reports_the_timed_ru
     assert report["triton_compile_s"] == 0.0 and report["triton_kernels_compiled"] == {}
     assert mixed.counters_since({"a": 1, "b": 2.5, "gpu_idle_max_s": 0.1}, {"a": 4, "b": 3.0, "gpu_idle_max_s": 0.3,
                                                                             "name": "x"}) == {"a": 3, "b": 0.5}
+
+
+def test_idle_between_kernels_is_charged_to_the_kernel_that_waited(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import mixed_kernels
+
+    intervals = [("gemm", 0.0, 10.0), ("attn", 12.0, 20.0),  # 2 µs idle before attn
+                 ("copy", 15.0, 30.0),  # overlaps attn: no idle, and the device is busy until 30
+                 ("gemm", 150.0, 160.0),  # 120 µs idle before it (a long stretch)
+                 ("attn", 160.0, 170.0)]  # starts as gemm ends: no idle
+    gaps = mixed_kernels.gaps_by_next_kernel(list(reversed(intervals)))  # any order in, sorted by start
+    assert gaps["idle_us"] == 122.0
+    assert gaps["by_kernel"] == {"attn": {"us": 2.0, "count": 1, "count_over_long": 0},
+                                 "gemm": {"us": 120.0, "count": 1, "count_over_long": 1}}
