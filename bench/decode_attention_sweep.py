@@ -16,11 +16,12 @@ scattered as a long run leaves them; the calls cycle through copies of the cache
 reads K/V left in L2 by the one before); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
 A context LO-HI is ragged (every length from LO to HI, shuffled): a long run's decode batches look like that, and a
 launch that wins at every uniform length can lose there (session 16: block_n 32 / 2 warps, the fastest at uniform
-contexts 160-2,048, spent 13 % more decode attention time on the mixed load than session 6's 128 / 4).
-Compiling a launch takes ~1-2 s (the full grid: 42 launches a shape, 70 where few programs add 8-16 splits; 12
-workers compiled 55 in 14-21 s on the H200), so before timing a shape `--compile-workers N` processes run every candidate once, filling Triton's on-disk kernel cache, and the
-timing loop's compiles are cache hits (N 0 or 1: no workers; each launch compiles as it is timed). A candidate
-that failed to compile or launch there (too much shared memory) is skipped, with a note.
+contexts 160-2,048, spent 13 % more decode attention time on the mixed load than session 6's 128 / 4). Compiling a
+launch takes ~1-2 s (the full grid: 42 launches a shape, 70 where few programs add 8-16 splits; 12 workers compiled
+55 in 14-21 s on the H200), so before timing a shape `--compile-workers N` processes run every candidate once,
+filling Triton's on-disk kernel cache, and the timing loop's compiles are cache hits (N 0 or 1: no workers; each
+launch compiles as it is timed). A candidate that failed to compile or launch there (too much shared memory) is
+skipped, with a note.
 
 `--write-table PATH` merges the fastest launch of every swept shape into a launch table (PATH
 batchgen/kernels/decode_launches.json: the one the package ships and `default_launch` reads), keyed by the
@@ -274,10 +275,10 @@ def across_contexts(rows: list[dict]) -> list[dict]:
 def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: float = MIN_GAIN
                 ) -> tuple[list[dict], list[str]]:
     """A launch table's entries with the sweep's `rows` merged in, and a note per swept shape (pure). Per shape
-    (head_dim, num_kv_heads, group, num_seqs, context; ragged contexts are skipped): if its fastest row beats its "default" (heuristic) row by
-    >= min_gain, that launch becomes the entry of (head_dim, num_kv_heads, group, num_seqs), replacing an older
-    one; otherwise that older entry, if any, is dropped (the heuristic stays). Other entries are kept; the result
-    is sorted by its key."""
+    (head_dim, num_kv_heads, group, num_seqs, context; ragged contexts are skipped): if its fastest row beats its
+    "default" (heuristic) row by >= min_gain, that launch becomes the entry of (head_dim, num_kv_heads, group,
+    num_seqs), replacing an older one; otherwise that older entry, if any, is dropped (the heuristic stays). Other
+    entries are kept; the result is sorted by its key."""
     def key(d: dict) -> tuple:
         return d["head_dim"], d["num_kv_heads"], d["group"], d["num_seqs"]
 

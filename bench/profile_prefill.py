@@ -8,9 +8,12 @@ slots rewritten each time): its wall time, its kernels by kind (GEMM, attention,
 and the floor: the step's GEMM FLOPs (projections for every token, the LM head for its sampled rows) plus
 its causal attention FLOPs, at the matmul rate measured in the same run.
 
-    python3 bench/profile_prefill.py [--shapes 8192x68,8192x2048,2048x68] [--json out.json]
+    python3 bench/profile_prefill.py [--shapes 8192x68,8192x2048,2048x68,1450x1450/250x1365] [--json out.json]
 
-A shape TOKENSxLEN is one step of TOKENS prompt tokens from prompts of LEN tokens (the last one cut short).
+A shape TOKENSxLEN is one step of TOKENS prompt tokens from prompts of LEN tokens (the last one cut short);
+TOKENSxLEN/DxC adds D decode rows at context C (their prompts prefilled first): the mixed load's typical mixed
+step is one ~1,450-token prompt beside ~250 decode rows at a median context of 1,365 (bench/RESULTS.md, session 15).
+Its floor adds the decode rows' GEMM FLOPs (LM head included) and their K/V bytes at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -48,18 +51,46 @@ def attention_flops(lengths: list[int], config) -> float:
     return sum(2 * 2 * (n * (n + 1) / 2) * width for n in lengths) * cfg.num_hidden_layers
 
 
-def profile_shape(model, tokens: int, length: int, reps: int, ceilings) -> dict:
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """"TOKENSxLEN" or "TOKENSxLEN/DxC" -> (tokens, prompt length, decode rows, their context)."""
+    prefill, _, decode = text.partition("/")
+    try:
+        tokens, length = (int(x) for x in prefill.split("x"))
+        num_decode, context = (int(x) for x in decode.split("x")) if decode else (0, 0)
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not TOKENSxLEN or TOKENSxLEN/DxC") from None
+    if min(tokens, length) < 1 or num_decode < 0 or (num_decode and context < 3):
+        raise SystemExit(f"--shapes: {text!r}: tokens and length >= 1, decode rows >= 0 at a context >= 3")
+    return tokens, length, num_decode, context
+
+
+def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_decode: int = 0,
+                  decode_context: int = 0) -> dict:
     lengths = [length] * (tokens // length) + ([tokens % length] if tokens % length else [])
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    with Engine(model, None, EngineConfig(max_num_seqs=max(256, len(lengths)), max_num_batched_tokens=tokens,
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, ignore_eos=True)
+    with Engine(model, None, EngineConfig(max_num_seqs=max(256, len(lengths) + num_decode),
+                                          max_num_batched_tokens=max(tokens + num_decode, 8192),
                                           cuda_graphs=False)) as engine:
-        for n in lengths:
-            engine.add_request(torch.randint(3, vocab, (n,), generator=gen).tolist(),
-                               SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, ignore_eos=True))
-        batch = engine.scheduler.schedule()  # every prompt whole: one step of `tokens` prompt tokens
-        assert batch.num_prefill_tokens == tokens, (batch.num_prefill_tokens, tokens)
         runner = engine.runner
+        if num_decode:  # prompts of context - 2 tokens, prefilled, then one decode step: at the profiled step
+            # every decode row attends over `decode_context` tokens (its new one included)
+            for _ in range(num_decode):
+                engine.add_request(torch.randint(3, vocab, (decode_context - 2,), generator=gen).tolist(),
+                                   SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, ignore_eos=True))
+            prefilling = True
+            while prefilling:
+                batch = engine.scheduler.schedule()
+                prefilling = batch.num_prefill_tokens > 0
+                engine.scheduler.update(batch, runner.execute(batch))
+        for n in lengths:
+            engine.add_request(torch.randint(3, vocab, (n,), generator=gen).tolist(), sampled)
+        batch = engine.scheduler.schedule()  # every prompt whole (beside the decode rows): one step
+        assert batch.num_prefill_tokens == tokens, (batch.num_prefill_tokens, tokens)
+        assert batch.num_decode_tokens == num_decode, (batch.num_decode_tokens, num_decode)
+        decode_starts = {s.start_pos for s in batch.seqs if len(s.input_token_ids) == 1}
+        assert decode_starts <= {decode_context - 1}, decode_starts  # each decode row sees decode_context tokens
         for _ in range(2):  # builds and warm-up
             runner.execute(batch)
         sync()
@@ -79,11 +110,16 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "batchgen.sample":
             top[e.name] += e.device_time / 1e3 / reps
     b = decode_bytes(model.config)
-    gemm_floor_s = b.gemm_s(tokens, 0, ceilings, head=False) + b.gemm_s(len(lengths), 0, ceilings) - \
-        b.gemm_s(len(lengths), 0, ceilings, head=False)  # projections for every token, the head for sampled rows
-    attn_floor_s = ceilings.gemm_s(attention_flops(lengths, model.config))
+    rows, sampled_rows = tokens + num_decode, len(lengths) + num_decode
+    # projections for every token, the LM head for the sampled rows; the weights read once if that is longer
+    gemm_floor_s = max(b.gemm_s(rows, 0, ceilings, head=False) + b.gemm_s(sampled_rows, 0, ceilings)
+                       - b.gemm_s(sampled_rows, 0, ceilings, head=False), b.weight_bytes() / ceilings.copy_bytes_s)
+    # the prompts' causal attention FLOPs, the decode rows' K/V bytes
+    attn_floor_s = (ceilings.gemm_s(attention_flops(lengths, model.config))
+                    + num_decode * b.kv_bytes(decode_context) / ceilings.copy_bytes_s)
     floor_ms = 1e3 * (gemm_floor_s + attn_floor_s)
-    return {"tokens": tokens, "prompt_len": length, "num_prompts": len(lengths), "wall_ms": round(wall_ms, 2),
+    return {"tokens": tokens, "prompt_len": length, "num_prompts": len(lengths), "num_decode": num_decode,
+            "decode_context": decode_context, "wall_ms": round(wall_ms, 2),
             "kernel_ms": {k: round(v / 1e3 / reps, 2) for k, v in kinds.items()},
             "kernels": num_kernels // reps, "gemm_floor_ms": round(1e3 * gemm_floor_s, 2),
             "attention_floor_ms": round(1e3 * attn_floor_s, 2), "floor_ms": round(floor_ms, 2),
@@ -93,23 +129,26 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68")
+    ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365",
+                    help="TOKENSxLEN[/DxC], comma-separated (module docstring)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
+    shapes = [parse_shape(shape) for shape in args.shapes.split(",")]  # every shape checked before a model is built
     ceilings = measure_ceilings()
     model = build_model()
     rows = []
-    for shape in args.shapes.split(","):
-        tokens, length = (int(x) for x in shape.split("x"))
-        rows.append(profile_shape(model, tokens, length, args.reps, ceilings))
+    for tokens, length, num_decode, context in shapes:
+        rows.append(profile_shape(model, tokens, length, args.reps, ceilings, num_decode, context))
         print(json.dumps(rows[-1]), flush=True)
     print(f"matmul {ceilings.matmul_flop_s / 1e12:.0f} TFLOP/s, copy {ceilings.copy_bytes_s / 1e12:.2f} TB/s")
-    print(f"{'shape':>10} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
+    print(f"{'shape':>20} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
     for r in rows:
         k = r["kernel_ms"]
-        print(f"{r['tokens']:>5}x{r['prompt_len']:<4} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} "
-              f"{k.get('gemm', 0):>7.2f} {k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
+        decode = f"/{r['num_decode']}x{r['decode_context']}" if r["num_decode"] else ""
+        shape = f"{r['tokens']}x{r['prompt_len']}{decode}"
+        print(f"{shape:>20} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} {k.get('gemm', 0):>7.2f} "
+              f"{k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
               f"{r['kernels']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -276,3 +276,30 @@ def test_idle_between_kernels_is_charged_to_the_kernel_that_waited(monkeypatch):
     assert gaps["idle_us"] == 122.0
     assert gaps["by_kernel"] == {"attn": {"us": 2.0, "count": 1, "count_over_long": 0},
                                  "gemm": {"us": 120.0, "count": 1, "count_over_long": 1}}
+
+
+def test_the_prefill_profile_builds_a_mixed_step_of_decode_rows_beside_a_prompt(monkeypatch):
+    """bench/profile_prefill.py TOKENSxLEN/DxC (run here on CPU, a tiny model): the profiled step holds exactly the
+    prompt tokens and the decode rows asked for (profile_shape asserts both), and its floor adds the decode rows'
+    K/V bytes."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_prefill
+
+    from batchgen.bench.geometries import decode_bytes
+    from batchgen.bench.seed import Ceilings
+    from conftest import make_model
+
+    assert profile_prefill.parse_shape("1450x1450/250x1365") == (1450, 1450, 250, 1365)
+    assert profile_prefill.parse_shape("8192x68") == (8192, 68, 0, 0)
+    for bad in ("8192", "8x68/3", "0x5", "8x4/2x2", "axb"):
+        with pytest.raises(SystemExit, match="--shapes"):
+            profile_prefill.parse_shape(bad)
+    model = make_model()
+    ceilings = Ceilings(copy_bytes_s=1e9, matmul_flop_s=1e12)
+    plain = profile_prefill.profile_shape(model, 24, 12, 1, ceilings)
+    mixed = profile_prefill.profile_shape(model, 24, 12, 1, ceilings, num_decode=5, decode_context=40)
+    assert (mixed["num_prompts"], mixed["num_decode"], mixed["decode_context"]) == (2, 5, 40)
+    kv_ms = 1e3 * 5 * decode_bytes(model.config).kv_bytes(40) / ceilings.copy_bytes_s
+    assert mixed["attention_floor_ms"] == pytest.approx(plain["attention_floor_ms"] + kv_ms, abs=0.02)
