@@ -239,8 +239,8 @@ def test_the_mixed_kernel_diff_ranks_kernels_by_how_much_more_time_the_second_ru
 
 def test_the_mixed_bench_times_its_load_after_a_warm_up_and_reports_the_timed_runs_steps_alone(monkeypatch):
     """batchgen bench --workload mixed (run here on CPU, its CUDA synchronisation made a no-op): the warm-up's
-    requests are not in the timed run's steps or step kinds, every request gets its exact length, and the
-    Triton builds inside the timed run are reported (none on CPU)."""
+    requests are not in the timed run's steps or step kinds and leave nothing in the prefix cache for it, every
+    request gets its exact length, and the Triton builds inside the timed run are reported (none on CPU)."""
     import torch
 
     from batchgen.bench import mixed
@@ -250,12 +250,13 @@ def test_the_mixed_bench_times_its_load_after_a_warm_up_and_reports_the_timed_ru
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
     monkeypatch.setattr(mixed, "WARMUP_REQUESTS", 3)
     monkeypatch.setattr(mixed, "WARMUP_TOKENS", 2)
-    prompts = random_prompts([5, 9, 3, 7, 4, 6])
+    prompts = random_prompts([45, 9, 37, 70, 4, 33])  # over a 16-token block: a warm-up on them would be cached
     output_lens = [3, 6, 2, 5, 4, 1]
     report = mixed.run_ours(make_model(), prompts, output_lens, max_num_seqs=4)
     assert report["all_lengths_exact"] and report["tokens"] == sum(output_lens)
     kinds = report["step_kinds"]
-    assert kinds["num_prefill_tokens"] == sum(map(len, prompts))  # the warm-up's prompts not counted again
+    # every prompt token computed in the timed run: the warm-up's steps not counted, its prompts not cached for it
+    assert kinds["num_prefill_tokens"] == sum(map(len, prompts))
     assert kinds["num_decode_steps"] + kinds["num_mixed_steps"] == report["steps"]
     assert report["triton_compile_s"] == 0.0 and report["triton_kernels_compiled"] == {}
     assert mixed.counters_since({"a": 1, "b": 2.5, "gpu_idle_max_s": 0.1}, {"a": 4, "b": 3.0, "gpu_idle_max_s": 0.3,
