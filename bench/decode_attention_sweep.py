@@ -133,6 +133,14 @@ def parse_context(text: str) -> int | str:
     return f"{int(lo)}-{int(hi)}" if hi else int(lo)
 
 
+def parse_shape(text: str) -> tuple[int, int | str]:
+    """"SEQS:CONTEXT" -> (sequences, parse_context(CONTEXT))."""
+    seqs, _, context = text.partition(":")
+    if not seqs.isdigit() or int(seqs) < 1:
+        raise ValueError(f"shape {text!r} is not SEQS:CONTEXT (SEQS >= 1)")
+    return int(seqs), parse_context(context)
+
+
 def context_lengths(context: int | str, num_seqs: int) -> list[int]:
     """Each sequence's context (the new token included) for a shape's context (parse_context)."""
     if isinstance(context, int):
@@ -306,7 +314,8 @@ def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: fl
         out.append({"head_dim": k[0], "num_kv_heads": k[1], "group": k[2], "num_seqs": k[3], "context": context,
                     "launch": {f: best[f] for f in LAUNCH_FIELDS}, "us": best["us"], "default_us": default["us"],
                     "device": device})
-        notes.append(f"{name}: entry written" + (f" (replaces its entry at context {old[0]['context']})" if old else ""))
+        notes.append(f"{name}: entry written"
+                     + (f" (replaces its entry at context {old[0]['context']})" if old else ""))
     return sorted(out, key=key), notes
 
 
@@ -364,6 +373,10 @@ def main() -> None:
         if not args.write_table:
             ap.error("--from-report needs --write-table")
         return table_from_report(args.from_report, args.write_table)
+    try:  # every shape checked before anything is measured
+        shapes = [parse_shape(shape) for shape in args.shapes.split(",")]
+    except ValueError as e:
+        ap.error(f"--shapes: {e}")
     from batchgen.bench.seed import measure_ceilings
 
     copy_bytes_s = measure_ceilings().copy_bytes_s
@@ -372,9 +385,7 @@ def main() -> None:
     workers = args.compile_workers if args.compile_workers > 1 else 0
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers else None
     for geometry in args.geometries.split(","):
-        for shape in args.shapes.split(","):
-            seqs_text, _, context_text = shape.partition(":")
-            num_seqs, context = int(seqs_text), parse_context(context_text)
+        for num_seqs, context in shapes:
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
             candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads)
             failed = {}

@@ -145,8 +145,9 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                  --requests ${MIXED_PROF:-400} --json $LOGS/kernels_prev.json"
                step kernels_this 220 python3 bench/mixed_kernels.py --requests "${MIXED_PROF:-400}" \
                  --json "$LOGS/kernels_this.json"
-               python3 bench/mixed_kernels.py --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" \
-                 | tee "$LOGS/kernels_compare.txt"; tar czf "$OUT/proofs.tgz" -C "$LOGS" . ;;
+               [ -f "$LOGS/kernels_prev.json" ] && [ -f "$LOGS/kernels_this.json" ] && python3 bench/mixed_kernels.py \
+                 --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" | tee "$LOGS/kernels_compare.txt"
+               tar czf "$OUT/proofs.tgz" -C "$LOGS" . ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \

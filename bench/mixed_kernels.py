@@ -14,6 +14,8 @@ folder first on PYTHONPATH (the script's own folder, bench/, holds no batchgen),
     PYTHONPATH=/tmp/site:$PWD python3 bench/mixed_kernels.py --requests 400 --json this.json
     python3 bench/mixed_kernels.py --compare prev.json this.json
 
+Its warm-up is what every checkout's bench had (two of the load's requests, four tokens each), so it is the same
+for both sides of a comparison; those two prompts' full blocks stay in the prefix cache for the profiled run.
 Needs a CUDA GPU (the compare mode does not).
 """
 
@@ -91,7 +93,7 @@ def compare(a: dict, b: dict, top: int = 30) -> list[dict]:
             for n in names]
     for r in rows:
         r["delta_ms"] = r["b_ms"] - r["a_ms"]
-    rows.sort(key=lambda r: -abs(r["delta_ms"]))
+    rows.sort(key=lambda r: (-abs(r["delta_ms"]), r["name"]))
     return rows[:top]
 
 

@@ -74,11 +74,16 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
                                           max_num_batched_tokens=max(tokens + num_decode, 8192),
                                           cuda_graphs=False)) as engine:
         runner = engine.runner
-        if num_decode:  # prompts of context - 2 tokens, prefilled, then one decode step: at the profiled step
-            # every decode row attends over `decode_context` tokens (its new one included)
-            for _ in range(num_decode):
+        if num_decode:  # prompts of context - 2 tokens, prefilled, then one decode step: at the profiled step a
+            # decode row attends over `decode_context` tokens (its new one included), or a few more where its prompt
+            # was done before the last prefill step (running rows decode in every step after their prefill: the
+            # contexts spread over the prefill steps; the floor counts each row's own)
+            budget = engine.config.max_num_batched_tokens
+            outlast = -(-num_decode * decode_context // (budget - num_decode)) + 8  # tokens a row may decode early
+            for i in range(num_decode):
                 engine.add_request(torch.randint(3, vocab, (decode_context - 2,), generator=gen).tolist(),
-                                   SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, ignore_eos=True))
+                                   SamplingParams(max_new_tokens=outlast, temperature=0.7, top_p=0.9,
+                                                  ignore_eos=True), request_id=f"decode-{i}")
             prefilling = True
             while prefilling:
                 batch = engine.scheduler.schedule()
@@ -89,8 +94,9 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
         batch = engine.scheduler.schedule()  # every prompt whole (beside the decode rows): one step
         assert batch.num_prefill_tokens == tokens, (batch.num_prefill_tokens, tokens)
         assert batch.num_decode_tokens == num_decode, (batch.num_decode_tokens, num_decode)
-        decode_starts = {s.start_pos for s in batch.seqs if len(s.input_token_ids) == 1}
-        assert decode_starts <= {decode_context - 1}, decode_starts  # each decode row sees decode_context tokens
+        # each decode row's context at this step (its new token included), from its place in the batch
+        contexts = sorted(s.start_pos + 1 for s in batch.seqs if s.request_id.startswith("decode-"))
+        assert len(contexts) == num_decode and all(c >= decode_context for c in contexts), contexts
         for _ in range(2):  # builds and warm-up
             runner.execute(batch)
         sync()
@@ -116,10 +122,12 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
                        - b.gemm_s(sampled_rows, 0, ceilings, head=False), b.weight_bytes() / ceilings.copy_bytes_s)
     # the prompts' causal attention FLOPs, the decode rows' K/V bytes
     attn_floor_s = (ceilings.gemm_s(attention_flops(lengths, model.config))
-                    + num_decode * b.kv_bytes(decode_context) / ceilings.copy_bytes_s)
+                    + sum(b.kv_bytes(c) for c in contexts) / ceilings.copy_bytes_s)
     floor_ms = 1e3 * (gemm_floor_s + attn_floor_s)
     return {"tokens": tokens, "prompt_len": length, "num_prompts": len(lengths), "num_decode": num_decode,
-            "decode_context": decode_context, "wall_ms": round(wall_ms, 2),
+            "decode_context": decode_context, "decode_contexts_min_median_max":
+                [contexts[0], contexts[len(contexts) // 2], contexts[-1]] if contexts else None,
+            "wall_ms": round(wall_ms, 2),
             "kernel_ms": {k: round(v / 1e3 / reps, 2) for k, v in kinds.items()},
             "kernels": num_kernels // reps, "gemm_floor_ms": round(1e3 * gemm_floor_s, 2),
             "attention_floor_ms": round(1e3 * attn_floor_s, 2), "floor_ms": round(floor_ms, 2),

@@ -302,5 +302,14 @@ def test_the_prefill_profile_builds_a_mixed_step_of_decode_rows_beside_a_prompt(
     plain = profile_prefill.profile_shape(model, 24, 12, 1, ceilings)
     mixed = profile_prefill.profile_shape(model, 24, 12, 1, ceilings, num_decode=5, decode_context=40)
     assert (mixed["num_prompts"], mixed["num_decode"], mixed["decode_context"]) == (2, 5, 40)
+    assert mixed["decode_contexts_min_median_max"] == [40, 40, 40]
     kv_ms = 1e3 * 5 * decode_bytes(model.config).kv_bytes(40) / ceilings.copy_bytes_s
     assert mixed["attention_floor_ms"] == pytest.approx(plain["attention_floor_ms"] + kv_ms, abs=0.02)
+    # decode prompts over one step's budget (9 x 998 tokens > 8,192): rows prefilled early decode meanwhile, so
+    # their contexts spread; each row's own counts in the floor
+    long_model = make_model(max_position_embeddings=4096)
+    spread = profile_prefill.profile_shape(long_model, 24, 12, 1, ceilings, num_decode=9, decode_context=1000)
+    low, median, high = spread["decode_contexts_min_median_max"]
+    assert low == 1000 and high > 1000
+    assert spread["attention_floor_ms"] > plain["attention_floor_ms"] + 1e3 * 9 * decode_bytes(
+        long_model.config).kv_bytes(1000) / ceilings.copy_bytes_s

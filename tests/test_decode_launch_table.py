@@ -203,6 +203,9 @@ def test_a_ragged_context_spreads_every_length_in_a_fixed_order_and_ranks_beside
     the compile workers and the timing process; it ranks launches with the uniform shapes but writes no table
     entry (an entry is keyed by one context)."""
     assert sweep.parse_context("768") == 768 and sweep.parse_context("32-3072") == "32-3072"
+    assert sweep.parse_shape("256:32-3072") == (256, "32-3072")
+    with pytest.raises(ValueError, match="is not SEQS:CONTEXT"):
+        sweep.parse_shape("256x160")
     for bad in ("0", "x", "5-3", "3-", "-3", ""):
         with pytest.raises(ValueError, match="is not N or LO-HI"):
             sweep.parse_context(bad)

@@ -10,12 +10,13 @@ after another): the longer of every decode step reading the weights once (at lea
 least total output / max_num_seqs) at the measured copy bandwidth and all tokens' GEMM FLOPs at the measured
 matmul rate, plus every generated token reading its context's K/V once at the copy bandwidth.
 
-Before the timed run, a warm-up: the load's first WARMUP_REQUESTS requests (prompts reversed: nothing for the
-prefix cache to keep) with their outputs cut to WARMUP_TOKENS, so that the kernels the load meets (prefill launches for short and long prompts, decode rows of
-mixed steps at every split count as the batch drains) are built before the clock starts; Triton builds still left
-in the timed run are counted (`triton_compile_s`). Before session 16 the warm-up was two 4-token requests, and a
-run's time depended on whether an earlier process had filled Triton's disk cache. The step kinds are the timed
-run's alone.
+Before the timed run, a warm-up: the load's first WARMUP_REQUESTS requests (prompts reversed: nothing in the prefix
+cache the timed prompts can hit) with their outputs cut to WARMUP_TOKENS, so that the kernels the load meets
+(prefill launches for short and long prompts, decode rows of mixed steps at every split count as the batch drains)
+are built before the clock starts; Triton builds still left in the timed run are counted (`triton_compile_s`).
+Before session 16 the warm-up was two 4-token requests, and a run's time depended on whether an earlier process had
+filled Triton's disk cache. The step kinds are the timed run's alone (its longest idle stretch is not reported: a
+maximum cannot be split by a difference of counters).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ WARMUP_TOKENS = 64
 
 
 def counters_since(before: dict, after: dict) -> dict:
-    """Engine.stats() counters of what ran between two snapshots: every count and sum as a difference; a maximum
-    (gpu_idle_max_s) cannot be taken apart and is left out."""
+    """Engine.stats() between two snapshots, every number as a difference: right for the counts and sums that
+    step_kinds reads, meaningless for gauges (num_running, kv_cache_usage: not read); the maximum gpu_idle_max_s
+    cannot be taken apart and is left out."""
     return {k: v - before.get(k, 0) for k, v in after.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "gpu_idle_max_s"}
 
