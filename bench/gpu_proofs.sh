@@ -35,7 +35,8 @@
 #   bash bench/gpu_proofs.sh refill     # issue 18: job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
 #                                       # one (B), A B B A, with each run's decode / mixed / idle shares (~8 min)
 #   bash bench/gpu_proofs.sh prefill    # issue 18: a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
-#                                       # 2,048-token prompts), then the mixed 2,000-request load with its step kinds (~4 min)
+#                                       # 2,048-token prompts, the mixed load's mixed step: 1,450 prompt tokens beside 250
+#                                       # decode rows), then the mixed 2,000-request load with its step kinds (~5 min)
 #   bash bench/gpu_proofs.sh mixedab    # issue 18: the mixed load (MIXED_REQUESTS, default 1,000) from the checkout in
 #                                       # .prev and from this one, in MIXED_ORDER (default .prev . . .prev; ~7 min):
 #                                       # session 15 found it 7 % slower than session 6 (.prev: git archive 241f28b)
@@ -134,7 +135,7 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
            step job_fp8kv 420 "${JOB[@]}" --rows 1000 --ab-set engine.kv_cache_dtype=fp8 --json "$LOGS/job_fp8kv.json" ;;
     refill) step job_refill 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
               --profile-steps 0 --seqs 256 --penalties 1.0,1.1 --rows 1000 --compare .prev --json "$LOGS/job_refill.json" ;;
-    prefill) step profile_prefill 120 python3 bench/profile_prefill.py --json "$LOGS/profile_prefill.json"
+    prefill) step profile_prefill 180 python3 bench/profile_prefill.py --json "$LOGS/profile_prefill.json"
              step mixed 300 "${BG[@]}" --workload mixed --requests 2000 --json "$LOGS/mixed.json" ;;
     mixedab) i=0; for code in ${MIXED_ORDER:-.prev . . .prev}; do i=$((i + 1))  # checkouts, run in this order
                # run from inside the checkout: `python3 -m` puts the working directory first on sys.path
