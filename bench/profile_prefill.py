@@ -12,8 +12,10 @@ its causal attention FLOPs, at the matmul rate measured in the same run.
 
 A shape TOKENSxLEN is one step of TOKENS prompt tokens from prompts of LEN tokens (the last one cut short);
 TOKENSxLEN/DxC adds D decode rows at context C (their prompts prefilled first): the mixed load's typical mixed
-step is one ~1,450-token prompt beside ~250 decode rows at a median context of 1,365 (bench/RESULTS.md, session 15).
-Its floor adds the decode rows' GEMM FLOPs (LM head included) and their K/V bytes at the copy bandwidth.
+step is one ~1,450-token prompt beside ~250 decode rows at a median context of 1,365 (bench/RESULTS.md, session 15);
+5800x1450/250x1365 is the step that admitting four prompts at once would make (do bigger GEMMs pay for fewer,
+larger mixed steps?). Its floor adds the decode rows' GEMM FLOPs (LM head included) and their K/V bytes at the copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365",
+    ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365,5800x1450/250x1365",
                     help="TOKENSxLEN[/DxC], comma-separated (module docstring)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
