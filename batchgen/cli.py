@@ -251,8 +251,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               "--job-set", help="job: also --set this key=value in every run, e.g. "
                                 "sampling.logprobs=5 (repeatable).")] = None,
           ab_set: Annotated[Optional[list[str]], typer.Option(
-              "--ab-set", help="job: an A/B of these sets: each configuration runs as A (without) and B (with "
-                               "them) in the order A B B A, and the report gives B/A (repeatable).")] = None,
+              "--ab-set", help="job, mixed: an A/B of these sets: each configuration runs as A (without) and B "
+                               "(with them) in the order A B B A, and the report gives B/A (repeatable; mixed: "
+                               "engine.KEY=VALUE only).")] = None,
           model_geometry: Annotated[str, typer.Option(
               help="seed, job: the model's shape, random bf16 weights (llama-8b, llama-70b (with --weights fp8 or --tensor-parallel 2), mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, gemma-7b, qwen2-7b, starcoder2-3b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, "
@@ -292,9 +293,23 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo(f"batchgen: error: --weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got "
                    f"{weights!r}", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
-    if workload != "job" and (ab_set or job_set or compare):
-        typer.echo("batchgen: error: --ab-set, --job-set and --compare apply to --workload job only", err=True)
+    if workload != "job" and (job_set or compare or (ab_set and workload != "mixed")):
+        typer.echo("batchgen: error: --job-set and --compare apply to --workload job only, --ab-set to job and "
+                   "mixed", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    if workload == "mixed" and ab_set:
+        if transformers:
+            typer.echo("batchgen: error: --ab-set and --transformers: give one (the mixed A/B runs ours only)",
+                       err=True)
+            raise typer.Exit(EXIT_USER_ERROR)
+        from batchgen.bench.mixed import engine_overrides
+        from batchgen.errors import JobError
+
+        try:
+            engine_overrides(ab_set, max_num_seqs or 256)
+        except JobError as e:
+            typer.echo(f"batchgen: error: {e}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
     if ab_set and compare:
         typer.echo("batchgen: error: --ab-set and --compare are two A/Bs: give one", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
@@ -339,7 +354,8 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
                        f"{sorted(unknown)}", err=True)
             raise typer.Exit(EXIT_USER_ERROR)
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
-                   json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9)
+                   json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9,
+                   ab_sets=ab_set or [])
         return
     from batchgen.bench.seed import main as bench_main
 

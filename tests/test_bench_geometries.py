@@ -313,3 +313,51 @@ def test_the_prefill_profile_builds_a_mixed_step_of_decode_rows_beside_a_prompt(
     assert low == 1000 and high > 1000
     assert spread["attention_floor_ms"] > plain["attention_floor_ms"] + 1e3 * 9 * decode_bytes(
         long_model.config).kv_bytes(1000) / ceilings.copy_bytes_s
+
+
+def test_the_mixed_bench_ab_takes_engine_settings_only_and_refuses_bad_ones_before_building_a_model():
+    from batchgen.bench.mixed import bench_engine_config, engine_overrides
+    from batchgen.errors import JobError
+
+    assert engine_overrides(["engine.max_num_batched_tokens=16384", "engine.async=false"], 256) == {
+        "max_num_batched_tokens": 16384, "async": False}
+    config = bench_engine_config(256, {"async_pipeline": False, "graph_blas_library": "cublas"})
+    assert (config.async_pipeline, config.graph_blas_library, config.max_num_batched_tokens) == (False, "cublas", 8192)
+    for bad, match in (("sampling.temperature=0", "engine.KEY=VALUE only"),
+                       ("engine.max_num_seqs=64", "--max-num-seqs"),
+                       ("engine.graph_blas_library=magic", "engine.graph_blas_library"),
+                       ("engine.no_such_knob=1", "engine.no_such_knob"),
+                       ("engine", "expected KEY.PATH=VALUE")):
+        with pytest.raises(JobError, match=match):
+            engine_overrides([bad], 256)
+
+
+def test_the_mixed_cli_refuses_a_bad_ab_set_with_a_message_naming_it():
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--workload", "mixed", "--ab-set", "engine.max_num_seqs=64"])
+    assert result.exit_code == 2 and "--max-num-seqs" in result.output
+    result = CliRunner().invoke(app, ["bench", "--workload", "seed", "--ab-set", "engine.async=false"])
+    assert result.exit_code == 2 and "--ab-set to job and mixed" in result.output
+
+
+def test_the_mixed_bench_ab_runs_a_b_b_a_with_the_sets_on_b_only(monkeypatch):
+    import torch
+
+    from batchgen.bench import mixed
+    from conftest import make_model, random_prompts
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    monkeypatch.setattr(mixed, "WARMUP_REQUESTS", 2)
+    monkeypatch.setattr(mixed, "WARMUP_TOKENS", 2)
+    prompts, output_lens = random_prompts([30, 20, 40]), [3, 5, 2]
+    ab = mixed.ab_runs(make_model(), prompts, output_lens, 4, {"max_num_batched_tokens": 16}, floor=1.0)
+    assert [r["variant"] for r in ab["runs"]] == list("ABBA")
+    # 16 tokens a step chunk the 90 prompt tokens: B takes more steps than A, the same tokens
+    a_steps, b_steps = ab["runs"][0]["steps"], ab["runs"][1]["steps"]
+    assert b_steps > a_steps and all(r["all_lengths_exact"] for r in ab["runs"])
+    assert ab["runs"][3]["steps"] == a_steps and ab["runs"][2]["steps"] == b_steps
+    assert ab["B_over_A"] == pytest.approx(ab["B_wall_s"] / ab["A_wall_s"])

@@ -17,6 +17,10 @@ are built before the clock starts; Triton builds still left in the timed run are
 Before session 16 the warm-up was two 4-token requests, and a run's time depended on whether an earlier process had
 filled Triton's disk cache. The step kinds are the timed run's alone (its longest idle stretch is not reported: a
 maximum cannot be split by a difference of counters).
+
+`--ab-set engine.KEY=VALUE` (repeatable): an A/B of engine settings on this load, each variant a fresh Engine on
+the same model, run in the order A B B A (A: the bench's settings; B: with the sets); the report gives every run
+and B/A of the mean wall times.
 """
 
 from __future__ import annotations
@@ -62,6 +66,45 @@ WARMUP_REQUESTS = 64
 WARMUP_TOKENS = 64
 
 
+def bench_engine_config(max_num_seqs: int, overrides: dict | None = None):
+    """The bench's engine settings (CUDA graphs, the async pipeline, 8,192 tokens a step) with `overrides` (job-file
+    `engine:` keys, as --ab-set gives them) on top."""
+    from batchgen.engine.config import EngineConfig
+
+    overrides = dict(overrides or {})
+    if "async_pipeline" in overrides:  # the field's YAML name is its alias
+        overrides["async"] = overrides.pop("async_pipeline")
+    return EngineConfig.model_validate({"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192,
+                                        "cuda_graphs": True, "async": True, **overrides})
+
+
+def engine_overrides(ab_sets: list[str], max_num_seqs: int) -> dict:
+    """--ab-set assignments (`engine.KEY=VALUE`, the value YAML) as engine overrides, checked before any model is
+    built: JobError naming the assignment for another section, max_num_seqs (--max-num-seqs: the floor depends on
+    it) or a value EngineConfig refuses."""
+    from pydantic import ValidationError
+
+    from batchgen.errors import JobError
+    from batchgen.job.spec import apply_override
+
+    raw: dict = {}
+    for assignment in ab_sets:
+        apply_override(raw, assignment)
+        section = assignment.partition("=")[0].split(".")[0]
+        if section != "engine" or not isinstance(raw.get("engine"), dict):
+            raise JobError(f"--ab-set {assignment!r}: the mixed workload's A/B takes engine.KEY=VALUE only")
+        if "max_num_seqs" in raw["engine"]:
+            raise JobError(f"--ab-set {assignment!r}: give the sequences with --max-num-seqs (the floor uses them)")
+    overrides = raw.get("engine", {})
+    try:
+        bench_engine_config(max_num_seqs, overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in ("engine", *err["loc"]))
+        raise JobError(f"--ab-set: {key}: {err['msg'].removeprefix('Value error, ')}") from None
+    return overrides
+
+
 def counters_since(before: dict, after: dict) -> dict:
     """Engine.stats() between two snapshots, every number as a difference: right for the counts and sums that
     step_kinds reads, meaningless for gauges (num_running, kv_cache_usage: not read); the maximum gpu_idle_max_s
@@ -70,15 +113,13 @@ def counters_since(before: dict, after: dict) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "gpu_idle_max_s"}
 
 
-def run_ours(model, prompts, output_lens, max_num_seqs: int) -> dict:
+def run_ours(model, prompts, output_lens, max_num_seqs: int, overrides: dict | None = None) -> dict:
     from batchgen.bench.job import step_kinds
-    from batchgen.engine.config import EngineConfig
     from batchgen.engine.engine import Engine
     from batchgen.job.metrics import CompileTimer, Totals
     from batchgen.sampling_params import SamplingParams
 
-    engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                              cuda_graphs=True, async_pipeline=True))
+    engine = Engine(model, None, bench_engine_config(max_num_seqs, overrides))
     warm = min(WARMUP_REQUESTS, len(prompts))
     # the first prompts reversed: their lengths and tokens, none of their prefixes (the prefix cache would skip the
     # timed run's prefill of them otherwise)
@@ -142,8 +183,22 @@ def run_transformers(model, prompts, output_lens, max_num_seqs: int, time_limit_
     return {"completed": True, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
+def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, floor: float) -> dict:
+    """A B B A runs (A: the bench's settings, B: with `overrides`): every run, and B/A of the mean wall times."""
+    runs = []
+    for variant in "ABBA":
+        run = run_ours(model, prompts, output_lens, max_num_seqs, overrides if variant == "B" else None)
+        run.update(variant=variant, x_floor=run["wall_s"] / floor)
+        print("run", json.dumps(run), flush=True)
+        runs.append(run)
+    mean = {v: sum(r["wall_s"] for r in runs if r["variant"] == v) / 2 for v in "AB"}
+    return {"ab_sets": overrides, "runs": runs, "A_wall_s": mean["A"], "B_wall_s": mean["B"],
+            "B_over_A": mean["B"] / mean["A"]}
+
+
 def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = True,
-         json_path: str | None = None, transformers_time_limit_s: float = 1e9) -> dict:
+         json_path: str | None = None, transformers_time_limit_s: float = 1e9, ab_sets: list[str] = ()) -> dict:
+    overrides = engine_overrides(list(ab_sets), max_num_seqs)  # a bad set fails before the model is built
     ceilings = measure_ceilings()
     model = build_model()
     num_params = sum(p.numel() for p in model.parameters())
@@ -154,6 +209,16 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
               "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": sum(output_lens),
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "floor_s": floor, "floor_tok_s": sum(output_lens) / floor}
+    if ab_sets:
+        report["ab"] = ab = ab_runs(model, prompts, output_lens, max_num_seqs, overrides, floor)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=1)
+        print(f"{'run':<6}{'wall s':>10}{'tok/s':>10}{'x floor':>9}  (B: {' '.join(ab_sets)})")
+        for r in ab["runs"]:
+            print(f"{r['variant']:<6}{r['wall_s']:>10.2f}{r['tok_s']:>10.0f}{r['x_floor']:>9.2f}")
+        print(f"A/B: A {ab['A_wall_s']:.2f} s, B {ab['B_wall_s']:.2f} s, B/A {ab['B_over_A']:.4f} (means of two)")
+        return report
     report["ours_graphs_async"] = ours = run_ours(model, prompts, output_lens, max_num_seqs)
     ours["x_floor"] = ours["wall_s"] / floor
     print("ours", json.dumps(ours), flush=True)
