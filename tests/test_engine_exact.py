@@ -39,6 +39,17 @@ def test_greedy_exact_with_tiny_token_budget_chunked_prefill():
     assert engine.num_steps > sum(LENGTHS) // 7  # prefill really was split over many steps
 
 
+def test_greedy_exact_when_prompts_are_admitted_in_groups():
+    """engine.admission_group 2 at 3 sequences: freed slots wait for a second, prompts start in pairs."""
+    model = make_model("llama")
+    prompts = random_prompts(LENGTHS)
+    expected = [hf_greedy(model, p, m) for p, m in zip(prompts, MAX_NEW)]
+    engine, got = _run(model, prompts, EngineConfig(num_kv_blocks=128, block_size=8, max_num_seqs=3,
+                                                    admission_group=2))
+    assert got == expected
+    assert engine.scheduler.admission_group == 2
+
+
 def test_greedy_exact_when_cache_is_so_small_that_requests_get_preempted():
     model = make_model("qwen2")
     prompts = random_prompts((30, 25, 28, 31, 22, 27), seed=3)

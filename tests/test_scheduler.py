@@ -187,3 +187,27 @@ def test_the_scheduler_cost_bench_runs_with_and_without_a_repetition_penalty(mon
     for penalty in (1.0, 1.1):
         row = bench.measure(num_seqs=8, context=32, penalty=penalty, steps=4)
         assert row["repetition_penalty"] == penalty and row["schedule_update_ms"] > 0 and row["sampling_build_ms"] > 0
+
+
+def test_an_admission_group_holds_freed_slots_until_that_many_are_free_and_never_deadlocks():
+    """admission_group 2: a single freed slot waits for a second; the prompts then start together. Nothing
+    running, or fewer waiting than the group, admits at once (a hold no finishing sequence would end)."""
+    s = Scheduler(BlockManager(200, 4), max_num_seqs=3, max_num_batched_tokens=100, admission_group=2)
+    reqs = [_req("a", 3, max_new=2), _req("b", 3, max_new=4, start=10), _req("c", 3, max_new=6, start=20)]
+    reqs += [_req(f"w{i}", 3, max_new=3, start=30 + 10 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    assert [x.request_id for x in _step(s).seqs] == ["a", "b", "c"]  # nothing ran: the first wave at once
+    _step(s)  # a finishes (2 tokens): one slot free
+    assert [x.request_id for x in _step(s).seqs] == ["b", "c"]  # w0 held: one free slot, the group is 2
+    _step(s)  # b finishes (4 tokens): two slots free
+    batch = _step(s)
+    assert [x.request_id for x in batch.seqs] == ["c", "w0", "w1"]  # both start in one step
+    assert batch.num_prefill_tokens == 6
+    batch = _step(s)  # c's last token: one slot free
+    assert [x.request_id for x in batch.seqs] == ["c", "w0", "w1"]
+    # w2 alone waits (fewer than the group): it starts with the one free slot, beside w0 and w1
+    assert [(x.request_id, x.start_pos) for x in _step(s).seqs] == [("w0", 4), ("w1", 4), ("w2", 0)]
+    while s.has_work:
+        _step(s)
+    assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in reqs)
