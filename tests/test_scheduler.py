@@ -211,3 +211,25 @@ def test_an_admission_group_holds_freed_slots_until_that_many_are_free_and_never
     while s.has_work:
         _step(s)
     assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in reqs)
+
+
+def test_an_admission_group_gives_fewer_larger_prefill_steps_on_a_mixed_load():
+    """bench/admission_schedule.py on a small mixed load: the same tokens, fewer mixed steps, more prompt tokens in
+    each; group 1 is the plain scheduler."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        sched = importlib.import_module("admission_schedule")
+    finally:
+        sys.path.pop(0)
+    from batchgen.bench.mixed import mixed_workload
+
+    prompts, output_lens = mixed_workload(120, seed=1)
+    one, four = (sched.schedule_counts(prompts, output_lens, k, max_num_seqs=32) for k in (1, 4))
+    assert four["mixed_steps"] < one["mixed_steps"]
+    assert four["prompt_tokens_per_mixed_step"] > 2 * one["prompt_tokens_per_mixed_step"]
+    for c in (one, four):  # every prompt token scheduled once either way
+        assert c["prompt_tokens"] == sum(map(len, prompts))
