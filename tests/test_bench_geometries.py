@@ -327,9 +327,12 @@ def test_the_mixed_bench_ab_takes_engine_settings_only_and_refuses_bad_ones_befo
                        ("engine.max_num_seqs=64", "--max-num-seqs"),
                        ("engine.graph_blas_library=magic", "engine.graph_blas_library"),
                        ("engine.no_such_knob=1", "engine.no_such_knob"),
-                       ("engine", "expected KEY.PATH=VALUE")):
+                       ("engine", "--ab-set 'engine': expected KEY.PATH=VALUE"),
+                       ("engine.async=maybe", "engine.async:")):
         with pytest.raises(JobError, match=match):
             engine_overrides([bad], 256)
+    with pytest.raises(JobError, match="one setting"):
+        engine_overrides(["engine.async=false", "engine.async_pipeline=true"], 256)
 
 
 def test_the_mixed_cli_refuses_a_bad_ab_set_with_a_message_naming_it():

@@ -50,6 +50,22 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible():
     assert [s.token_ids for s in greedy.samples] == [hf_greedy(model, prompt, 12)] * 3
 
 
+def test_n_samples_of_one_token_all_finish():
+    """A leader that finishes at its first token (max_new_tokens 1, or EOS first) still starts its siblings:
+    before session 16 they were never queued and generate() stepped forever."""
+    model = make_model("llama")
+    prompt = random_prompts((35,), seed=9)[0]
+    engine = _engine(model)
+    engine.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=1.0, n=3, seed=7, ignore_eos=True))
+    results = []
+    for _ in range(20):  # stepped by hand, not generate(): the bug made it spin forever
+        results += engine.step()
+        if not engine.has_unfinished:
+            break
+    assert not engine.has_unfinished and engine.num_steps <= 4
+    assert [len(s.token_ids) for s in results[0].samples] == [1, 1, 1]
+
+
 def test_stop_string_ends_the_sample_and_is_excluded_from_the_text():
     tok = make_tokenizer()
     model = make_model("llama", vocab_size=len(tok))

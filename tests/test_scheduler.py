@@ -233,3 +233,16 @@ def test_an_admission_group_gives_fewer_larger_prefill_steps_on_a_mixed_load():
     assert four["prompt_tokens_per_mixed_step"] > 2 * one["prompt_tokens_per_mixed_step"]
     for c in (one, four):  # every prompt token scheduled once either way
         assert c["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_an_admission_group_above_max_num_seqs_refills_in_whole_waves():
+    s = Scheduler(BlockManager(200, 4), max_num_seqs=2, max_num_batched_tokens=100, admission_group=5)
+    reqs = [_req("a", 3, max_new=2), _req("b", 3, max_new=3, start=10)]
+    reqs += [_req(f"w{i}", 3, max_new=2, start=30 + 10 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    waves = []
+    while s.has_work:
+        waves.append(sorted(x.request_id for x in _step(s).seqs if x.start_pos == 0))
+    assert [w for w in waves if w] == [["a", "b"], ["w0", "w1"], ["w2"]]  # nothing starts beside a running one
+    assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in reqs)

@@ -89,19 +89,24 @@ def engine_overrides(ab_sets: list[str], max_num_seqs: int) -> dict:
 
     raw: dict = {}
     for assignment in ab_sets:
-        apply_override(raw, assignment)
+        try:
+            apply_override(raw, assignment)
+        except JobError as e:
+            raise JobError(str(e).replace("--set", "--ab-set", 1)) from None
         section = assignment.partition("=")[0].split(".")[0]
         if section != "engine" or not isinstance(raw.get("engine"), dict):
             raise JobError(f"--ab-set {assignment!r}: the mixed workload's A/B takes engine.KEY=VALUE only")
         if "max_num_seqs" in raw["engine"]:
             raise JobError(f"--ab-set {assignment!r}: give the sequences with --max-num-seqs (the floor uses them)")
     overrides = raw.get("engine", {})
+    if {"async", "async_pipeline"} <= overrides.keys():
+        raise JobError("--ab-set: engine.async and engine.async_pipeline are one setting: give one")
     try:
         bench_engine_config(max_num_seqs, overrides)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in ("engine", *err["loc"]))
-        raise JobError(f"--ab-set: {key}: {err['msg'].removeprefix('Value error, ')}") from None
+        problems = "; ".join(f"engine.{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}" if err["loc"]
+                             else err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise JobError(f"--ab-set: {problems}") from None
     return overrides
 
 

@@ -21,7 +21,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: PositiveInt = 256  # sequences in one step
     max_num_batched_tokens: PositiveInt = 8192  # tokens in one step (prefill chunks + decodes)
     # waiting prompts start only once this many sequence slots are free (or nothing runs, or fewer wait): k prompts
-    # in one prefill step instead of one per finished sequence (engine/scheduler.py); 1: as soon as a slot frees
+    # in one prefill step instead of one per finished sequence (engine/scheduler.py); 1: as soon as a slot frees;
+    # above max_num_seqs it acts as max_num_seqs (whole waves: a batch refills only once it has emptied)
     admission_group: PositiveInt = 1
     block_size: PositiveInt = 16  # tokens per KV block
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # share of GPU memory for weights + KV + activations

@@ -246,15 +246,20 @@ class Scheduler:
                 reason = req.append_token(token)
                 if reason is not None:
                     self._finish(req, reason)
+                    self._release_followers(req)  # a parent done at its first token still starts its siblings
                     continue
             if req.status is RequestStatus.RUNNING:  # blocks completed by the token just appended (tested first)
                 known = min(req.num_computed_tokens, len(req.token_ids))
                 if known // bm.block_size > len(req.block_keys):
                     bm.register_full_blocks(req.token_ids, req.block_table, req.block_keys, known)
-            if req.followers and (req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens):
-                # The prompt's full blocks are now cached: siblings reuse them from the prefix cache.
-                followers, req.followers = req.followers, []
-                self.waiting.extendleft(reversed(followers))
+            self._release_followers(req)
+
+    def _release_followers(self, req: Request) -> None:
+        """Queue a request's sibling samples (n > 1) at the head of the queue once its prompt is computed (its
+        full blocks are then cached: the siblings reuse them from the prefix cache) or it has finished."""
+        if req.followers and (req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens):
+            followers, req.followers = req.followers, []
+            self.waiting.extendleft(reversed(followers))
 
     @staticmethod
     def _append_logprobs(req: Request, output: StepOutput, row: int, k: int) -> None:
