@@ -66,6 +66,24 @@ def test_n_samples_of_one_token_all_finish():
     assert [len(s.token_ids) for s in results[0].samples] == [1, 1, 1]
 
 
+def test_an_engine_that_could_never_finish_says_so_instead_of_stepping_forever(monkeypatch):
+    """With the siblings of an n > 1 request lost (the bug above, put back), step() raises once nothing is left to
+    run, after returning what did finish."""
+    from batchgen.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_release_followers", lambda self, req: None)
+    engine = _engine(make_model("llama"))
+    engine.add_request(random_prompts((9,), seed=2)[0], SamplingParams(max_new_tokens=2, n=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="engine stuck: 1 prompt"):
+        for _ in range(20):
+            engine.step()
+    # a prompt that failed at admission (too long for the cache) is a result, not a stuck engine
+    monkeypatch.undo()
+    engine = _engine(make_model("llama"))
+    engine.add_request(list(range(3, 3000)), SamplingParams(max_new_tokens=2))
+    assert engine.step()[0].samples[0].finish_reason == "error" and not engine.has_unfinished
+
+
 def test_stop_string_ends_the_sample_and_is_excluded_from_the_text():
     tok = make_tokenizer()
     model = make_model("llama", vocab_size=len(tok))

@@ -259,6 +259,13 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.schedule_s += time.perf_counter() - t0
+        if (not batch and self._pending and self._in_flight is None and not self._finished
+                and not self.scheduler.has_work and not self.scheduler.has_finished):
+            # nothing runs, waits, is in flight or is finished and unreported, yet prompts are unfinished: a bug
+            # (stepping on would spin forever)
+            raise RuntimeError(f"batchgen engine stuck: {len(self._pending)} prompt(s) unfinished (e.g. "
+                               f"{next(iter(self._pending))!r}) with nothing left to schedule; please report this "
+                               f"with the job file. Rows already returned are kept; a resumed run redoes the rest")
         if not self.async_pipeline:
             if batch:
                 self._apply(batch, self.runner.execute(batch, self._bitmask(batch) if batch.num_constrained else None))

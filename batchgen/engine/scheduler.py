@@ -66,6 +66,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_finished(self) -> bool:
+        """Finished (or failed) requests not yet taken by take_finished."""
+        return bool(self._done)
+
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
