@@ -357,8 +357,12 @@ def test_the_mixed_bench_ab_runs_a_b_b_a_with_the_sets_on_b_only(monkeypatch):
     monkeypatch.setattr(mixed, "WARMUP_REQUESTS", 2)
     monkeypatch.setattr(mixed, "WARMUP_TOKENS", 2)
     prompts, output_lens = random_prompts([30, 20, 40]), [3, 5, 2]
-    ab = mixed.ab_runs(make_model(), prompts, output_lens, 4, {"max_num_batched_tokens": 16}, floor=1.0)
+    released, saved = [], []
+    monkeypatch.setattr(mixed, "release", lambda engine: (released.append(engine), engine.close()))
+    ab = mixed.ab_runs(make_model(), prompts, output_lens, 4, {"max_num_batched_tokens": 16}, floor=1.0,
+                       after_run=lambda runs: saved.append(len(runs)))
     assert [r["variant"] for r in ab["runs"]] == list("ABBA")
+    assert len(released) == 4 and saved == [1, 2, 3, 4]  # every engine given back, the report saved after each run
     # 16 tokens a step chunk the 90 prompt tokens: B takes more steps than A, the same tokens
     a_steps, b_steps = ab["runs"][0]["steps"], ab["runs"][1]["steps"]
     assert b_steps > a_steps and all(r["all_lengths_exact"] for r in ab["runs"])

@@ -188,14 +188,18 @@ def run_transformers(model, prompts, output_lens, max_num_seqs: int, time_limit_
     return {"completed": True, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
-def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, floor: float) -> dict:
-    """A B B A runs (A: the bench's settings, B: with `overrides`): every run, and B/A of the mean wall times."""
+def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, floor: float,
+            after_run=None) -> dict:
+    """A B B A runs (A: the bench's settings, B: with `overrides`): every run, and B/A of the mean wall times.
+    `after_run(runs)`: called after each run (the bench saves its report: a later failure loses nothing run)."""
     runs = []
     for variant in "ABBA":
         run = run_ours(model, prompts, output_lens, max_num_seqs, overrides if variant == "B" else None)
         run.update(variant=variant, x_floor=run["wall_s"] / floor)
         print("run", json.dumps(run), flush=True)
         runs.append(run)
+        if after_run is not None:
+            after_run(runs)
     mean = {v: sum(r["wall_s"] for r in runs if r["variant"] == v) / 2 for v in "AB"}
     return {"ab_sets": overrides, "runs": runs, "A_wall_s": mean["A"], "B_wall_s": mean["B"],
             "B_over_A": mean["B"] / mean["A"]}
@@ -215,7 +219,12 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "floor_s": floor, "floor_tok_s": sum(output_lens) / floor}
     if ab_sets:
-        report["ab"] = ab = ab_runs(model, prompts, output_lens, max_num_seqs, overrides, floor)
+        def save(runs: list[dict]) -> None:
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump({**report, "ab_runs_so_far": runs}, f, indent=1)
+
+        report["ab"] = ab = ab_runs(model, prompts, output_lens, max_num_seqs, overrides, floor, after_run=save)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(report, f, indent=1)
