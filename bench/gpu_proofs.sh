@@ -42,6 +42,8 @@
 #                                       # session 15 found it 7 % slower than session 6 (.prev: git archive 241f28b)
 #   bash bench/gpu_proofs.sh mixedprof  # issue 18: the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
 #                                       # requests, default 400) from .prev and this checkout, then compared (~4 min)
+#   bash bench/gpu_proofs.sh admission  # issue 18: the mixed load (MIXED_REQUESTS, default 1,000), engine.admission_group
+#                                       # 1 (A) vs ADMISSION_GROUP (B, default 4), A B B A on fresh engines (~6 min)
 #   bash bench/gpu_proofs.sh fp8job     # issue 19: the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
 #                                       # step kinds and idle gaps (~7 min each: one command each, FP8_WEIGHTS=bf16 | fp8)
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
@@ -149,6 +151,8 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                [ -f "$LOGS/kernels_prev.json" ] && [ -f "$LOGS/kernels_this.json" ] && python3 bench/mixed_kernels.py \
                  --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" | tee "$LOGS/kernels_compare.txt"
                tar czf "$OUT/proofs.tgz" -C "$LOGS" . ;;
+    admission) step mixed_admission 580 "${BG[@]}" --workload mixed --requests "${MIXED_REQUESTS:-1000}" \
+                 --ab-set "engine.admission_group=${ADMISSION_GROUP:-4}" --json "$LOGS/mixed_admission.json" ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \
@@ -160,6 +164,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof admission fp8job detcheck detcost det)"; exit 2 ;;
   esac
 done
