@@ -53,6 +53,22 @@ def attention_flops(lengths: list[int], config) -> float:
     return sum(2 * 2 * (n * (n + 1) / 2) * width for n in lengths) * cfg.num_hidden_layers
 
 
+def gemm_shapes(averages, reps: int) -> list[dict]:
+    """The step's F.linear GEMMs by shape, from `prof.key_averages(group_by_input_shape=True)`: per (M, N, K) the
+    calls and device ms a step and the rate reached (TFLOP/s), slowest total first. (aten::linear's input shapes:
+    x [M, K] and the weight [N, K]; its device time holds the kernels it launched.)"""
+    rows = []
+    for avg in averages:
+        shapes = getattr(avg, "input_shapes", None) or []
+        if avg.key != "aten::linear" or len(shapes) < 2 or len(shapes[0]) != 2 or len(shapes[1]) != 2:
+            continue
+        (m, k), (n, _) = shapes[0], shapes[1]
+        ms = avg.device_time_total / 1e3 / reps
+        rows.append({"M": m, "N": n, "K": k, "calls": avg.count // reps, "ms": round(ms, 3),
+                     "TFLOPs": round(2 * m * n * k * (avg.count / reps) / (ms * 1e-3) / 1e12, 1) if ms else None})
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int]:
     """"TOKENSxLEN" or "TOKENSxLEN/DxC" -> (tokens, prompt length, decode rows, their context)."""
     prefill, _, decode = text.partition("/")
@@ -107,7 +123,7 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
             runner.execute(batch)
         sync()
         wall_ms = 1e3 * (time.perf_counter() - t0) / reps
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(reps):
                 runner.execute(batch)
             sync()
@@ -134,7 +150,8 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
             "kernels": num_kernels // reps, "gemm_floor_ms": round(1e3 * gemm_floor_s, 2),
             "attention_floor_ms": round(1e3 * attn_floor_s, 2), "floor_ms": round(floor_ms, 2),
             "x_floor": round(wall_ms / floor_ms, 3),
-            "top_kernels_ms": {k[:90]: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:10]}}
+            "top_kernels_ms": {k[:90]: round(v, 3) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:10]},
+            "gemm_shapes": gemm_shapes(prof.key_averages(group_by_input_shape=True), reps)}
 
 
 def main() -> None:
@@ -160,6 +177,11 @@ def main() -> None:
         print(f"{shape:>20} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} {k.get('gemm', 0):>7.2f} "
               f"{k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
               f"{r['kernels']}")
+    for r in rows:  # where the GEMM time goes, by shape (the rate against the measured matmul rate)
+        decode = f"/{r['num_decode']}x{r['decode_context']}" if r["num_decode"] else ""
+        for g in r["gemm_shapes"][:6]:
+            print(f"{r['tokens']}x{r['prompt_len']}{decode}: GEMM M {g['M']} N {g['N']} K {g['K']} x{g['calls']}: "
+                  f"{g['ms']} ms, {g['TFLOPs']} TFLOP/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"matmul_TFLOPs": ceilings.matmul_flop_s / 1e12, "rows": rows}, f, indent=1)

@@ -368,3 +368,22 @@ def test_the_mixed_bench_ab_runs_a_b_b_a_with_the_sets_on_b_only(monkeypatch):
     assert b_steps > a_steps and all(r["all_lengths_exact"] for r in ab["runs"])
     assert ab["runs"][3]["steps"] == a_steps and ab["runs"][2]["steps"] == b_steps
     assert ab["B_over_A"] == pytest.approx(ab["B_wall_s"] / ab["A_wall_s"])
+
+
+def test_the_prefill_profile_gives_each_gemm_shapes_rate(monkeypatch):
+    from pathlib import Path
+    from types import SimpleNamespace as Avg
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import profile_prefill
+
+    averages = [Avg(key="aten::linear", input_shapes=[[1700, 4096], [6144, 4096], []], count=64,
+                    device_time_total=2 * 32 * 128.0),  # 2 reps of 32 layers, 128 us a call
+                Avg(key="aten::linear", input_shapes=[[1700, 4096], [4096, 4096], []], count=64,
+                    device_time_total=2 * 32 * 100.0),
+                Avg(key="aten::mm", input_shapes=[[8, 8], [8, 8]], count=2, device_time_total=5.0),  # not F.linear
+                Avg(key="aten::linear", input_shapes=[[2, 3, 4], [5, 4], []], count=2, device_time_total=1.0)]
+    rows = profile_prefill.gemm_shapes(averages, reps=2)
+    assert [(r["M"], r["N"], r["K"], r["calls"]) for r in rows] == [(1700, 6144, 4096, 32), (1700, 4096, 4096, 32)]
+    assert rows[0]["ms"] == pytest.approx(32 * 0.128)
+    assert rows[0]["TFLOPs"] == pytest.approx(2 * 1700 * 6144 * 4096 / 128e-6 / 1e12, rel=1e-3)
