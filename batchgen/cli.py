@@ -297,6 +297,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         typer.echo("batchgen: error: --job-set and --compare apply to --workload job only, --ab-set to job and "
                    "mixed", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
+    mixed_overrides = None
     if workload == "mixed" and ab_set:
         if transformers:
             typer.echo("batchgen: error: --ab-set and --transformers: give one (the mixed A/B runs ours only)",
@@ -306,7 +307,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         from batchgen.errors import JobError
 
         try:
-            engine_overrides(ab_set, max_num_seqs or 256)
+            mixed_overrides = engine_overrides(ab_set, max_num_seqs or 256)
         except JobError as e:
             typer.echo(f"batchgen: error: {e}", err=True)
             raise typer.Exit(EXIT_USER_ERROR) from None
@@ -355,7 +356,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
             raise typer.Exit(EXIT_USER_ERROR)
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
                    json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9,
-                   ab_sets=ab_set or [])
+                   ab_sets=ab_set or [], overrides=mixed_overrides)
         return
     from batchgen.bench.seed import main as bench_main
 

@@ -206,8 +206,12 @@ def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, flo
 
 
 def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = True,
-         json_path: str | None = None, transformers_time_limit_s: float = 1e9, ab_sets: list[str] = ()) -> dict:
-    overrides = engine_overrides(list(ab_sets), max_num_seqs)  # a bad set fails before the model is built
+         json_path: str | None = None, transformers_time_limit_s: float = 1e9, ab_sets: list[str] = (),
+         overrides: dict | None = None) -> dict:
+    """`ab_sets` (the --ab-set assignments): the A/B, with `overrides` their engine_overrides where the caller
+    (the CLI) has checked them already; else one run and, with `transformers`, transformers'."""
+    if ab_sets and overrides is None:
+        overrides = engine_overrides(list(ab_sets), max_num_seqs)  # a bad set fails before the model is built
     ceilings = measure_ceilings()
     model = build_model()
     num_params = sum(p.numel() for p in model.parameters())
