@@ -154,6 +154,12 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
             "gemm_shapes": gemm_shapes(prof.key_averages(group_by_input_shape=True), reps)}
 
 
+def shape_label(row: dict) -> str:
+    """A profiled row's shape as --shapes writes it (TOKENSxLEN[/DxC])."""
+    decode = f"/{row['num_decode']}x{row['decode_context']}" if row["num_decode"] else ""
+    return f"{row['tokens']}x{row['prompt_len']}{decode}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365,5800x1450/250x1365",
@@ -172,15 +178,12 @@ def main() -> None:
     print(f"{'shape':>20} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
     for r in rows:
         k = r["kernel_ms"]
-        decode = f"/{r['num_decode']}x{r['decode_context']}" if r["num_decode"] else ""
-        shape = f"{r['tokens']}x{r['prompt_len']}{decode}"
-        print(f"{shape:>20} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} {k.get('gemm', 0):>7.2f} "
+        print(f"{shape_label(r):>20} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} {k.get('gemm', 0):>7.2f} "
               f"{k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
               f"{r['kernels']}")
     for r in rows:  # where the GEMM time goes, by shape (the rate against the measured matmul rate)
-        decode = f"/{r['num_decode']}x{r['decode_context']}" if r["num_decode"] else ""
         for g in r["gemm_shapes"][:6]:
-            print(f"{r['tokens']}x{r['prompt_len']}{decode}: GEMM M {g['M']} N {g['N']} K {g['K']} x{g['calls']}: "
+            print(f"{shape_label(r)}: GEMM M {g['M']} N {g['N']} K {g['K']} x{g['calls']}: "
                   f"{g['ms']} ms, {g['TFLOPs']} TFLOP/s")
     if args.json:
         with open(args.json, "w") as f:
