@@ -170,6 +170,25 @@ def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
     assert by_seqs[512]["B_tok_s"] is None and by_seqs[512]["B_over_A"] is None  # no B run: no figure
 
 
+def test_an_ab_summary_also_gives_b_over_a_without_the_runs_that_built_kernels_in_their_loop():
+    """Session 17: the first run of a fresh machine built Triton kernels in its loop (2.1-2.4 s) and ran 3-14 %
+    slower than its twin; that run says nothing about its variant."""
+    from batchgen.bench.ab import COLD_BUILD_S, variant_means
+    from batchgen.bench.job import ab_summary
+
+    runs = [{"max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v, "tok_s_end_to_end": t,
+             "triton_compile_s": c} for v, t, c in (("A", 60.0, 2.4), ("B", 90.0, 0.0), ("B", 92.0, COLD_BUILD_S),
+                                                    ("A", 100.0, 0.02))]
+    row, = ab_summary(runs)
+    assert row["B_over_A"] == round(91 / 80, 4) and row["num_cold_runs"] == 1
+    assert row["B_over_A_warm"] == round(91 / 100, 4)  # the cold A run left out; builds of exactly 0.1 s are warm
+    m = variant_means([{"variant": "A", "wall_s": 3.0, "triton_compile_s": 1.0}, {"variant": "B", "wall_s": 2.0}],
+                      "wall_s")
+    assert m["A"] == 3.0 and m["A_warm"] is None and m["B_warm"] == 2.0  # no warm A run: no warm figure
+    row, = ab_summary([{**r, "triton_compile_s": 1.0} if r["variant"] == "A" else r for r in runs])
+    assert row["B_over_A_warm"] is None
+
+
 def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
     """The long-run check of issue 18 compares the middle tenth of the rows with the last tenths."""
     import json
@@ -368,6 +387,7 @@ def test_the_mixed_bench_ab_runs_a_b_b_a_with_the_sets_on_b_only(monkeypatch):
     assert b_steps > a_steps and all(r["all_lengths_exact"] for r in ab["runs"])
     assert ab["runs"][3]["steps"] == a_steps and ab["runs"][2]["steps"] == b_steps
     assert ab["B_over_A"] == pytest.approx(ab["B_wall_s"] / ab["A_wall_s"])
+    assert ab["num_cold_runs"] == sum(r["triton_compile_s"] > 0.1 for r in ab["runs"])
 
 
 def test_the_prefill_profile_gives_each_gemm_shapes_rate(monkeypatch):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
+from batchgen.bench.ab import ratio, variant_means
 from batchgen.bench.geometries import decode_bytes, model_config
 from batchgen.bench.seed import Ceilings, measure_ceilings
 
@@ -229,16 +230,17 @@ def step_kinds(engine_stats: dict, wall_s: float) -> dict:
 
 def ab_summary(runs: list[dict]) -> list[dict]:
     """Per (max_num_seqs, penalty): the mean end-to-end tok/s of the A runs and of the B runs, and B/A (A and B:
-    without and with the --ab-set sets, or the --compare checkout and this one)."""
-    groups: dict[tuple, dict[str, list[float]]] = {}
+    without and with the --ab-set sets, or the --compare checkout and this one); the same over the runs without
+    Triton builds in their loop (bench/ab.py: a cold run says nothing about its variant)."""
+    groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        key = (r["max_num_seqs"], r["repetition_penalty"])
-        groups.setdefault(key, {"A": [], "B": []})[r["variant"]].append(r["tok_s_end_to_end"])
+        groups.setdefault((r["max_num_seqs"], r["repetition_penalty"]), []).append(r)
     out = []
-    for (seqs, penalty), tok_s in groups.items():
-        a, b = (sum(v) / len(v) if v else None for v in (tok_s["A"], tok_s["B"]))
-        out.append({"max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": _rounded(a),
-                    "B_tok_s": _rounded(b), "B_over_A": round(b / a, 4) if a and b else None})
+    for (seqs, penalty), mine in groups.items():
+        m = variant_means(mine, "tok_s_end_to_end")
+        out.append({"max_num_seqs": seqs, "repetition_penalty": penalty, "A_tok_s": _rounded(m["A"]),
+                    "B_tok_s": _rounded(m["B"]), "B_over_A": ratio(m["B"], m["A"]),
+                    "B_over_A_warm": ratio(m["B_warm"], m["A_warm"]), "num_cold_runs": m["num_cold_runs"]})
     return out
 
 
@@ -367,11 +369,12 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     print(f"{'code':>8} {'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
-          f"{'ms/step':>8} {'host ms':>8} {'busy':>6}")
+          f"{'ms/step':>8} {'host ms':>8} {'busy':>6} {'builds s':>8}")
     for r in report["runs"]:
         print(f"{r['code'][-8:]:>8} {r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
-              f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f}")
+              f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f} "
+              f"{r.get('triton_compile_s', 0.0):>8.2f}")
     for r in report["runs"]:
         if "num_decode_steps" in r:
             print(f"  steps: decode {r['num_decode_steps']} x {r['gpu_ms_per_decode_step']} ms GPU, mixed "
@@ -384,8 +387,10 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         report["ab"] = ab_summary(report["runs"])
         what = f"B = {' '.join(ab_sets)}" if ab_sets else f"A = {compare}, B = this checkout"
         for row in report["ab"]:
+            cold = (f"; {row['num_cold_runs']} run(s) built Triton kernels in the loop, B/A without them "
+                    f"{row['B_over_A_warm']}" if row["num_cold_runs"] else "")
             print(f"A/B seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: tok/s e2e A {row['A_tok_s']}, "
-                  f"B {row['B_tok_s']}, B/A {row['B_over_A']} ({what})")
+                  f"B {row['B_tok_s']}, B/A {row['B_over_A']} ({what}){cold}")
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1))
     for r in report["profiles"]:
