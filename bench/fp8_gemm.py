@@ -22,9 +22,12 @@ emulated W8A8 reference (same quantisation in fp32).
 --sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
 (shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
 literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
-shape's largest listed bucket takes the default configs); at M <= 64 also the split-K GEMM over (BLOCK_N, splits,
-warps, stages) (SPLITK_TILES x split counts; splits do not recompile), its best per (shape, M) printed beside the
-Triton GEMM's and the cuBLAS block-wise GEMM alone. ~2-3 minutes on an H200, mostly Triton compiles.
+shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
+stages, TMA) (SPLITK_TILES x split counts at M <= 64; above, SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits
+do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
+then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8_gemm.py (the rows up to which split-K's default config
+beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
+compiles; ~2 more a swept M above 64.
 """
 
 from __future__ import annotations
@@ -58,18 +61,42 @@ LARGE = [GemmConfig(*c) for c in ((64, 64, 8, 4, 3), (64, 128, 8, 4, 3), (64, 12
 # BLOCK_M, SPLITS of the reduction)
 SPLITK_TILES = ((32, 4, 4, False), (32, 4, 6, False), (64, 4, 4, False), (64, 4, 6, False), (128, 4, 4, False),
                 (128, 8, 4, False), (64, 4, 4, True), (64, 4, 6, True), (128, 4, 4, True), (128, 8, 6, True))
+# above 64 rows (issue 19: the FP8 job's 256-512) fewer tiles, each with row tiles of 64 and of 128 (BLOCK_M 128 x
+# BLOCK_N 128 x 128-byte K tiles over 4 stages: 128 KiB of shared memory, within a Hopper SM's 227)
+SPLITK_TILES_LARGE_M = ((64, 4, 4, True), (64, 8, 4, True), (128, 4, 4, True), (128, 8, 4, True), (64, 4, 4, False),
+                        (128, 8, 4, False))
+SPLITK_BLOCK_M_LARGE = (64, 128)
 SPLITK_MAX_SPLITS = 16
 
 
 def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
     blocks = -(-k // 128)
+    tiles = [(*t, 0) for t in SPLITK_TILES] if m <= 64 else \
+        [(*t, bm) for t in SPLITK_TILES_LARGE_M for bm in SPLITK_BLOCK_M_LARGE]
     out = []
-    for block_n, warps, stages, tma in SPLITK_TILES:
+    for block_n, warps, stages, tma, block_m in tiles:
         for splits in range(1, min(blocks, SPLITK_MAX_SPLITS) + 1):
-            programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // 64)
+            programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // (block_m or 64))
             if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
-                out.append(SplitKConfig(block_n, splits, warps, stages, tma))
+                out.append(SplitKConfig(block_n, splits, warps, stages, tma, block_m))
     return out
+
+
+def splitk_shape_rows(sweeps: list[dict], min_rows: int) -> dict[tuple[int, int], int]:
+    """fp8_gemm.SPLITK_SHAPE_ROWS from a sweep: per (N, K), the largest swept M above min_rows at which the split-K
+    GEMM's default config beat cuBLASLt block-wise alone, at that M and at every swept M between min_rows and it
+    (the table routes every row count up to it); shapes where it never did are left out."""
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for s in sweeps:
+        if s["M"] > min_rows and "splitk_default_ms" in s and "cublas_alone_ms" in s:
+            by_shape.setdefault((s["N"], s["K"]), []).append(s)
+    table = {}
+    for shape, rows in by_shape.items():
+        for s in sorted(rows, key=lambda r: r["M"]):
+            if not s["splitk_default_ms"] < s["cublas_alone_ms"]:  # NaN (a failed config) is no win
+                break
+            table[shape] = s["M"]
+    return table
 
 
 def sweep_configs(m: int) -> list[GemmConfig]:
@@ -145,10 +172,10 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
         if use_cublas:
             r["cublas_err"] = rel_err(blockwise_scaled_mm(x, wb, sb), ref_b)
             variants["cublas"] = (lambda i: blockwise_scaled_mm(x, *block[i]), copies, 1)
-        if m <= 64:
-            r["splitk_config"] = list(splitk_config(m, n, k, 128, fp8_gemm._num_sms(0)))
-            r["splitk_err"] = rel_err(splitk_scaled_matmul(x, wb, sb, 128, 128), ref_b)
-            variants["splitk"] = (lambda i: splitk_scaled_matmul(x, *block[i], 128, 128), copies, 1)
+        # split-K at every M: above 64 rows it is what fp8_gemm.SPLITK_SHAPE_ROWS would route a shape to
+        r["splitk_config"] = list(splitk_config(m, n, k, 128, fp8_gemm._num_sms(0)))
+        r["splitk_err"] = rel_err(splitk_scaled_matmul(x, wb, sb, 128, 128), ref_b)
+        variants["splitk"] = (lambda i: splitk_scaled_matmul(x, *block[i], 128, 128), copies, 1)
         for key, (fn, ncopies, bytes_per) in variants.items():
             try:
                 r[f"{key}_graph_ms"] = time_graph_ms(fn, ncopies)
@@ -181,8 +208,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], sweep_rows: list[int
              "default": list(default), "default_ms": timed.get(default, float("nan")),
              "best_TBps": n * k / (timed[best] / 1e3) / 1e12,
              "all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
-        if m <= 64:
-            s.update(sweep_splitk(name, n, k, m, xq, xs, block, copies, ref))
+        s.update(sweep_splitk(name, n, k, m, xq, xs, block, copies, ref))
         sweeps.append(s)
         print(json.dumps(s), flush=True)
     del block, channel, bf16
@@ -265,7 +291,8 @@ def main() -> None:
             table.setdefault((s["N"], s["K"]), {})[s["M"]] = tuple(s["best"])
         skw = [s for s in sweeps if "splitk_best" in s]
         if skw:
-            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages, TMA) vs its default, the "
+            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages, TMA, BLOCK_M; 0: M's) vs "
+                  "its default, the "
                   "Triton GEMM's best and cuBLAS block-wise alone")
             print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}{'plain ms':>9}{'tma ms':>8}"
                   f"{'triton ms':>10}{'cublas ms':>10}  best / default")
@@ -280,6 +307,11 @@ def main() -> None:
             last = max(per_m)
             inner = ", ".join(f"{m if m != last else '1 << 62'}: GemmConfig{cfg}" for m, cfg in sorted(per_m.items()))
             print(f"    ({n}, {k}): {{{inner}}},")
+        print("}")
+        shape_rows = splitk_shape_rows(sweeps, fp8_gemm.SPLITK_MAX_ROWS)
+        print("\nSPLITK_SHAPE_ROWS = {  # split-K's default config faster than cuBLASLt block-wise up to these rows")
+        for (n, k), m in shape_rows.items():
+            print(f"    ({n}, {k}): {m},")
         print("}")
     print(f"\n({time.time() - t0:.0f} s)")
     if args.json:

@@ -44,6 +44,9 @@ cases += [(5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, 
 cases += [(5, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)),
           (1, 200, 576, 128, 128, SplitKConfig(32, 1, 4, 1, True)),
           (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1, True))]
+# several row tiles (the grid's fastest axis), the last partial: 40 rows in tiles of 16 and of 32
+cases += [(40, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1, False, 16)),
+          (40, 200, 576, 128, 128, SplitKConfig(64, 1, 4, 1, True, 32))]
 for m, n, k, gn, gk, cfg in cases:
     x = exact_x(m, k, gk or 128)
     w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
@@ -103,6 +106,39 @@ def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows(monkeypatch):
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True) == "blockwise"  # row count unknown
 
 
+def test_gemm_path_takes_splitk_up_to_a_shapes_measured_rows(monkeypatch):
+    """fp8_gemm.SPLITK_SHAPE_ROWS (bench/fp8_gemm.py --sweep's literal) routes one weight shape to split-K above
+    SPLITK_MAX_ROWS; other shapes keep the block-wise _scaled_mm."""
+    monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_gemm, "SPLITK_SHAPE_ROWS", {(4096, 14336): 256})
+    bf16 = torch.bfloat16
+    for rows in (1, 32, 33, 256):
+        assert gemm_path(CUDA0, bf16, 4096, 14336, 128, 128, True, rows) == "splitk", rows
+    assert gemm_path(CUDA0, bf16, 4096, 14336, 128, 128, True, 257) == "blockwise"
+    assert gemm_path(CUDA0, bf16, 14336, 4096, 128, 128, True, 256) == "blockwise"  # (N, K), not (K, N)
+    assert gemm_path(CUDA0, bf16, 4096, 14336, 1, None, True, 64) == "rowwise"  # per channel: never split-K
+    assert "4096x14336 to 256" in fp8_gemm.describe_paths(CUDA0, bf16, 128, 128, True)
+
+
+def test_the_fp8_gemm_sweep_routes_a_shape_to_splitk_only_up_to_its_first_loss():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import fp8_gemm as sweep
+
+    def row(n, m, splitk, cublas):
+        return {"N": n, "K": 4096, "M": m, "splitk_default_ms": splitk, "cublas_alone_ms": cublas}
+
+    sweeps = [row(4096, 32, 0.01, 0.02), row(4096, 128, 0.01, 0.02), row(4096, 256, 0.015, 0.02),
+              row(4096, 512, 0.03, 0.02), row(6144, 256, 0.03, 0.02), row(6144, 512, 0.01, 0.02),
+              row(28672, 256, float("nan"), 0.05)]
+    assert sweep.splitk_shape_rows(sweeps, 32) == {(4096, 4096): 256}  # 6144: lost at 256, so not at 512 either
+    configs = sweep.splitk_sweep_configs(256, 4096, 14336)
+    assert {c.block_m for c in configs} == {64, 128} and all(c.splits <= 16 for c in configs)
+    assert all(c.block_m == 0 for c in sweep.splitk_sweep_configs(32, 4096, 14336))
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
@@ -114,8 +150,8 @@ def test_splitk_gemm_at_the_8b_shapes_equals_the_reference_and_replays_from_a_cu
     g = torch.Generator("cuda").manual_seed(0)
     w, s = quantize_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02, 128, 128)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-    monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 64)  # fp8_linear takes the split-K path
-    for m in (1, 32, 64):
+    monkeypatch.setattr(fp8_gemm, "SPLITK_MAX_ROWS", 256)  # fp8_linear takes the split-K path
+    for m in (1, 32, 64, 256):  # 256: four row tiles of 64
         x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
         out = splitk_scaled_matmul(x, w, s, 128, 128, bias)
         assert _rel_err(out, linear_ref(x, w, s, 128, 128, bias, act_group=128)) < 1e-2, (name, m)

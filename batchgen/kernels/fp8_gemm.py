@@ -15,7 +15,8 @@ README "FP8 checkpoints"):
     b_scale[None, :] per k block. (The first version fused the quantisation into the GEMM: every column program
     re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
     work dominated.)
-  - "splitk" (block scales, M <= SPLITK_MAX_ROWS, ahead of "blockwise" and "triton"): the same quantiser, then
+  - "splitk" (block scales, M <= SPLITK_MAX_ROWS or a shape's SPLITK_SHAPE_ROWS, ahead of "blockwise" and
+    "triton"): the same quantiser, then
     kernels/fp8_splitk.py's split-K GEMM (programs over column tiles x K ranges of whole scale blocks, >= 2 per SM,
     fp32 partials summed in a fixed order by a second kernel), for decode, where the one-program-per-column-tile
     GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the H200 (session 11, W1 at 32 rows, forced paths in one
@@ -83,6 +84,12 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
 # a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
 # (64 rows untimed) the block-wise _scaled_mm where its probe passes, else the Triton GEMM.
 SPLITK_MAX_ROWS = 32
+# (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
+# bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its
+# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Nothing listed until a GPU run says so: session
+# 8's figures at M = 256 (qkv 18, o 18, down 47 µs through cuBLASLt against 6, 4 and 14 µs of FP8 weight bytes)
+# are why the sweep now times split-K at any M (issue 19: the FP8 job at 256-512 sequences).
+SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {}
 
 
 def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:
@@ -204,7 +211,8 @@ def gemm_path(device: torch.device, dtype: torch.dtype, n: int, k: int, group_n:
         return "reference"
     if group_k is None and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
         return "rowwise"
-    if group_k is not None and rows is not None and 0 < rows <= SPLITK_MAX_ROWS:
+    splitk_rows = max(SPLITK_MAX_ROWS, SPLITK_SHAPE_ROWS.get((n, k), 0))
+    if group_k is not None and rows is not None and 0 < rows <= splitk_rows:
         return "splitk"
     if fp8_blockwise.blockwise_scaled_mm_fits(dtype, n, k, group_n, group_k) and \
             fp8_blockwise.blockwise_scaled_mm_supported(_device_index(device)):
@@ -227,7 +235,8 @@ def describe_paths(device: torch.device, dtype: torch.dtype, group_n: int, group
         return f"FP8 GEMMs: {path} (engine.fp8_gemm) at every batch size"
     above = gemm_path(device, dtype, 4096, 4096, group_n, group_k, act_quant)
     why = fp8_blockwise.blockwise_unsupported_reason(_device_index(device)) if above == "triton" else ""
-    return (f"FP8 GEMMs: split-K at <= {SPLITK_MAX_ROWS} rows, "
+    shapes = "".join(f", {n}x{k} to {rows}" for (n, k), rows in SPLITK_SHAPE_ROWS.items() if rows > SPLITK_MAX_ROWS)
+    return (f"FP8 GEMMs: split-K at <= {SPLITK_MAX_ROWS} rows{shapes}, "
             f"{'cuBLASLt block-wise' if above == 'blockwise' else 'Triton'} above"
             f"{f' (block-wise _scaled_mm off: {why})' if why else ''}")
 

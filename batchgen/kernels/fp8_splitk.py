@@ -3,7 +3,7 @@ activations already quantised per token and group (fp8_quant.quantize_groups), a
 
 Why: at M <= 64 a GEMM is a stream of the weight. w8a8_matmul runs one program per column tile, each over all
 of K: for o / down / qkv that is <= 128-192 programs on 132 SMs, too few loads in flight to reach HBM bandwidth
-(1.0-1.4 TB/s measured of the H200's ~4.3). Here program (column tile, split, row tile) takes only the k blocks
+(1.0-1.4 TB/s measured of the H200's ~4.3). Here program (row tile, column tile, split) takes only the k blocks
 [split * per_split, (split + 1) * per_split) -- whole scale blocks of BLOCK_K = group_k columns, so every block's
 fp8 x fp8 -> fp32 dot is scaled once by a_scale[m, kb] * w_scale[n // group_n, kb] exactly as in w8a8_matmul --
 and SPLITS is chosen per (N, K) so that the grid holds >= 2 programs per SM, each deeply pipelined (num_stages).
@@ -17,7 +17,8 @@ No atomics: the result does not depend on program order, and the bf16 output equ
 With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
 
 fp8_gemm's default path for block-scaled weights at M <= fp8_gemm.SPLITK_MAX_ROWS (32: the rows at which a GPU run
-measured it faster end to end); bench/fp8_gemm.py times it (column `splitk`) and sweeps its configs.
+measured it faster end to end), and up to fp8_gemm.SPLITK_SHAPE_ROWS's rows for the weight shapes listed there;
+bench/fp8_gemm.py times it (column `splitk`, at every M) and sweeps its configs (row tiles of 64 or 128 above 64).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class SplitKConfig(NamedTuple):
     # weight tiles through a TMA descriptor (Hopper's bulk tensor copies; zero-filled past N and K) instead of one
     # pointer per element; ignored on GPUs without TMA (splitk_common.has_tma)
     tma: bool = False
+    # rows a program's tile holds (a power of two, >= 16); 0: M's power of two up to splitk_common.MAX_BLOCK_M (64)
+    block_m: int = 0
 
 
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
@@ -104,16 +107,18 @@ if triton is not None:
                        stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm, group_n,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        B_TMA: tl.constexpr):
-        """Program (column tile, split, row tile): the sum over its k blocks kb of
+        """Program (row tile, column tile, split): the sum over its k blocks kb of
         (A_fp8 @ B_fp8^T)[block] * a_scale[m, kb] * b_scale[n // group_n, kb], stored (+ bias, in c's dtype) at
         c + split * stride_cs. Rows / columns past the edge wrap (unmasked loads in bounds), not stored. B_TMA:
-        b_ptr is the weight's TMA descriptor (scaled_block_tile)."""
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
+        b_ptr is the weight's TMA descriptor (scaled_block_tile). The row tile is the grid's fastest axis: the
+        row tiles of one weight tile start together, so above one row tile the weight is read from HBM about
+        once (then from L2), not once per row tile."""
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
         kb_first = split * per_split
         kb_end = tl.minimum(kb_first + per_split, tl.cdiv(K, BLOCK_K))
         scaled_block_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr + split.to(tl.int64) * stride_cs,
-                          tl.program_id(2), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
+                          tl.program_id(0), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                           BLOCK_K, B_TMA)
 
@@ -132,13 +137,14 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     if config is None:
         config = splitk_config(m, n, k, block_k, device_sms(xq))
     cfg = SplitKConfig(*config)
-    block_m = block_m_for(m)
+    block_m = cfg.block_m or block_m_for(m)
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, f"SplitKConfig.block_m {block_m}: a power of two >= 16"
     per_split, splits = split_sizes(-(-k // block_k), cfg.splits)
     # one split: the GEMM kernel writes the output [M, N]; else fp32 partials [splits, M, N] (no memset: each
     # element is written by exactly one program), summed in split order by reduce_splits or the next kernel
     part = torch.empty(m, n, dtype=out_dtype, device=xq.device) if splits == 1 else \
         torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
-    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), splits)
     gemm_bias = bias is not None and splits == 1
     # a TMA descriptor needs a 16-byte aligned base and row stride (fp8: 16 values): else plain loads
     tma = cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0 and device_has_tma(weight)
