@@ -30,9 +30,10 @@
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
 #   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
-#   bash bench/gpu_proofs.sh fp8splitk  # issue 19: split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py at M 256
-#                                       # and 512 with the split-K sweep (row tiles 64 / 128): its SPLITK_SHAPE_ROWS literal
-#                                       # says which shapes to route to split-K at the FP8 job's sizes (~6 min?)
+#   bash bench/gpu_proofs.sh fp8splitk  # issue 19: split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py
+#                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
+#                                       # SPLITK_SHAPE_ROWS literal says which shapes take split-K at the FP8 job's
+#                                       # sizes (~8 min?; SPLITK_SWEEP_ROWS narrows it)
 #   bash bench/gpu_proofs.sh fp8kv      # engine.kv_cache_dtype: fp8: its GPU tests, then the job at 256 seqs, default (A)
 #                                       # vs an fp8 K/V cache (B), A B B A (~7 min)
 #   bash bench/gpu_proofs.sh refill     # issue 18: job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
@@ -157,7 +158,8 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
     admission) step mixed_admission 580 "${BG[@]}" --workload mixed --requests "${MIXED_REQUESTS:-1000}" \
                  --ab-set "engine.admission_group=${ADMISSION_GROUP:-4}" --json "$LOGS/mixed_admission.json" ;;
     fp8splitk) step splitk_tests 150 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -p no:cacheprovider -rfE
-               step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep --sweep-rows 256,512 \
+               step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep \
+                 --sweep-rows "${SPLITK_SWEEP_ROWS:-64,128,256,512}" \
                  --json "$LOGS/fp8_gemm_256.json" ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \

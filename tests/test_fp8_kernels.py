@@ -261,7 +261,7 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
 @pytest.mark.gpu
 def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_above_splitk_rows():
     from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason
-    from batchgen.kernels.fp8_gemm import SPLITK_MAX_ROWS
+    from batchgen.kernels.fp8_gemm import SPLITK_MAX_ROWS, SPLITK_SHAPE_ROWS
 
     if not blockwise_scaled_mm_supported(0):
         pytest.skip(f"torch._scaled_mm's 1x128 x 128x128 block-wise scaling is off here: "
@@ -271,7 +271,8 @@ def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_abov
         out = blockwise_scaled_mm(x, w, s)
         assert _rel_err(out, linear_ref(x, w, s, 128, 128, act_group=128)) < 1e-2, m
         chosen = gemm_path(x.device, x.dtype, 6144, 4096, 128, 128, True, m)
-        assert chosen == ("splitk" if m <= SPLITK_MAX_ROWS else "blockwise"), (m, chosen)
+        splitk_rows = max(SPLITK_MAX_ROWS, SPLITK_SHAPE_ROWS.get((6144, 4096), 0))  # a measured shape goes further
+        assert chosen == ("splitk" if m <= splitk_rows else "blockwise"), (m, chosen)
         if chosen == "blockwise":  # the entry point runs the same cuBLASLt call
             assert torch.equal(fp8_linear(x, w, s, 128, 128), out), m
 

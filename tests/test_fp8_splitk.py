@@ -1,7 +1,7 @@
 """The split-K FP8 GEMM (kernels/fp8_splitk.py): against the emulated W8A8 reference under TRITON_INTERPRET=1 on CPU
 (exact-grid activations, as tests/test_fp8_kernels.py explains) and on a GPU at the Llama-3.1-8B layer shapes, eager
 and replayed from CUDA graphs; its launch configs; and that fp8_gemm.gemm_path takes it only where SPLITK_MAX_ROWS
-(0: off, not the default until measured) says.
+and, per weight shape, SPLITK_SHAPE_ROWS say (with the sweep that writes that table).
 
 Triton 3.6's interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): under it the bf16 output
 is checked to one bf16 ulp of the fp32 output; on the GPU it must equal the fp32 output rounded (one rounding)."""
@@ -46,7 +46,8 @@ cases += [(5, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)),
           (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1, True))]
 # several row tiles (the grid's fastest axis), the last partial: 40 rows in tiles of 16 and of 32
 cases += [(40, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1, False, 16)),
-          (40, 200, 576, 128, 128, SplitKConfig(64, 1, 4, 1, True, 32))]
+          (40, 200, 576, 128, 128, SplitKConfig(64, 1, 4, 1, True, 32)),
+          (130, 200, 576, 128, 128, SplitKConfig(64, 2, 4, 1, False, 128))]  # the sweep's 128-row tiles
 for m, n, k, gn, gk, cfg in cases:
     x = exact_x(m, k, gk or 128)
     w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
@@ -88,6 +89,7 @@ CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index o
 
 def test_gemm_path_takes_splitk_only_up_to_splitk_max_rows(monkeypatch):
     monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_gemm, "SPLITK_SHAPE_ROWS", {})  # no shape measured past SPLITK_MAX_ROWS
     bf16 = torch.bfloat16
     assert fp8_gemm.SPLITK_MAX_ROWS == 32  # the decode rows at which the H200 measured it fastest (W1)
     assert gemm_path(CUDA0, bf16, 4096, 4096, 128, 128, True, 1) == "splitk"
@@ -133,7 +135,9 @@ def test_the_fp8_gemm_sweep_routes_a_shape_to_splitk_only_up_to_its_first_loss()
     sweeps = [row(4096, 32, 0.01, 0.02), row(4096, 128, 0.01, 0.02), row(4096, 256, 0.015, 0.02),
               row(4096, 512, 0.03, 0.02), row(6144, 256, 0.03, 0.02), row(6144, 512, 0.01, 0.02),
               row(28672, 256, float("nan"), 0.05)]
-    assert sweep.splitk_shape_rows(sweeps, 32) == {(4096, 4096): 256}  # 6144: lost at 256, so not at 512 either
+    assert sweep.splitk_shape_rows(sweeps, [32, 128, 256, 512], 32) == {(4096, 4096): 256}  # 6144: lost at 256
+    # a swept M without figures (its configs failed) ends a shape's run of wins: 128 unmeasured, nothing routed
+    assert sweep.splitk_shape_rows(sweeps, [64, 128, 256], 32) == {}
     configs = sweep.splitk_sweep_configs(256, 4096, 14336)
     assert {c.block_m for c in configs} == {64, 128} and all(c.splits <= 16 for c in configs)
     assert all(c.block_m == 0 for c in sweep.splitk_sweep_configs(32, 4096, 14336))

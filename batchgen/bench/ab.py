@@ -5,7 +5,9 @@ machine Triton's disk cache is empty, so the first run of a command builds every
 did not reach (a decode launch for a batch's tail, a prefill pointer's alignment), ~0.8 s each. Session 17 measured
 it twice on the H200: the mixed load's first A run 68.25 s against 66.08 for the last (2.1 s of builds), the job's
 first run at 256 sequences 19,065 tok/s against 22,118 (2.4 s). Such a run says nothing about its variant, so the
-summaries also give B/A over the warm runs alone. Runs without a `triton_compile_s` count as warm.
+summaries also give B/A over the warm runs alone (with the cold run, usually the first A, left out, A B B A no
+longer cancels a drift over the command: read it beside the plain B/A). Runs without a `triton_compile_s` count
+as warm.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def step_kinds(engine_stats: dict, wall_s: float) -> dict:
 def ab_summary(runs: list[dict]) -> list[dict]:
     """Per (max_num_seqs, penalty): the mean end-to-end tok/s of the A runs and of the B runs, and B/A (A and B:
     without and with the --ab-set sets, or the --compare checkout and this one); the same over the runs without
-    Triton builds in their loop (bench/ab.py: a cold run says nothing about its variant)."""
+    Triton builds in their loop (batchgen/bench/ab.py: a cold run says nothing about its variant)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["max_num_seqs"], r["repetition_penalty"]), []).append(r)
@@ -387,8 +387,9 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
         report["ab"] = ab_summary(report["runs"])
         what = f"B = {' '.join(ab_sets)}" if ab_sets else f"A = {compare}, B = this checkout"
         for row in report["ab"]:
-            cold = (f"; {row['num_cold_runs']} run(s) built Triton kernels in the loop, B/A without them "
-                    f"{row['B_over_A_warm']}" if row["num_cold_runs"] else "")
+            warm = row["B_over_A_warm"] or "no figure (every run of a variant built)"
+            cold = (f"; {row['num_cold_runs']} run(s) built Triton kernels in the loop, B/A without them {warm} (no "
+                    f"longer balanced against drift)" if row["num_cold_runs"] else "")
             print(f"A/B seqs {row['max_num_seqs']} penalty {row['repetition_penalty']}: tok/s e2e A {row['A_tok_s']}, "
                   f"B {row['B_tok_s']}, B/A {row['B_over_A']} ({what}){cold}")
         if json_path:

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from batchgen.bench.ab import ratio, variant_means
+from batchgen.bench.ab import variant_means
 from batchgen.bench.seed import build_model, measure_ceilings, release, timed_generate
 
 
@@ -201,10 +201,11 @@ def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, flo
         runs.append(run)
         if after_run is not None:
             after_run(runs)
-    m = variant_means(runs, "wall_s")  # and over the runs without Triton builds in their loop (bench/ab.py)
+    m = variant_means(runs, "wall_s")  # and over the runs without Triton builds in their loop (batchgen/bench/ab.py)
     return {"ab_sets": overrides, "runs": runs, "A_wall_s": m["A"], "B_wall_s": m["B"], "B_over_A": m["B"] / m["A"],
             "A_wall_s_warm": m["A_warm"], "B_wall_s_warm": m["B_warm"],
-            "B_over_A_warm": ratio(m["B_warm"], m["A_warm"]), "num_cold_runs": m["num_cold_runs"]}
+            "B_over_A_warm": m["B_warm"] / m["A_warm"] if m["A_warm"] and m["B_warm"] else None,
+            "num_cold_runs": m["num_cold_runs"]}
 
 
 def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = True,
@@ -240,8 +241,10 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
                   f"{r['triton_compile_s']:>9.2f}")
         print(f"A/B: A {ab['A_wall_s']:.2f} s, B {ab['B_wall_s']:.2f} s, B/A {ab['B_over_A']:.4f} (means of two)")
         if ab["num_cold_runs"]:
-            print(f"A/B without the {ab['num_cold_runs']} run(s) that built Triton kernels in their loop: "
-                  f"B/A {ab['B_over_A_warm']}")
+            warm = (f"B/A {ab['B_over_A_warm']:.4f}" if ab["B_over_A_warm"]
+                    else "no figure (every run of a variant built)")
+            print(f"A/B without the {ab['num_cold_runs']} run(s) that built Triton kernels in their loop: {warm} "
+                  f"(no longer balanced against drift)")
         return report
     report["ours_graphs_async"] = ours = run_ours(model, prompts, output_lens, max_num_seqs)
     ours["x_floor"] = ours["wall_s"] / floor

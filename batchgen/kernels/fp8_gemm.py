@@ -16,11 +16,11 @@ README "FP8 checkpoints"):
     re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
     work dominated.)
   - "splitk" (block scales, M <= SPLITK_MAX_ROWS or a shape's SPLITK_SHAPE_ROWS, ahead of "blockwise" and
-    "triton"): the same quantiser, then
-    kernels/fp8_splitk.py's split-K GEMM (programs over column tiles x K ranges of whole scale blocks, >= 2 per SM,
-    fp32 partials summed in a fixed order by a second kernel), for decode, where the one-program-per-column-tile
-    GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the H200 (session 11, W1 at 32 rows, forced paths in one
-    run): split-K 5.27 s against the Triton GEMM's 6.20 s; cuBLAS block-wise did not pass its probe there.
+    "triton"): the same quantiser, then kernels/fp8_splitk.py's split-K GEMM (programs over row tiles x column
+    tiles x K ranges of whole scale blocks, >= 2 per SM, fp32 partials summed in a fixed order by a second kernel),
+    for decode, where the one-program-per-column-tile GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the
+    H200 (session 11, W1 at 32 rows, forced paths in one run): split-K 5.27 s against the Triton GEMM's 6.20 s;
+    cuBLAS block-wise did not pass its probe there.
 
 Where the kernel that writes a GEMM's input quantises it itself (`input_quant` says how, for a weight and M: the
 fused decoders' RMSNorms and gated activation), fp8_linear takes its QuantizedActs and runs the path's GEMM alone.
@@ -82,13 +82,16 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
 }
 # The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
 # a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
-# (64 rows untimed) the block-wise _scaled_mm where its probe passes, else the Triton GEMM.
+# (64 rows untimed) the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS
+# lists the weight's shape.
 SPLITK_MAX_ROWS = 32
 # (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
 # bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its
 # `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Nothing listed until a GPU run says so: session
 # 8's figures at M = 256 (qkv 18, o 18, down 47 µs through cuBLASLt against 6, 4 and 14 µs of FP8 weight bytes)
-# are why the sweep now times split-K at any M (issue 19: the FP8 job at 256-512 sequences).
+# are why the sweep now times split-K at any M (issue 19: the FP8 job at 256-512 sequences). Measured against
+# cuBLASLt block-wise (bf16 activations, 128 x 128 scale blocks); where that path is off, a listed shape's split-K
+# replaces the Triton GEMM, which the sweep times too (column `triton ms`: slower than split-K at every M so far).
 SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {}
 
 

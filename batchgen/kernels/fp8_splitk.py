@@ -1,4 +1,4 @@
-"""Split-K FP8 GEMM for decode-sized M (<= 64): out [M, N] = xq [M, K] @ dequant(weight [N, K])^T (+ bias), the
+"""Split-K FP8 GEMM for decode-sized M: out [M, N] = xq [M, K] @ dequant(weight [N, K])^T (+ bias), the
 activations already quantised per token and group (fp8_quant.quantize_groups), as fp8_gemm.w8a8_matmul computes.
 
 Why: at M <= 64 a GEMM is a stream of the weight. w8a8_matmul runs one program per column tile, each over all

@@ -1,7 +1,7 @@
-"""The split-K machinery of kernels/fp8_splitk.py (the FP8 W8A8 GEMM for decode-sized M, <= 64), kept apart
-from its FP8 specifics.
+"""The split-K machinery of kernels/fp8_splitk.py (the FP8 W8A8 GEMM for decode-sized M: <= 32 rows by default,
+more for the weight shapes fp8_gemm.SPLITK_SHAPE_ROWS lists), kept apart from its FP8 specifics.
 
-The scheme: program (column tile, split, row tile) accumulates in fp32 over its range of K blocks; with SPLITS > 1
+The scheme: program (row tile, column tile, split) accumulates in fp32 over its range of K blocks; with SPLITS > 1
 it writes its fp32 partial to a workspace [SPLITS, M, N] (torch.empty: no memset, no host sync, CUDA-graph
 capturable) and a second small kernel sums the partials in split order 0, 1, ... in fp32, adds the bias in fp32
 and rounds once to the output dtype. No atomics: deterministic, independent of program order. With SPLITS 1 the
