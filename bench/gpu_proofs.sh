@@ -45,7 +45,8 @@
 #                                       # .prev and from this one, in MIXED_ORDER (default .prev . . .prev; ~7 min):
 #                                       # session 15 found it 7 % slower than session 6 (.prev: git archive 241f28b)
 #   bash bench/gpu_proofs.sh mixedprof  # issue 18: the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
-#                                       # requests, default 400) from .prev and this checkout, then compared (~4 min)
+#                                       # requests, default 400) from .prev and this checkout, then compared (~4 min);
+#                                       # MIXED_PROF_WARMUP=load: warmed up on the load (idle without builds)
 #   bash bench/gpu_proofs.sh admission  # issue 18: the mixed load (MIXED_REQUESTS, default 1,000), engine.admission_group
 #                                       # 1 (A) vs ADMISSION_GROUP (B, default 4), A B B A on fresh engines (~6 min)
 #   bash bench/gpu_proofs.sh fp8job     # issue 19: the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
@@ -149,8 +150,9 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                step "mixed_${i}_$tag" 200 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
                  --workload mixed --requests ${MIXED_REQUESTS:-1000} --json $LOGS/mixed_$i.json"; done ;;
     mixedprof) step kernels_prev 220 bash -c "cd .prev && PYTHONPATH=/tmp/site:\$PWD python3 ../bench/mixed_kernels.py \
-                 --requests ${MIXED_PROF:-400} --json $LOGS/kernels_prev.json"
+                 --requests ${MIXED_PROF:-400} --warmup ${MIXED_PROF_WARMUP:-short} --json $LOGS/kernels_prev.json"
                step kernels_this 220 python3 bench/mixed_kernels.py --requests "${MIXED_PROF:-400}" \
+                 --warmup "${MIXED_PROF_WARMUP:-short}" \
                  --json "$LOGS/kernels_this.json"
                [ -f "$LOGS/kernels_prev.json" ] && [ -f "$LOGS/kernels_this.json" ] && python3 bench/mixed_kernels.py \
                  --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" | tee "$LOGS/kernels_compare.txt"

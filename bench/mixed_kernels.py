@@ -14,8 +14,11 @@ folder first on PYTHONPATH (the script's own folder, bench/, holds no batchgen),
     PYTHONPATH=/tmp/site:$PWD python3 bench/mixed_kernels.py --requests 400 --json this.json
     python3 bench/mixed_kernels.py --compare prev.json this.json
 
-Its warm-up is what every checkout's bench had (two of the load's requests, four tokens each), so it is the same
-for both sides of a comparison; those two prompts' full blocks stay in the prefix cache for the profiled run.
+Its default warm-up is what every checkout's bench had (two of the load's requests, four tokens each), so it is the
+same for both sides of a comparison; those two prompts' full blocks stay in the prefix cache for the profiled run.
+On a machine whose Triton cache is empty that leaves builds inside the profiled run, seen as idle before the kernel
+built (session 17: 4.06 s before `_prefill_kernel`); `--warmup load` warms up on the load's first 64 requests as
+`batchgen bench --workload mixed` does (prompts reversed, outputs cut to 64 tokens), so the idle is the load's own.
 Needs a CUDA GPU (the compare mode does not).
 """
 
@@ -26,7 +29,11 @@ import json
 import time
 
 
-def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
+WARMUP_LOAD_REQUESTS = 64  # --warmup load: as batchgen.bench.mixed's warm-up (kept here: old checkouts lack it)
+WARMUP_LOAD_TOKENS = 64
+
+
+def profile_load(requests: int, max_num_seqs: int = 256, warmup: str = "short") -> dict:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -42,7 +49,13 @@ def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
     prompts, output_lens = mixed_workload(requests)
     engine = Engine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                                               cuda_graphs=True, async_pipeline=True))
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    if warmup == "load":  # the prompts reversed: nothing the profiled run's prefix cache can hit
+        warm = min(WARMUP_LOAD_REQUESTS, len(prompts))
+        engine.generate([p[::-1] for p in prompts[:warm]],
+                        [SamplingParams(max_new_tokens=min(n, WARMUP_LOAD_TOKENS), temperature=0.0, ignore_eos=True)
+                         for n in output_lens[:warm]])
+    else:
+        engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     steps0 = engine.num_steps
     torch.cuda.synchronize()
@@ -58,7 +71,7 @@ def profile_load(requests: int, max_num_seqs: int = 256) -> dict:
             kernels[avg.key] = {"us": us, "count": avg.count}
     intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    return {"batchgen": batchgen.__file__, "gpu": torch.cuda.get_device_name(0), "requests": requests,
+    return {"batchgen": batchgen.__file__, "gpu": torch.cuda.get_device_name(0), "requests": requests, "warmup": warmup,
             "steps": engine.num_steps - steps0, "wall_s_profiled": wall,
             "device_s": sum(k["us"] for k in kernels.values()) / 1e6, "kernels": kernels,
             "gaps": gaps_by_next_kernel(intervals)}
@@ -100,6 +113,8 @@ def compare(a: dict, b: dict, top: int = 30) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--warmup", choices=("short", "load"), default="short",
+                    help="short: two 4-token requests (what old checkouts' benches did); load: 64 of the load's")
     ap.add_argument("--json")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
     args = ap.parse_args()
@@ -117,7 +132,7 @@ def main() -> None:
                 print(f"{r['delta_ms']:>10.1f} {r['a_ms']:>10.1f} {r['b_ms']:>10.1f} {r['a_count']:>8} "
                       f"{r['b_count']:>8}  idle before {r['name'][:100]}")
         return
-    report = profile_load(args.requests)
+    report = profile_load(args.requests, warmup=args.warmup)
     print(f"{report['batchgen']}: {report['steps']} steps, device {report['device_s']:.2f} s, "
           f"wall {report['wall_s_profiled']:.2f} s (profiled)")
     if args.json:
