@@ -104,3 +104,20 @@ def test_the_sweeps_check_mode_finds_every_launch_equal_to_the_reference_under_t
     rows = [r for s in shapes for r in s["rows"]]
     assert {s["shape"] for s in shapes} == {"48x24", "40x20+28"}  # one of them after cached context
     assert {r["block_m"] for r in rows} == {16, 32, 64, 128} and all(r["ok"] for r in rows)
+
+
+def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
+    """Session 17: on an empty Triton cache, a second build of the prefill kernel (the work list's address not
+    16-byte aligned) and of the rotary + K/V write kernel (a token count not divisible by 16) ran inside the timed
+    loop, ~1 s each. Neither value is specialised on; the block-table width never was."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter's functions keep no specialisation flags")
+    from batchgen.kernels.paged_prefill import _prefill_kernel
+    from batchgen.kernels.rope_kv import _rope_kv_kernel
+
+    prefill = {p.name: p for p in _prefill_kernel.params}
+    assert prefill["work_ptr"].do_not_specialize_on_alignment and prefill["stride_bt"].do_not_specialize
+    assert not prefill["q_ptr"].do_not_specialize_on_alignment  # the tiles' loads keep their alignment
+    rope = {p.name: p for p in _rope_kv_kernel.params}
+    assert rope["num_tokens"].do_not_specialize and not rope["stride_qkv"].do_not_specialize

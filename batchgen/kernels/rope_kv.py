@@ -87,7 +87,9 @@ if triton is not None:
             x = a + b
         return tl.reshape(x, [x.shape[0]])
 
-    @triton.jit
+    # the step's token count is not specialised on (divisible by 16 or not: one build, not two; session 17 saw the
+    # second built mid-run); it only bounds the last tile's rows
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                         qk_norm_ptr, norm_eps, num_tokens,
                         stride_qkv, stride_cs,
