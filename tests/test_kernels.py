@@ -507,8 +507,9 @@ def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_hea
     block_tables = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1)
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     query = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(device, dtype)
-    work = PrefillWork.build(np.asarray(q_lens), qsl, launch, device, kv_split,  # then less leading 1-token seqs
-                             np.asarray(seq_lens)).after(skip_first)
+    # the splits counted over the sequences with prefill items only, as the runner counts them (step_kv_split)
+    work = PrefillWork.build(np.asarray(q_lens), qsl, launch, device, kv_split,
+                             np.asarray(seq_lens)[skip_first:]).after(skip_first)  # less the leading 1-token seqs
     args = (torch.tensor(qsl, dtype=torch.int32, device=device), torch.tensor(seq_lens, dtype=torch.int32,
             device=device), block_tables.to(torch.int32).to(device))
     out = torch.full_like(query, 7.0)
@@ -561,6 +562,11 @@ check(q_lens=[1, 1, 19], seq_lens=[30, 4, 40], skip_first=2, launch=split16, kv_
 check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=56, softcap=5.0, launch=split16, kv_split=48)
 check(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=1, launch=PrefillLaunch(32, 32, 4, 2), kv_split=64)
 check(q_lens=[520, 30], seq_lens=[520, 80], num_heads=8, num_kv_heads=1, kv_split=128)  # the long launch
+# items wholly inside a split past the first (window 20 < 48 keys a split); GQA 6 (two head chunks, padded) with a
+# window; decode rows longer than the prompt, whose keys the splits do not count (left to the decode kernel)
+check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=20, launch=split16, kv_split=48)
+check(q_lens=q_lens, seq_lens=seq_lens, num_heads=12, num_kv_heads=2, launch=split16, kv_split=32, sliding_window=40)
+check(q_lens=[1, 1, 60], seq_lens=[300, 290, 100], skip_first=2, launch=split16, kv_split=32)
 print("ok")
 """
 

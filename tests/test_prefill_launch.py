@@ -116,9 +116,14 @@ def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
     from batchgen.kernels.paged_prefill import _prefill_kernel
     from batchgen.kernels.rope_kv import _rope_kv_kernel
 
+    from batchgen.kernels.paged_prefill import _prefill_merge_kernel
+
     prefill = {p.name: p for p in _prefill_kernel.params}
     assert prefill["work_ptr"].do_not_specialize_on_alignment and prefill["stride_bt"].do_not_specialize
+    assert prefill["kv_split"].do_not_specialize and prefill["num_tokens"].do_not_specialize
     assert not prefill["q_ptr"].do_not_specialize_on_alignment  # the tiles' loads keep their alignment
+    merge = {p.name: p for p in _prefill_merge_kernel.params}
+    assert merge["work_ptr"].do_not_specialize_on_alignment and merge["num_tokens"].do_not_specialize
     rope = {p.name: p for p in _rope_kv_kernel.params}
     assert rope["num_tokens"].do_not_specialize and not rope["stride_qkv"].do_not_specialize
 

@@ -125,6 +125,10 @@ if triton is not None:
         split = tl.program_id(2) // NUM_CHUNKS  # 0 without SPLIT_KV
         seq, tok0, q_start, q_end, ctx, first_pos, last_pos, kv_start, kv_end = item_keys(
             work_ptr, qsl_ptr, seq_lens_ptr, item, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+        if SPLIT_KV:  # whether this split holds any of the item's keys
+            first_split = kv_start // kv_split
+            last_split = (kv_end - 1) // kv_split
+            mine = (split >= first_split) & (split <= last_split)
 
         ROWS: tl.constexpr = BLOCK_M * HEADS
         r = tl.arange(0, ROWS)
@@ -172,14 +176,11 @@ if triton is not None:
                                         BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=True)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         store = row_ok
-        if SPLIT_KV:
-            first_split = kv_start // kv_split
-            last_split = (kv_end - 1) // kv_split
-            mine = (split >= first_split) & (split <= last_split)
-            whole = first_split == last_split  # the item's keys in one split: its program writes `out` itself
-            store = row_ok & mine & whole
+        if SPLIT_KV:  # (an idle split's loops above were empty; it stores nothing. Masking its Q load with `mine`
+            # too made ptxas 12.x crash compiling for sm_90a: left loaded)
+            store = row_ok & mine & (first_split == last_split)  # the item's keys in one split: written to `out`
             parts = row_ok & mine & (first_split != last_split)
-            cell = (split * num_tokens + tok.to(tl.int64)) * (GROUP * tl.num_programs(1)) + head  # [ROWS]
+            cell = (split.to(tl.int64) * num_tokens + tok) * (GROUP * tl.num_programs(1)) + head  # [ROWS]
             tl.store(part_o_ptr + cell[:, None] * HEAD_DIM + d[None, :], out.to(part_o_ptr.dtype.element_ty),
                      mask=parts[:, None] & d_ok[None, :])
             tl.store(part_ml_ptr + cell * 2, m_i, mask=parts)
@@ -206,7 +207,7 @@ if triton is not None:
         d = tl.arange(0, D_P)
         d_ok = d < HEAD_DIM
         m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        tok64 = tok.to(tl.int64)
+        tok64 = tok.to(tl.int64)  # (s * num_tokens stays in int32: splits x tokens < 2**28, MAX_SPLIT_BYTES)
         for s in tl.range(first_split, last_split + 1):
             cell = (s * num_tokens + tok64) * num_heads + head
             m_max = tl.maximum(m_max, tl.load(part_ml_ptr + cell * 2, mask=ok, other=float("-inf")))
@@ -242,6 +243,7 @@ def paged_prefill_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads, (num_heads, num_kv_heads)  # the partial rows' index relies on it
     heads = min(triton.next_power_of_2(group), 4)
     launch = work.launch  # the block_m the items were cut with: the kernel's, never another
     rows = launch.block_m * heads

@@ -4,6 +4,7 @@
 queries into work items of that launch's block_m tokens; `PrefillWork` carries the two together from the runner to
 the kernel (through the attention metadata), so the kernel never tiles a work list with another block_m.
 Invariant: a launch changes the kernel's speed and the order of its fp32 additions, never which keys a query sees.
+A key split (`prefill_kv_split`) also rounds each split's partial rows to the queries' dtype before the merge.
 No Triton here: the runner imports this on every install.
 """
 
@@ -126,7 +127,9 @@ class PrefillWork:
     items: torch.Tensor  # [P, 2] int32, on the queries' device
     launch: PrefillLaunch
     kv_split: int = 0  # keys a program takes (a multiple of launch.block_n); 0: all of its item's
-    num_splits: int = 1  # splits of the longest sequence's keys: ceil(its keys / kv_split)
+    # splits of the longest keys of any sequence with an item: ceil(its keys / kv_split). An invariant the kernels
+    # trust (the grid holds that many splits, the partial buffers that many rows): never fewer.
+    num_splits: int = 1
 
     @staticmethod
     def build(q_lens: np.ndarray, query_start_loc: np.ndarray, launch: PrefillLaunch | None = None,
@@ -136,6 +139,7 @@ class PrefillWork:
         128-dim bf16 heads); kv_split > 0 (seq_lens needed): its keys in runs of kv_split."""
         launch = launch or prefill_launch(int(np.max(q_lens)))
         items = torch.from_numpy(prefill_work(q_lens, query_start_loc, launch.block_m)).to(device)
+        assert not kv_split or seq_lens is not None, "PrefillWork.build: kv_split needs the sequences' seq_lens"
         splits = -(-int(np.max(seq_lens)) // kv_split) if kv_split else 1
         return PrefillWork(items, launch, kv_split, splits)
 
