@@ -40,7 +40,7 @@
 #                                       # one (B), A B B A, with each run's decode / mixed / idle shares (~8 min)
 #   bash bench/gpu_proofs.sh prefill    # issue 18: a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
 #                                       # 2,048-token prompts, the mixed load's mixed step: 1,450 prompt tokens beside 250
-#                                       # decode rows; each with the prefill key split as chosen and off), then the
+#                                       # decode rows; each with the prefill key split off and on), then the
 #                                       # mixed 2,000-request load with its step kinds (~6 min)
 #   bash bench/gpu_proofs.sh mixedab    # issue 18: the mixed load (MIXED_REQUESTS, default 1,000) from the checkout in
 #                                       # .prev and from this one, in MIXED_ORDER (default .prev . . .prev; ~7 min):

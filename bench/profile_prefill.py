@@ -155,27 +155,27 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
 
 
 def shape_label(row: dict) -> str:
-    """A profiled row's shape as --shapes writes it (TOKENSxLEN[/DxC]), with ' split off' where the prefill
-    attention's key split was turned off for it."""
+    """A profiled row's shape as --shapes writes it (TOKENSxLEN[/DxC]), with ' split on' where the prefill
+    attention's key split was turned on for it."""
     decode = f"/{row['num_decode']}x{row['decode_context']}" if row["num_decode"] else ""
-    return f"{row['tokens']}x{row['prompt_len']}{decode}{' split off' if row.get('kv_split') == 'off' else ''}"
+    return f"{row['tokens']}x{row['prompt_len']}{decode}{' split on' if row.get('kv_split') == 'on' else ''}"
 
 
 def profile_modes(model, tokens: int, length: int, reps: int, ceilings, num_decode: int, context: int,
                   modes: list[str]) -> list[dict]:
-    """profile_shape once per --kv-split mode: "auto" (the runner's choice, prefill_launch.step_kv_split) and
-    "off" (no step splits its keys: MIN_PROGRAMS_PER_SM 0 while it runs)."""
+    """profile_shape once per --kv-split mode: "off" (no step splits its keys) and "on" (prefill_launch.KV_SPLIT_ON
+    while it runs: the runner splits a step of too few programs, step_kv_split)."""
     from batchgen.kernels import prefill_launch
 
     rows = []
     for mode in modes:
-        saved = prefill_launch.MIN_PROGRAMS_PER_SM
-        prefill_launch.MIN_PROGRAMS_PER_SM = 0 if mode == "off" else saved
+        saved = prefill_launch.KV_SPLIT_ON
+        prefill_launch.KV_SPLIT_ON = mode == "on"
         try:
             rows.append({**profile_shape(model, tokens, length, reps, ceilings, num_decode, context),
                          "kv_split": mode})
         finally:
-            prefill_launch.MIN_PROGRAMS_PER_SM = saved
+            prefill_launch.KV_SPLIT_ON = saved
     return rows
 
 
@@ -184,8 +184,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365,5800x1450/250x1365",
                     help="TOKENSxLEN[/DxC], comma-separated (module docstring)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kv-split", default="auto,off",
-                    help="prefill attention key split: auto (the runner's choice), off; each shape once per mode")
+    ap.add_argument("--kv-split", default="off,on",
+                    help="prefill attention key split for steps of too few programs: off, on; each shape once per mode")
     ap.add_argument("--json")
     args = ap.parse_args()
     shapes = [parse_shape(shape) for shape in args.shapes.split(",")]  # every shape checked before a model is built
@@ -193,8 +193,8 @@ def main() -> None:
     model = build_model()
     rows = []
     modes = args.kv_split.split(",")
-    if not set(modes) <= {"auto", "off"}:
-        raise SystemExit(f"--kv-split: {args.kv_split!r}: auto, off or both (comma-separated)")
+    if not set(modes) <= {"off", "on"}:
+        raise SystemExit(f"--kv-split: {args.kv_split!r}: off, on or both (comma-separated)")
     for tokens, length, num_decode, context in shapes:
         for row in profile_modes(model, tokens, length, args.reps, ceilings, num_decode, context, modes):
             rows.append(row)

@@ -128,9 +128,14 @@ def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
     assert rope["num_tokens"].do_not_specialize and not rope["stride_qkv"].do_not_specialize
 
 
-def test_a_step_of_too_few_prefill_programs_splits_its_keys_and_a_full_one_does_not():
+def test_a_step_of_too_few_prefill_programs_splits_its_keys_and_a_full_one_does_not(monkeypatch):
+    from batchgen.kernels import prefill_launch
     from batchgen.kernels.prefill_launch import (KV_SPLIT_KEYS, MAX_SPLIT_BYTES, head_chunks, prefill_kv_split,
                                                  step_kv_split)
+
+    assert prefill_launch.KV_SPLIT_ON is False  # off until measured on a GPU: the runner never splits
+    assert step_kv_split(273, np.array([1365] * 250 + [1450]), 250, 1700, 32, 8, 128, 2, 132) == (0, 1)
+    monkeypatch.setattr(prefill_launch, "KV_SPLIT_ON", True)
 
     # the mixed load's typical step: 250 decode rows (one item each, first) and one 1,450-token prompt in 23 items
     # of 64 tokens: 23 x 8 KV heads = 184 programs on 132 SMs -> its 1,450 keys in 3 runs of 512

@@ -87,7 +87,9 @@ def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) 
 # step: 23 items x 8 KV heads = 184 programs of the long launch, one a Hopper SM -- waits on its last items, which
 # see every key (session 17's profile: 3.31 ms of prefill attention a step against ~0.7 ms of causal FLOPs).
 # Each split takes KV_SPLIT_KEYS keys (a multiple of every BLOCK_N choice), at most MAX_KV_SPLITS of them; a second
-# kernel merges the splits' partial rows. Not yet measured on a GPU.
+# kernel merges the splits' partial rows. Off until a GPU run measures it (bench/profile_prefill.py --kv-split
+# off,on profiles a step both ways; end to end, a copy of the tree with KV_SPLIT_ON = True against this one).
+KV_SPLIT_ON = False  # whether the runner splits a step's keys (step_kv_split); the kernels take a split either way
 KV_SPLIT_KEYS = 512
 MAX_KV_SPLITS = 8
 MIN_PROGRAMS_PER_SM = 2  # a step with at least this many programs an SM runs unsplit
@@ -112,7 +114,7 @@ def step_kv_split(num_items: int, seq_lens: np.ndarray, num_decode: int, num_tok
                   num_kv_heads: int, head_dim: int, act_bytes: int, num_sms: int) -> tuple[int, int]:
     """prefill_kv_split for a step: num_items work items, of which the first num_decode are its decode rows (the
     decode kernel's: not counted), seq_lens [S] of its sequences (decode rows first), num_tokens packed queries."""
-    if num_items <= num_decode:
+    if not KV_SPLIT_ON or num_items <= num_decode:
         return 0, 1
     programs = (num_items - num_decode) * num_kv_heads * head_chunks(num_heads, num_kv_heads)
     partial_bytes = num_tokens * num_heads * (head_dim * act_bytes + 8)
