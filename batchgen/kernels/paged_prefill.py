@@ -177,7 +177,7 @@ if triton is not None:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         store = row_ok
         if SPLIT_KV:  # (an idle split's loops above were empty; it stores nothing. Masking its Q load with `mine`
-            # too made ptxas 12.x crash compiling for sm_90a: left loaded)
+            # too made Triton 3.6's bundled ptxas crash compiling for sm_90a (the CPU tests' check): left loaded)
             store = row_ok & mine & (first_split == last_split)  # the item's keys in one split: written to `out`
             parts = row_ok & mine & (first_split != last_split)
             cell = (split.to(tl.int64) * num_tokens + tok) * (GROUP * tl.num_programs(1)) + head  # [ROWS]
