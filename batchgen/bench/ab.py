@@ -33,6 +33,8 @@ def variant_means(runs: list[dict], key: str) -> dict:
     return out
 
 
-def ratio(b: float | None, a: float | None, digits: int = 4) -> float | None:
-    """b / a rounded, or None when either is missing."""
-    return round(b / a, digits) if a and b else None
+def ratio(b: float | None, a: float | None, digits: int | None = 4) -> float | None:
+    """b / a rounded to `digits` (None: not rounded), or None when either is missing."""
+    if not (a and b):
+        return None
+    return b / a if digits is None else round(b / a, digits)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from batchgen.bench.ab import variant_means
+from batchgen.bench.ab import ratio, variant_means
 from batchgen.bench.seed import build_model, measure_ceilings, release, timed_generate
 
 
@@ -204,7 +204,7 @@ def ab_runs(model, prompts, output_lens, max_num_seqs: int, overrides: dict, flo
     m = variant_means(runs, "wall_s")  # and over the runs without Triton builds in their loop (batchgen/bench/ab.py)
     return {"ab_sets": overrides, "runs": runs, "A_wall_s": m["A"], "B_wall_s": m["B"], "B_over_A": m["B"] / m["A"],
             "A_wall_s_warm": m["A_warm"], "B_wall_s_warm": m["B_warm"],
-            "B_over_A_warm": m["B_warm"] / m["A_warm"] if m["A_warm"] and m["B_warm"] else None,
+            "B_over_A_warm": ratio(m["B_warm"], m["A_warm"], digits=None),
             "num_cold_runs": m["num_cold_runs"]}
 
 

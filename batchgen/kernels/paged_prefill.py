@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.prefill_launch import PrefillWork
+from batchgen.kernels.prefill_launch import PrefillWork, head_chunks, tile_heads
 
 try:
     import triton
@@ -244,7 +244,7 @@ def paged_prefill_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, (num_heads, num_kv_heads)  # the partial rows' index relies on it
-    heads = min(triton.next_power_of_2(group), 4)
+    heads = tile_heads(group)
     launch = work.launch  # the block_m the items were cut with: the kernel's, never another
     rows = launch.block_m * heads
     assert rows >= 16 and rows & (rows - 1) == 0, "a tile's rows: a power of two (tl.arange), >= 16 (tl.dot)"
@@ -260,7 +260,7 @@ def paged_prefill_attention(
         part_ml = torch.empty(work.num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=query.device)
     else:
         part_o = part_ml = out  # not read
-    grid = (work.items.shape[0], num_kv_heads, triton.cdiv(group, heads) * (work.num_splits if split else 1))
+    grid = (work.items.shape[0], num_kv_heads, head_chunks(num_heads, num_kv_heads) * (work.num_splits if split else 1))
     d_p = max(16, triton.next_power_of_2(head_dim))
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, work.items, query_start_loc, seq_lens, block_tables,

@@ -64,11 +64,15 @@ def prefill_launch(max_query_len: int, head_dim: int = 128, element_bytes: int =
     return SHORT_PROMPT_LAUNCH
 
 
+def tile_heads(group: int) -> int:
+    """Query heads of one KV head a prefill tile holds: the group's next power of two, at most 4."""
+    return min(1 << (group - 1).bit_length(), 4)
+
+
 def head_chunks(num_heads: int, num_kv_heads: int) -> int:
-    """Programs a KV head's query heads take: a tile holds up to 4 of them (the next power of two of the group)."""
+    """Programs a KV head's query heads take (tiles of tile_heads of them)."""
     group = num_heads // num_kv_heads
-    heads = min(1 << (group - 1).bit_length(), 4)
-    return -(-group // heads)
+    return -(-group // tile_heads(group))
 
 
 def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) -> np.ndarray:
