@@ -40,13 +40,10 @@
 #                                       # one (B), A B B A, with each run's decode / mixed / idle shares (~8 min)
 #   bash bench/gpu_proofs.sh prefill    # issue 18: a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
 #                                       # 2,048-token prompts, the mixed load's mixed step: 1,450 prompt tokens beside 250
-#                                       # decode rows; each with the prefill key split off and on), then the
-#                                       # mixed 2,000-request load with its step kinds (~6 min)
+#                                       # decode rows), then the mixed 2,000-request load with its step kinds (~5 min)
 #   bash bench/gpu_proofs.sh mixedab    # issue 18: the mixed load (MIXED_REQUESTS, default 1,000) from the checkout in
 #                                       # .prev and from this one, in MIXED_ORDER (default .prev . . .prev; ~7 min):
 #                                       # session 15 found it 7 % slower than session 6 (.prev: git archive 241f28b)
-#   bash bench/gpu_proofs.sh splitab    # the mixed load (MIXED_REQUESTS, default 1,000) from this tree (A) and from a
-#                                       # copy with the prefill key split on (.alt, B), A B B A (~7 min)
 #   bash bench/gpu_proofs.sh mixedprof  # issue 18: the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
 #                                       # requests, default 400) from .prev and this checkout, then compared (~4 min);
 #                                       # MIXED_PROF_WARMUP=load: warmed up on the load (idle without builds)
@@ -147,15 +144,9 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
               --profile-steps 0 --seqs 256 --penalties 1.0,1.1 --rows 1000 --compare .prev --json "$LOGS/job_refill.json" ;;
     prefill) step profile_prefill 180 python3 bench/profile_prefill.py --json "$LOGS/profile_prefill.json"
              step mixed 300 "${BG[@]}" --workload mixed --requests 2000 --json "$LOGS/mixed.json" ;;
-    splitab) # a copy of this tree with the prefill key split on (.alt) against this one, A B B A (~7 min)
-             rm -rf .alt && mkdir .alt && cp -r batchgen pyproject.toml .alt/ \
-               && sed -i 's/^KV_SPLIT_ON = False/KV_SPLIT_ON = True/' .alt/batchgen/kernels/prefill_launch.py \
-               && grep -q '^KV_SPLIT_ON = True' .alt/batchgen/kernels/prefill_launch.py \
-               || { echo "== splitab: could not make .alt with KV_SPLIT_ON = True"; continue; }
-             MIXED_ORDER=${MIXED_ORDER:-. .alt .alt .} ;&
     mixedab) i=0; for code in ${MIXED_ORDER:-.prev . . .prev}; do i=$((i + 1))  # checkouts, run in this order
                # run from inside the checkout: `python3 -m` puts the working directory first on sys.path
-               tag=${code#.}; tag=${tag:-this}
+               tag=prev; [ "$code" = . ] && tag=this
                step "mixed_${i}_$tag" 200 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
                  --workload mixed --requests ${MIXED_REQUESTS:-1000} --json $LOGS/mixed_$i.json"; done ;;
     mixedprof) step kernels_prev 220 bash -c "cd .prev && PYTHONPATH=/tmp/site:\$PWD python3 ../bench/mixed_kernels.py \

@@ -155,28 +155,9 @@ def profile_shape(model, tokens: int, length: int, reps: int, ceilings, num_deco
 
 
 def shape_label(row: dict) -> str:
-    """A profiled row's shape as --shapes writes it (TOKENSxLEN[/DxC]), with ' split on' where the prefill
-    attention's key split was turned on for it."""
+    """A profiled row's shape as --shapes writes it (TOKENSxLEN[/DxC])."""
     decode = f"/{row['num_decode']}x{row['decode_context']}" if row["num_decode"] else ""
-    return f"{row['tokens']}x{row['prompt_len']}{decode}{' split on' if row.get('kv_split') == 'on' else ''}"
-
-
-def profile_modes(model, tokens: int, length: int, reps: int, ceilings, num_decode: int, context: int,
-                  modes: list[str]) -> list[dict]:
-    """profile_shape once per --kv-split mode: "off" (no step splits its keys) and "on" (prefill_launch.KV_SPLIT_ON
-    while it runs: the runner splits a step of too few programs, step_kv_split)."""
-    from batchgen.kernels import prefill_launch
-
-    rows = []
-    for mode in modes:
-        saved = prefill_launch.KV_SPLIT_ON
-        prefill_launch.KV_SPLIT_ON = mode == "on"
-        try:
-            rows.append({**profile_shape(model, tokens, length, reps, ceilings, num_decode, context),
-                         "kv_split": mode})
-        finally:
-            prefill_launch.KV_SPLIT_ON = saved
-    return rows
+    return f"{row['tokens']}x{row['prompt_len']}{decode}"
 
 
 def main() -> None:
@@ -184,27 +165,21 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x68,8192x2048,2048x68,1450x1450/250x1365,5800x1450/250x1365",
                     help="TOKENSxLEN[/DxC], comma-separated (module docstring)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kv-split", default="off,on",
-                    help="prefill attention key split for steps of too few programs: off, on; each shape once per mode")
     ap.add_argument("--json")
     args = ap.parse_args()
     shapes = [parse_shape(shape) for shape in args.shapes.split(",")]  # every shape checked before a model is built
     ceilings = measure_ceilings()
     model = build_model()
     rows = []
-    modes = args.kv_split.split(",")
-    if not set(modes) <= {"off", "on"}:
-        raise SystemExit(f"--kv-split: {args.kv_split!r}: off, on or both (comma-separated)")
     for tokens, length, num_decode, context in shapes:
-        for row in profile_modes(model, tokens, length, args.reps, ceilings, num_decode, context, modes):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        rows.append(profile_shape(model, tokens, length, args.reps, ceilings, num_decode, context))
+        print(json.dumps(rows[-1]), flush=True)
     print(f"matmul {ceilings.matmul_flop_s / 1e12:.0f} TFLOP/s, copy {ceilings.copy_bytes_s / 1e12:.2f} TB/s")
-    print(f"{'shape':>30} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
+    print(f"{'shape':>20} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'gemm':>7} {'attn':>7} {'other':>7} kernels")
     for r in rows:
         k = r["kernel_ms"]
-        print(f"{shape_label(r):>30} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} "
-              f"{k.get('gemm', 0):>7.2f} {k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
+        print(f"{shape_label(r):>20} {r['wall_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['x_floor']:>8.3f} {k.get('gemm', 0):>7.2f} "
+              f"{k.get('attention', 0):>7.2f} {k.get('other', 0) + k.get('sampling', 0):>7.2f} "
               f"{r['kernels']}")
     for r in rows:  # where the GEMM time goes, by shape (the rate against the measured matmul rate)
         for g in r["gemm_shapes"][:6]:

@@ -398,23 +398,6 @@ def test_the_mixed_bench_ab_runs_a_b_b_a_with_the_sets_on_b_only(monkeypatch):
     assert ab["B_over_A_warm"] == pytest.approx(ab["B_wall_s"] / ab["runs"][3]["wall_s"])
 
 
-def test_the_prefill_profile_runs_each_shape_with_the_key_split_off_and_on(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import profile_prefill
-
-    from batchgen.kernels import prefill_launch
-
-    seen = []
-    monkeypatch.setattr(profile_prefill, "profile_shape", lambda *a, **k: (
-        seen.append(prefill_launch.KV_SPLIT_ON) or {"tokens": 8, "prompt_len": 8, "num_decode": 0}))
-    before = prefill_launch.KV_SPLIT_ON
-    rows = profile_prefill.profile_modes(None, 8, 8, 1, None, 0, 0, ["off", "on"])
-    assert seen == [False, True] and prefill_launch.KV_SPLIT_ON == before  # on while it ran, then as it was
-    assert [profile_prefill.shape_label(r) for r in rows] == ["8x8", "8x8 split on"]
-
-
 def test_the_prefill_profile_gives_each_gemm_shapes_rate(monkeypatch):
     from pathlib import Path
     from types import SimpleNamespace as Avg

@@ -488,9 +488,9 @@ def _check_fp8_cache_write(k_cache, k_ref, v_cache, v_ref, real, written):
 # ---- prefill / chunked prefill over cached context ------------------------------------------------------
 
 def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-                   sliding_window=None, softcap=None, skip_first=0, seed=0, kv_dtype=None, launch=None, kv_split=0):
+                   sliding_window=None, softcap=None, skip_first=0, seed=0, kv_dtype=None, launch=None):
     """paged_prefill_attention against the reference; `launch` a PrefillLaunch (None: prefill_launch's choice for
-    the longest query); kv_split > 0: every item's keys split in runs of that many (then merged)."""
+    the longest query)."""
     import numpy as np
 
     from batchgen.kernels.paged_attention_ref import as_cached
@@ -507,9 +507,7 @@ def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_hea
     block_tables = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1)
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     query = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(device, dtype)
-    # the splits counted over the sequences with prefill items only, as the runner counts them (step_kv_split)
-    work = PrefillWork.build(np.asarray(q_lens), qsl, launch, device, kv_split,
-                             np.asarray(seq_lens)[skip_first:]).after(skip_first)  # less the leading 1-token seqs
+    work = PrefillWork.build(np.asarray(q_lens), qsl, launch, device).after(skip_first)  # leading 1-token seqs
     args = (torch.tensor(qsl, dtype=torch.int32, device=device), torch.tensor(seq_lens, dtype=torch.int32,
             device=device), block_tables.to(torch.int32).to(device))
     out = torch.full_like(query, 7.0)
@@ -554,19 +552,6 @@ for i, block_m in enumerate((16, 32, 64, 128)):
 check(q_lens=[520, 30], seq_lens=[520, 80], num_heads=8, num_kv_heads=1)
 check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=100, launch=PrefillLaunch(64, 64, 8, 3))
 check(q_lens=q_lens, seq_lens=seq_lens, softcap=5.0, launch=PrefillLaunch(32, 128, 8, 4))
-# keys split over programs, then merged: items within one split (written directly), items over 2-8 splits, the
-# diagonal and a window's edge inside a split; decode rows left out; a head chunk per split (GQA 8)
-split16 = PrefillLaunch(16, 16, 4, 2)
-check(q_lens=q_lens, seq_lens=seq_lens, launch=split16, kv_split=32)
-check(q_lens=[1, 1, 19], seq_lens=[30, 4, 40], skip_first=2, launch=split16, kv_split=16)
-check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=56, softcap=5.0, launch=split16, kv_split=48)
-check(q_lens=q_lens, seq_lens=seq_lens, num_heads=8, num_kv_heads=1, launch=PrefillLaunch(32, 32, 4, 2), kv_split=64)
-check(q_lens=[520, 30], seq_lens=[520, 80], num_heads=8, num_kv_heads=1, kv_split=128)  # the long launch
-# items wholly inside a split past the first (window 20 < 48 keys a split); GQA 6 (two head chunks, padded) with a
-# window; decode rows longer than the prompt, whose keys the splits do not count (left to the decode kernel)
-check(q_lens=q_lens, seq_lens=seq_lens, sliding_window=20, launch=split16, kv_split=48)
-check(q_lens=q_lens, seq_lens=seq_lens, num_heads=12, num_kv_heads=2, launch=split16, kv_split=32, sliding_window=40)
-check(q_lens=[1, 1, 60], seq_lens=[300, 290, 100], skip_first=2, launch=split16, kv_split=32)
 print("ok")
 """
 
@@ -633,18 +618,6 @@ def test_paged_prefill_kernel_on_gpu_at_wide_heads_and_fp32_with_the_launch_a_lo
     _check_prefill("cuda", dtype, 2e-2 if dtype == torch.bfloat16 else 1e-4, q_lens=[1, 1, 1024, 600],
                    seq_lens=[900, 2000, 1024, 1900], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    skip_first=2, launch=prefill_launch(LONG_PROMPT, head_dim, dtype.itemsize))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 700])
-def test_paged_prefill_kernel_on_gpu_with_keys_split_for_a_lone_prompt_beside_decode_rows(window):
-    """The mixed load's typical step (decode rows first, then one ~1,450-token prompt), its keys split in runs of
-    512 as prefill_kv_split gives it, and a chunk after cached context: against the reference, bf16 partials."""
-    from batchgen.kernels.prefill_launch import KV_SPLIT_KEYS, LONG_PROMPT_LAUNCH
-
-    _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 1, 1450, 300], seq_lens=[1365, 1407, 1450, 2100],
-                   num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2,
-                   launch=LONG_PROMPT_LAUNCH, kv_split=KV_SPLIT_KEYS)
 
 
 ARGMAX_INTERPRET_SCRIPT = """

@@ -116,35 +116,8 @@ def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
     from batchgen.kernels.paged_prefill import _prefill_kernel
     from batchgen.kernels.rope_kv import _rope_kv_kernel
 
-    from batchgen.kernels.paged_prefill import _prefill_merge_kernel
-
     prefill = {p.name: p for p in _prefill_kernel.params}
     assert prefill["work_ptr"].do_not_specialize_on_alignment and prefill["stride_bt"].do_not_specialize
-    assert prefill["kv_split"].do_not_specialize and prefill["num_tokens"].do_not_specialize
     assert not prefill["q_ptr"].do_not_specialize_on_alignment  # the tiles' loads keep their alignment
-    merge = {p.name: p for p in _prefill_merge_kernel.params}
-    assert merge["work_ptr"].do_not_specialize_on_alignment and merge["num_tokens"].do_not_specialize
     rope = {p.name: p for p in _rope_kv_kernel.params}
     assert rope["num_tokens"].do_not_specialize and not rope["stride_qkv"].do_not_specialize
-
-
-def test_a_step_of_too_few_prefill_programs_splits_its_keys_and_a_full_one_does_not(monkeypatch):
-    from batchgen.kernels import prefill_launch
-    from batchgen.kernels.prefill_launch import (KV_SPLIT_KEYS, MAX_SPLIT_BYTES, head_chunks, prefill_kv_split,
-                                                 step_kv_split)
-
-    assert prefill_launch.KV_SPLIT_ON is False  # off until measured on a GPU: the runner never splits
-    assert step_kv_split(273, np.array([1365] * 250 + [1450]), 250, 1700, 32, 8, 128, 2, 132) == (0, 1)
-    monkeypatch.setattr(prefill_launch, "KV_SPLIT_ON", True)
-
-    # the mixed load's typical step: 250 decode rows (one item each, first) and one 1,450-token prompt in 23 items
-    # of 64 tokens: 23 x 8 KV heads = 184 programs on 132 SMs -> its 1,450 keys in 3 runs of 512
-    seq_lens = np.array([1365] * 250 + [1450])
-    assert step_kv_split(273, seq_lens, 250, 1700, 32, 8, 128, 2, 132) == (KV_SPLIT_KEYS, 3)
-    assert step_kv_split(250, seq_lens[:250], 250, 250, 32, 8, 128, 2, 132) == (0, 1)  # decode rows only
-    assert prefill_kv_split(264, 1450, 132, 1) == (0, 1)  # two programs an SM: unsplit
-    assert prefill_kv_split(184, KV_SPLIT_KEYS, 132, 1) == (0, 1)  # nothing to split
-    assert prefill_kv_split(16, 8192, 132, 1) == (1024, 8)  # at most 8 splits, of a multiple of 128 keys
-    assert prefill_kv_split(16, 8193, 132, 1) == (1152, 8)
-    assert prefill_kv_split(16, 8192, 132, MAX_SPLIT_BYTES // 8 + 1) == (0, 1)  # partials too large: unsplit
-    assert head_chunks(32, 8) == 1 and head_chunks(8, 1) == 2 and head_chunks(6, 2) == 1 and head_chunks(4, 4) == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.paged_prefill import paged_kv_tile, softcapped
+from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
 
 
@@ -127,12 +127,12 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
                              d_mask, BLOCK_SIZE)  # [BLOCK_N, D_P] each
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
         if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
+            scores = full_dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         p, alpha, m_new, l_i = softmax_step(scores, valid, m_i, l_i, softcap, HAS_SOFTCAP)
         if GROUP_P >= 16:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + full_dot(p.to(v.dtype), v)
         else:  # p rounded to v's dtype as tl.dot's operand is
             pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]  # [GROUP_P, BLOCK_N, D_P]
             acc = acc * alpha[:, None] + tl.sum(pv, axis=1)

@@ -82,17 +82,22 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
 }
 # The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
 # a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
-# (64 rows untimed) the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS
+# the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS
 # lists the weight's shape.
 SPLITK_MAX_ROWS = 32
 # (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
 # bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its
-# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Nothing listed until a GPU run says so: session
-# 8's figures at M = 256 (qkv 18, o 18, down 47 µs through cuBLASLt against 6, 4 and 14 µs of FP8 weight bytes)
-# are why the sweep now times split-K at any M (issue 19: the FP8 job at 256-512 sequences). Measured against
-# cuBLASLt block-wise (bf16 activations, 128 x 128 scale blocks); where that path is off, a listed shape's split-K
-# replaces the Triton GEMM, which the sweep times too (column `triton ms`: slower than split-K at every M so far).
-SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {}
+# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Session 18 on the H200 (`bash bench/gpu_proofs.sh
+# fp8splitk`, M 64 / 128 / 256 / 512, µs a call split-K default vs cuBLASLt): qkv 13.7 vs 15.2 at 64, 17.8 vs 15.2
+# at 128; o 10.9 vs 14.8, then 17.7 vs 14.9; down 34.2 vs 41.8, then 47.6 vs 41.8; gate_up loses at 64 already
+# (49.2 vs 36.8). At 256-512 rows cuBLASLt wins every shape (qkv 24.0 vs 15.8, down 80.0 vs 42.0 at 256): there
+# the GEMMs are no longer a stream of the weight. Where cuBLASLt block-wise is off, a listed shape's split-K
+# replaces the Triton GEMM (column `triton ms`: slower than split-K at every M measured).
+SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {
+    (6144, 4096): 64,  # Llama-8B q/k/v fused
+    (4096, 4096): 64,  # Llama-8B o
+    (4096, 14336): 64,  # Llama-8B down
+}
 
 
 def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:

@@ -8,11 +8,6 @@ scale), causal by absolute position, with optional sliding window and logit soft
 sequence, no mask tensor: only the tiles that some row must not fully see (the diagonal, a window's lower edge)
 build a mask; the others run unmasked.
 
-A step of too few programs for the GPU (one long prompt beside decode rows) may split each item's keys in runs of
-`work.kv_split` (prefill_launch.prefill_kv_split): a program per (item, kv head, head chunk, split); an item whose
-keys fit one split is written by that split's program, the others' splits leave partial rows (normalised, in the
-queries' dtype, with their max and sum in fp32) that `_prefill_merge_kernel` combines in split order.
-
 The torch reference is `paged_attention_ref` (same arguments less the work list).
 """
 
@@ -20,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.prefill_launch import PrefillWork, head_chunks, tile_heads
+from batchgen.kernels.prefill_launch import PrefillWork
 
 try:
     import triton
@@ -37,6 +32,16 @@ if triton is not None:
         x = s / softcap
         e = tl.exp(-2.0 * tl.abs(x))
         return softcap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+
+    @triton.jit
+    def full_dot(a, b):
+        """a @ b on tensor cores; fp32 operands in fp32 (IEEE), where Triton's default would round them to TF32
+        (~1e-3 relative error: an fp32 model's attention would not be fp32). Other dtypes: the plain dot. Shared
+        with the decode kernels (kernels/decode_tiles.py)."""
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
 
     @triton.jit
     def paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok,
@@ -64,9 +69,9 @@ if triton is not None:
                              stride_kh, d, d_ok, BLOCK_SIZE)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
         if HAS_SOFTCAP:  # the cap applies to the natural-unit score
-            s = softcapped(tl.dot(q, tl.trans(k)) * scale, softcap) * LOG2E  # [ROWS, BLOCK_N] fp32
+            s = softcapped(full_dot(q, tl.trans(k)) * scale, softcap) * LOG2E  # [ROWS, BLOCK_N] fp32
         else:
-            s = tl.dot(q, tl.trans(k)) * (scale * LOG2E)
+            s = full_dot(q, tl.trans(k)) * (scale * LOG2E)
         if MASKED:
             visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -80,55 +85,30 @@ if triton is not None:
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)  # 0 while m_i is -inf (nothing seen yet)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + full_dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
-    @triton.jit
-    def item_keys(work_ptr, qsl_ptr, seq_lens_ptr, item, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr):
-        """Work item `item`'s sequence, first token (packed index), that sequence's query end and cached context,
-        and the keys [kv_start, kv_end) its rows see (kv_start a multiple of BLOCK_N)."""
+    # Values that vary from step to step are not specialised on (one build, not one per value class): the block-
+    # table width (paged_decode.py), and the work list's address, whose 16-byte alignment depends on where the step's
+    # arrays land (session 17: a second build mid-run, ~1 s on an empty Triton cache; its loads are two scalars)
+    @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["work_ptr"])
+    def _prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
+        scale, softcap, window,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kb, stride_kh, stride_bt,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ):
+        item = tl.program_id(0)
+        h = tl.program_id(1)  # KV head
+        chunk = tl.program_id(2)  # which HEADS of the GROUP query heads of this KV head
         seq = tl.load(work_ptr + item * 2)
         tok0 = tl.load(work_ptr + item * 2 + 1)
         q_start = tl.load(qsl_ptr + seq)
         q_end = tl.load(qsl_ptr + seq + 1)
         seq_len = tl.load(seq_lens_ptr + seq)
         ctx = seq_len - (q_end - q_start)  # cached tokens before this step's chunk
-        first_pos = ctx + tok0 - q_start  # the item's first token's absolute position
-        last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)  # its last stored token's
-        kv_start = 0
-        if HAS_WINDOW:
-            kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-        return seq, tok0, q_start, q_end, ctx, first_pos, last_pos, kv_start, last_pos + 1
-
-    # Values that vary from step to step are not specialised on (one build, not one per value class): the block-
-    # table width (paged_decode.py), the keys a split takes, and the work list's address, whose 16-byte alignment
-    # depends on where the step's arrays land (session 17: a second build mid-run, ~1 s on an empty Triton cache)
-    @triton.jit(do_not_specialize=["stride_bt", "kv_split", "num_tokens"], do_not_specialize_on_alignment=["work_ptr"])
-    def _prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
-        part_o_ptr, part_ml_ptr, kv_split, num_tokens,
-        scale, softcap, window,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kb, stride_kh, stride_bt,
-        GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
-    ):
-        """Program (item, KV head, head chunk [+ split x chunks]). SPLIT_KV: the program takes only the keys
-        [split * kv_split, (split + 1) * kv_split) of its item's; an item whose keys fit one split writes `out`
-        from that split's program, else every split in its range writes its rows' partial output (normalised), max
-        and sum to part_o [splits, T, H, D] / part_ml [splits, T, H, 2] for _prefill_merge_kernel."""
-        item = tl.program_id(0)
-        h = tl.program_id(1)  # KV head
-        NUM_CHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
-        chunk = tl.program_id(2) % NUM_CHUNKS  # which HEADS of the GROUP query heads of this KV head
-        split = tl.program_id(2) // NUM_CHUNKS  # 0 without SPLIT_KV
-        seq, tok0, q_start, q_end, ctx, first_pos, last_pos, kv_start, kv_end = item_keys(
-            work_ptr, qsl_ptr, seq_lens_ptr, item, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
-        if SPLIT_KV:  # whether this split holds any of the item's keys
-            first_split = kv_start // kv_split
-            last_split = (kv_end - 1) // kv_split
-            mine = (split >= first_split) & (split <= last_split)
 
         ROWS: tl.constexpr = BLOCK_M * HEADS
         r = tl.arange(0, ROWS)
@@ -142,89 +122,40 @@ if triton is not None:
         q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, D_P]
 
+        first_pos = ctx + tok0 - q_start  # the item's first token's absolute position
+        last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)  # its last stored token's
+        kv_end = last_pos + 1
         # The keys [kv_start, kv_end), in tiles of BLOCK_N from multiples of BLOCK_N, as three runs (each tile once):
         # [kv_start, full_start) masked: keys the window hides from some rows (none without a window);
         # [full_start, full_end) unmasked: keys every stored row sees (at or before first_pos, and at or after
         #     last_pos - window + 1);
         # [full_end, kv_end) masked: the diagonal, keys some rows are too early to see.
-        # SPLIT_KV: each run clipped to this split's keys [lo, hi) (multiples of BLOCK_N: tiles stay aligned).
+        kv_start = 0
         full_start = 0
         if HAS_WINDOW:
+            kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
             full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, full_start)
-        lo = 0
-        hi = kv_end
-        if SPLIT_KV:
-            lo = split * kv_split
-            hi = tl.minimum(lo + kv_split, kv_end)
 
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt  # this sequence's block-table row
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D_P], dtype=tl.float32)
-        for n0 in tl.range(tl.maximum(kv_start, lo), tl.minimum(full_start, hi), BLOCK_N):
+        for n0 in tl.range(kv_start, full_start, BLOCK_N):
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
                                         stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
                                         BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=True)
-        for n0 in tl.range(tl.maximum(full_start, lo), tl.minimum(full_end, hi), BLOCK_N):
+        for n0 in tl.range(full_start, full_end, BLOCK_N):
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
                                         stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
                                         BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=False)
-        for n0 in tl.range(tl.maximum(full_end, lo), hi, BLOCK_N):
+        for n0 in tl.range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, q_pos, n0, kv_end, table_ptr, k_cache_ptr, v_cache_ptr, h,
                                         stride_kn, stride_kb, stride_kh, d, d_ok, scale, softcap, window,
                                         BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP, HAS_WINDOW, MASKED=True)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        store = row_ok
-        if SPLIT_KV:  # (an idle split's loops above were empty; it stores nothing. Masking its Q load with `mine`
-            # too made Triton 3.6's bundled ptxas crash compiling for sm_90a (the CPU tests' check): left loaded)
-            store = row_ok & mine & (first_split == last_split)  # the item's keys in one split: written to `out`
-            parts = row_ok & mine & (first_split != last_split)
-            cell = (split.to(tl.int64) * num_tokens + tok) * (GROUP * tl.num_programs(1)) + head  # [ROWS]
-            tl.store(part_o_ptr + cell[:, None] * HEAD_DIM + d[None, :], out.to(part_o_ptr.dtype.element_ty),
-                     mask=parts[:, None] & d_ok[None, :])
-            tl.store(part_ml_ptr + cell * 2, m_i, mask=parts)
-            tl.store(part_ml_ptr + cell * 2 + 1, l_i, mask=parts)
         tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store[:, None] & d_ok[None, :])
-
-    @triton.jit(do_not_specialize=["kv_split", "num_tokens"], do_not_specialize_on_alignment=["work_ptr"])
-    def _prefill_merge_kernel(out_ptr, part_o_ptr, part_ml_ptr, work_ptr, qsl_ptr, seq_lens_ptr, kv_split, num_tokens,
-                              window, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
-        """Program (item, query head): the rows of an item whose keys span several splits, combined from the
-        splits' partial outputs o_s (normalised), maxima m_s (log2 units) and sums l_s: out = sum_s w_s o_s /
-        sum_s w_s with w_s = l_s * exp2(m_s - max_s m_s), in split order. Items of one split: nothing to do."""
-        item = tl.program_id(0)
-        head = tl.program_id(1)
-        num_heads = tl.num_programs(1)
-        seq, tok0, q_start, q_end, ctx, first_pos, last_pos, kv_start, kv_end = item_keys(
-            work_ptr, qsl_ptr, seq_lens_ptr, item, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
-        first_split = kv_start // kv_split
-        last_split = (kv_end - 1) // kv_split
-        tok = tok0 + tl.arange(0, BLOCK_M)
-        ok = (tok < q_end) & (first_split != last_split)
-        d = tl.arange(0, D_P)
-        d_ok = d < HEAD_DIM
-        m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        tok64 = tok.to(tl.int64)  # (s * num_tokens stays in int32: splits x tokens < 2**28, MAX_SPLIT_BYTES)
-        for s in tl.range(first_split, last_split + 1):
-            cell = (s * num_tokens + tok64) * num_heads + head
-            m_max = tl.maximum(m_max, tl.load(part_ml_ptr + cell * 2, mask=ok, other=float("-inf")))
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        num = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
-        den = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for s in tl.range(first_split, last_split + 1):
-            cell = (s * num_tokens + tok64) * num_heads + head
-            m = tl.load(part_ml_ptr + cell * 2, mask=ok, other=float("-inf"))
-            w = tl.load(part_ml_ptr + cell * 2 + 1, mask=ok, other=0.0) * tl.exp2(m - m_safe)  # 0 where m is -inf
-            o = tl.load(part_o_ptr + cell[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            num += w[:, None] * o.to(tl.float32)
-            den += w
-        out = num / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def paged_prefill_attention(
@@ -243,8 +174,7 @@ def paged_prefill_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads, (num_heads, num_kv_heads)  # the partial rows' index relies on it
-    heads = tile_heads(group)
+    heads = min(triton.next_power_of_2(group), 4)
     launch = work.launch  # the block_m the items were cut with: the kernel's, never another
     rows = launch.block_m * heads
     assert rows >= 16 and rows & (rows - 1) == 0, "a tile's rows: a power of two (tl.arange), >= 16 (tl.dot)"
@@ -253,29 +183,15 @@ def paged_prefill_attention(
     out = torch.empty_like(query) if out is None else out
     if work.items.shape[0] == 0:
         return out
-    num_tokens, split = query.shape[0], work.kv_split > 0
-    assert not split or work.kv_split % launch.block_n == 0, (work.kv_split, launch)
-    if split:  # the splits' partial outputs (in the queries' dtype, normalised), maxima and sums
-        part_o = torch.empty(work.num_splits, num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
-        part_ml = torch.empty(work.num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_ml = out  # not read
-    grid = (work.items.shape[0], num_kv_heads, head_chunks(num_heads, num_kv_heads) * (work.num_splits if split else 1))
-    d_p = max(16, triton.next_power_of_2(head_dim))
+    grid = (work.items.shape[0], num_kv_heads, triton.cdiv(group, heads))
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, work.items, query_start_loc, seq_lens, block_tables,
-        part_o, part_ml, max(work.kv_split, 1), num_tokens,
         scale, softcap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, D_P=d_p,
+        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, D_P=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None, SPLIT_KV=split,
+        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if split:
-        _prefill_merge_kernel[(work.items.shape[0], num_heads)](
-            out, part_o, part_ml, work.items, query_start_loc, seq_lens, work.kv_split, num_tokens,
-            sliding_window or 0, out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_P=d_p, BLOCK_M=launch.block_m,
-            BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, num_warps=4)
     return out

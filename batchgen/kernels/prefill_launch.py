@@ -4,7 +4,6 @@
 queries into work items of that launch's block_m tokens; `PrefillWork` carries the two together from the runner to
 the kernel (through the attention metadata), so the kernel never tiles a work list with another block_m.
 Invariant: a launch changes the kernel's speed and the order of its fp32 additions, never which keys a query sees.
-A key split (`prefill_kv_split`) also rounds each split's partial rows to the queries' dtype before the merge.
 No Triton here: the runner imports this on every install.
 """
 
@@ -64,17 +63,6 @@ def prefill_launch(max_query_len: int, head_dim: int = 128, element_bytes: int =
     return SHORT_PROMPT_LAUNCH
 
 
-def tile_heads(group: int) -> int:
-    """Query heads of one KV head a prefill tile holds: the group's next power of two, at most 4."""
-    return min(1 << (group - 1).bit_length(), 4)
-
-
-def head_chunks(num_heads: int, num_kv_heads: int) -> int:
-    """Programs a KV head's query heads take (tiles of tile_heads of them)."""
-    group = num_heads // num_kv_heads
-    return -(-group // tile_heads(group))
-
-
 def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) -> np.ndarray:
     """[P, 2] int32 work items (sequence index, packed index of the item's first token), in sequence order:
     ceil(q_len / block_m) items per sequence, each of block_m tokens but a sequence's last.
@@ -86,68 +74,21 @@ def prefill_work(q_lens: np.ndarray, query_start_loc: np.ndarray, block_m: int) 
     return np.stack([seq, query_start_loc[:-1][seq] + block_m * offset], axis=1).astype(np.int32)
 
 
-# Splitting an item's keys over several programs (flash-decoding's split, for prefill): a step whose work items
-# give too few programs for the GPU -- one ~1,450-token prompt beside 250 decode rows, the mixed load's typical
-# step: 23 items x 8 KV heads = 184 programs of the long launch, one a Hopper SM -- waits on its last items, which
-# see every key (session 17's profile: 3.31 ms of prefill attention a step against ~0.7 ms of causal FLOPs).
-# Each split takes KV_SPLIT_KEYS keys (a multiple of every BLOCK_N choice), at most MAX_KV_SPLITS of them; a second
-# kernel merges the splits' partial rows. Off until a GPU run measures it (bench/profile_prefill.py --kv-split
-# off,on profiles a step both ways; end to end, a copy of the tree with KV_SPLIT_ON = True against this one).
-KV_SPLIT_ON = False  # whether the runner splits a step's keys (step_kv_split); the kernels take a split either way
-KV_SPLIT_KEYS = 512
-MAX_KV_SPLITS = 8
-MIN_PROGRAMS_PER_SM = 2  # a step with at least this many programs an SM runs unsplit
-MAX_SPLIT_BYTES = 256 << 20  # the partial outputs' size bound: above it the step runs unsplit
-
-
-def prefill_kv_split(num_programs: int, longest_kv: int, num_sms: int, partial_bytes: int) -> tuple[int, int]:
-    """(keys a split takes, splits) for a step whose unsplit launch has num_programs programs and whose longest
-    sequence sees longest_kv keys, on num_sms SMs; partial_bytes: one split's partial output ([T, H, D] in the
-    activations' dtype plus [T, H, 2] fp32). (0, 1): unsplit."""
-    if num_programs >= MIN_PROGRAMS_PER_SM * num_sms or longest_kv <= KV_SPLIT_KEYS:
-        return 0, 1
-    per_split = -(-longest_kv // MAX_KV_SPLITS)
-    keys = max(KV_SPLIT_KEYS, -(-per_split // 128) * 128)
-    splits = -(-longest_kv // keys)
-    if splits * partial_bytes > MAX_SPLIT_BYTES:
-        return 0, 1
-    return keys, splits
-
-
-def step_kv_split(num_items: int, seq_lens: np.ndarray, num_decode: int, num_tokens: int, num_heads: int,
-                  num_kv_heads: int, head_dim: int, act_bytes: int, num_sms: int) -> tuple[int, int]:
-    """prefill_kv_split for a step: num_items work items, of which the first num_decode are its decode rows (the
-    decode kernel's: not counted), seq_lens [S] of its sequences (decode rows first), num_tokens packed queries."""
-    if not KV_SPLIT_ON or num_items <= num_decode:
-        return 0, 1
-    programs = (num_items - num_decode) * num_kv_heads * head_chunks(num_heads, num_kv_heads)
-    partial_bytes = num_tokens * num_heads * (head_dim * act_bytes + 8)
-    return prefill_kv_split(programs, int(np.max(seq_lens[num_decode:])), num_sms, partial_bytes)
-
-
 @dataclass(frozen=True)
 class PrefillWork:
-    """A work list and the launch it was cut for: `items` come from prefill_work(..., launch.block_m); with
-    kv_split > 0 each item's keys are split in runs of kv_split keys (prefill_kv_split), num_splits at most."""
+    """A work list and the launch it was cut for: `items` come from prefill_work(..., launch.block_m)."""
 
     items: torch.Tensor  # [P, 2] int32, on the queries' device
     launch: PrefillLaunch
-    kv_split: int = 0  # keys a program takes (a multiple of launch.block_n); 0: all of its item's
-    # splits of the longest keys of any sequence with an item: ceil(its keys / kv_split). An invariant the kernels
-    # trust (the grid holds that many splits, the partial buffers that many rows): never fewer.
-    num_splits: int = 1
 
     @staticmethod
     def build(q_lens: np.ndarray, query_start_loc: np.ndarray, launch: PrefillLaunch | None = None,
-              device: torch.device | str = "cpu", kv_split: int = 0, seq_lens: np.ndarray | None = None
-              ) -> PrefillWork:
+              device: torch.device | str = "cpu") -> PrefillWork:
         """The step's work list on `device`, for `launch` (None: prefill_launch of the longest query, Llama's
-        128-dim bf16 heads); kv_split > 0 (seq_lens needed): its keys in runs of kv_split."""
+        128-dim bf16 heads)."""
         launch = launch or prefill_launch(int(np.max(q_lens)))
         items = torch.from_numpy(prefill_work(q_lens, query_start_loc, launch.block_m)).to(device)
-        assert not kv_split or seq_lens is not None, "PrefillWork.build: kv_split needs the sequences' seq_lens"
-        splits = -(-int(np.max(seq_lens)) // kv_split) if kv_split else 1
-        return PrefillWork(items, launch, kv_split, splits)
+        return PrefillWork(items, launch)
 
     def after(self, num_items: int) -> PrefillWork:
         """The list less its first num_items items (a mixed step's decode rows: one item each, packed first)."""

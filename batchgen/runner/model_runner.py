@@ -19,7 +19,7 @@ import torch
 from batchgen.attention.interface import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.engine.batch import ScheduledBatch, StepOutput
-from batchgen.kernels.prefill_launch import PrefillWork, prefill_launch, prefill_work, step_kv_split
+from batchgen.kernels.prefill_launch import PrefillWork, prefill_launch, prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
@@ -84,7 +84,6 @@ class ModelRunner:
         self.prepare_s = 0.0  # CPU time building step inputs
         self.timing = StepTiming()  # device time of collected steps by kind, and the idle time before them (CUDA)
         self.use_triton = device.type == "cuda" and _triton_available()
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if self.use_triton else 0
         self.penalties = PenaltyTable(max_num_seqs, self.vocab_size, device)  # rows: the scheduler's slots
         self._last_tokens: torch.Tensor | None = None  # [S] sampled ids of the latest dispatched step
         # Three non-default streams on CUDA: H2D (inside `staging`), compute, D2H. None on CPU.
@@ -203,9 +202,6 @@ class ModelRunner:
         max_query_len = int(a.q_lens.max())
         launch = prefill_launch(max_query_len, self.kv_cache.geometry.head_dim, self._act_bytes)
         work = [prefill_work(a.q_lens, a.query_start_loc, launch.block_m)] if self.use_triton and not graphed else []
-        g = self.kv_cache.geometry  # a step of too few prefill programs splits its keys (prefill_launch.py)
-        kv_split = step_kv_split(len(work[0]), a.seq_lens, a.num_decode_seqs, len(a.input_ids), g.num_heads,
-                                 g.num_kv_heads, g.head_dim, self._act_bytes, self._num_sms) if work else (0, 1)
         self.staging.begin_step()
         ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
             [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
@@ -236,7 +232,7 @@ class ModelRunner:
                     kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
                     block_tables=tables_d, max_query_len=max_query_len, max_seq_len=int(a.seq_lens.max()),
                     use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs,
-                    prefill_work=None if work_d is None else PrefillWork(work_d, launch, *kv_split))
+                    prefill_work=None if work_d is None else PrefillWork(work_d, launch))
                 if self.decode_forward.has_packed:  # the fused layers, with the prefill attention kernel
                     logits = self.decode_forward.forward_packed(ids_d, pos_d, attention, keep_d)
                 else:
