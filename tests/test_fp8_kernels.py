@@ -367,12 +367,16 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
 
 
 def test_the_start_up_description_of_the_fp8_gemms_names_each_path_and_the_probes_reason(monkeypatch):
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels import fp8_blockwise, fp8_gemm
     from batchgen.kernels.fp8_gemm import describe_paths
 
     bf16 = torch.bfloat16
     assert describe_paths(torch.device("cpu"), bf16, 128, 128, True) == "FP8 weights dequantised (CPU reference)"
     monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
+    monkeypatch.setattr(fp8_gemm, "SPLITK_SHAPE_ROWS", {(4096, 14336): 64, (4096, 4096): 32})  # 32: no further
+    assert describe_paths(CUDA0, bf16, 128, 128, True) == \
+        "FP8 GEMMs: split-K at <= 32 rows, 4096x14336 to 64, cuBLASLt block-wise above"
+    monkeypatch.setattr(fp8_gemm, "SPLITK_SHAPE_ROWS", {})
     assert describe_paths(CUDA0, bf16, 128, 128, True) == "FP8 GEMMs: split-K at <= 32 rows, cuBLASLt block-wise above"
     assert describe_paths(CUDA0, bf16, 1, None, True) == "FP8 GEMMs: row-wise _scaled_mm"
     assert describe_paths(CUDA0, bf16, 128, 128, False) == "FP8 weights dequantised (a weight-only checkpoint)"
