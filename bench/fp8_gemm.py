@@ -69,22 +69,27 @@ SPLITK_TILES_LARGE_M = ((64, 4, 4, True), (64, 8, 4, True), (128, 4, 4, True), (
 SPLITK_BLOCK_M_LARGE = (64, 128)
 SPLITK_MAX_SPLITS = 16
 # at <= 64 rows these tiles also run as the persistent kernel (SplitKConfig.persistent: 1 and 2 programs a SM)
-SPLITK_PERSISTENT_TILES = ((64, 4, 4, True), (64, 4, 6, True), (128, 4, 4, True))
+SPLITK_PERSISTENT_TILES = ((64, 4, 4, True), (64, 4, 6, True), (64, 4, 8, True), (128, 4, 4, True), (128, 4, 6, True))
 SPLITK_PERSISTENT_PER_SM = (1, 2)
 
 
 def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
+    """The split-K configs --sweep times at M rows: every tile x split count that divides K's blocks into 132 to
+    1600 programs (or one split); at <= 64 rows also SPLITK_PERSISTENT_TILES as the persistent kernel."""
     blocks = -(-k // 128)
     tiles = [(*t, 0) for t in SPLITK_TILES] if m <= 64 else \
         [(*t, bm) for t in SPLITK_TILES_LARGE_M for bm in SPLITK_BLOCK_M_LARGE]
+    persistent_tiles = [(*t, 0) for t in SPLITK_PERSISTENT_TILES] if m <= 64 else []
     out = []
-    for block_n, warps, stages, tma, block_m in tiles:
+    for tile in dict.fromkeys(tiles + persistent_tiles):
+        block_n, warps, stages, tma, block_m = tile
         for splits in range(1, min(blocks, SPLITK_MAX_SPLITS) + 1):
             programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // (block_m or 64))
             if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
-                out.append(SplitKConfig(block_n, splits, warps, stages, tma, block_m))
-                if m <= 64 and (block_n, warps, stages, tma) in SPLITK_PERSISTENT_TILES:
-                    out += [out[-1]._replace(persistent=p) for p in SPLITK_PERSISTENT_PER_SM]
+                cfg = SplitKConfig(block_n, splits, warps, stages, tma, block_m)
+                out += [cfg] if tile in tiles else []
+                out += [cfg._replace(persistent=p) for p in SPLITK_PERSISTENT_PER_SM] if tile in persistent_tiles \
+                    else []
     return out
 
 
