@@ -23,11 +23,11 @@ emulated W8A8 reference (same quantisation in fp32).
 (shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
 literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
 shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
-stages, TMA) (SPLITK_TILES x split counts at M <= 64; above, SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits
-do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
+stages, TMA) (SPLITK_TILES x split counts at M <= 64, and SPLITK_PERSISTENT_TILES as the persistent kernel; above,
+SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
 then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8_gemm.py (the rows up to which split-K's default config
-beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
-compiles; ~2 more a swept M above 64.
+beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64 (session 15,
+before the persistent configs doubled them), mostly Triton compiles; ~2 more a swept M above 64.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ SPLITK_PERSISTENT_PER_SM = (1, 2)
 
 def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
     """The split-K configs --sweep times at M rows: every tile x split count that divides K's blocks into 132 to
-    1600 programs (or one split); at <= 64 rows also SPLITK_PERSISTENT_TILES as the persistent kernel."""
+    1600 work items (or one split); at <= 64 rows also SPLITK_PERSISTENT_TILES as the persistent kernel (1 and 2
+    programs a SM over those items)."""
     blocks = -(-k // 128)
     tiles = [(*t, 0) for t in SPLITK_TILES] if m <= 64 else \
         [(*t, bm) for t in SPLITK_TILES_LARGE_M for bm in SPLITK_BLOCK_M_LARGE]

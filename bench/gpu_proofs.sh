@@ -34,8 +34,8 @@
 #                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
 #                                       # SPLITK_SHAPE_ROWS literal says which shapes take split-K at the FP8 job's
 #                                       # sizes (~8 min?; SPLITK_SWEEP_ROWS narrows it)
-#   bash bench/gpu_proofs.sh fp8persist # issue 19: the persistent split-K kernel's GPU tests, its sweep at 32 / 64 rows,
-#                                       # then FP8 W1 with it off (this tree) and on at 1 and 2 programs a SM (~8 min?)
+#   bash bench/gpu_proofs.sh fp8persist # issue 19: FP8 W1 with the persistent split-K kernel off (this tree) and on at
+#                                       # 1 and 2 programs a SM, its GPU tests, its sweep at 32 / 64 rows (~9 min?)
 #   bash bench/gpu_proofs.sh fp8kv      # engine.kv_cache_dtype: fp8: its GPU tests, then the job at 256 seqs, default (A)
 #                                       # vs an fp8 K/V cache (B), A B B A (~7 min)
 #   bash bench/gpu_proofs.sh refill     # issue 18: job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
@@ -148,7 +148,7 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
              step mixed 300 "${BG[@]}" --workload mixed --requests 2000 --json "$LOGS/mixed.json" ;;
     mixedab) i=0; for code in ${MIXED_ORDER:-.prev . . .prev}; do i=$((i + 1))  # checkouts, run in this order
                # run from inside the checkout: `python3 -m` puts the working directory first on sys.path
-               tag=prev; [ "$code" = . ] && tag=this
+               tag=${code#.}; tag=${tag:-this}
                step "mixed_${i}_$tag" 200 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
                  --workload mixed --requests ${MIXED_REQUESTS:-1000} --json $LOGS/mixed_$i.json"; done ;;
     mixedprof) step kernels_prev 220 bash -c "cd .prev && PYTHONPATH=/tmp/site:\$PWD python3 ../bench/mixed_kernels.py \
@@ -165,18 +165,19 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep \
                  --sweep-rows "${SPLITK_SWEEP_ROWS:-64,128,256,512}" \
                  --json "$LOGS/fp8_gemm_256.json" ;;
-    fp8persist) # the persistent split-K kernel: GPU tests, the sweep at decode rows, then FP8 W1 from this tree and
-                # from copies whose default config runs it with 1 and 2 programs a SM (.alt1, .alt2)
-                step persist_tests 150 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -p no:cacheprovider -rfE
-                step persist_sweep 300 python3 bench/fp8_gemm.py --rows 32 --sweep --sweep-rows 32,64 \
-                  --json "$LOGS/persist_sweep.json"
+    fp8persist) # the persistent split-K kernel: FP8 W1 from this tree (off) and from copies whose default config runs
+                # it with 1 and 2 programs a SM (.alt1, .alt2), then its GPU tests, then the GEMM sweep at 32 / 64 rows
                 for per_sm in 0 1 2; do code=.; if [ "$per_sm" != 0 ]; then code=.alt$per_sm
                   rm -rf "$code" && mkdir "$code" && cp -r batchgen pyproject.toml "$code"/ && sed -i \
-                    "s/^PERSISTENT_PER_SM = 0/PERSISTENT_PER_SM = $per_sm/" "$code"/batchgen/kernels/fp8_splitk.py
-                  grep -q "^PERSISTENT_PER_SM = $per_sm" "$code"/batchgen/kernels/fp8_splitk.py \
+                    "s/^PERSISTENT_PER_SM = 0$/PERSISTENT_PER_SM = $per_sm/" "$code"/batchgen/kernels/fp8_splitk.py
+                  grep -q "^PERSISTENT_PER_SM = $per_sm$" "$code"/batchgen/kernels/fp8_splitk.py \
                     || { echo "== fp8persist: could not make $code"; continue; }; fi
-                  step "w1_fp8_persistent_$per_sm" 100 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
-                    --new-tokens 1024 --weights fp8 --variants graphs_async --json $LOGS/w1_fp8_p$per_sm.json"; done ;;
+                  step "w1_fp8_persistent_$per_sm" 90 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
+                    --new-tokens 1024 --weights fp8 --variants graphs_async --json $LOGS/w1_fp8_p$per_sm.json"; done
+                step persist_tests 90 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -k persistent \
+                  -p no:cacheprovider -rfE
+                step persist_sweep 300 python3 bench/fp8_gemm.py --rows 32 --sweep --sweep-rows 32,64 \
+                  --json "$LOGS/persist_sweep.json" ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \

@@ -67,8 +67,10 @@ assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 import batchgen.kernels.fp8_splitk as splitk_module
 splitk_module.device_sms = lambda t: 2
 cases = [(5, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1)), (5, 200, 576, 128, 128, SplitKConfig(64, 1, 4, 1)),
-         (1, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)), (40, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1,
-         False, 16)), (5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1))]
+         (1, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)),
+         (40, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1, False, 16)),
+         (5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1)),
+         (5, 48, 384, 1, None, SplitKConfig(64, 1, 4, 1))]  # 1 item, fewer than the programs asked for
 for m, n, k, gn, gk, cfg in cases:
     x = exact_x(m, k, gk or 128)
     w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
@@ -217,7 +219,7 @@ def test_the_persistent_splitk_kernel_writes_the_plain_kernels_bits_at_the_8b_sh
         xq, xs = quantize_groups((torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16), 128)
         for tma in (True, False):
             cfg = splitk_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count)
-            cfg = cfg._replace(tma=tma)
+            cfg = cfg._replace(tma=tma, persistent=0)  # the plain launch, whatever PERSISTENT_PER_SM says
             plain = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, config=cfg)
             for per_sm in (1, 2):
                 out = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, config=cfg._replace(persistent=per_sm))

@@ -114,7 +114,7 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
                  BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
-    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products on tensor cores (tl.dot); below,
+    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32: IEEE); below,
     broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
     (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
@@ -126,7 +126,7 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
         k, v = paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, h, stride_kn, stride_kb, stride_kh, d,
                              d_mask, BLOCK_SIZE)  # [BLOCK_N, D_P] each
         k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache: upcast to the queries' dtype (else a no-op)
-        if GROUP_P >= 16:  # tensor cores (tl.dot needs >= 16 rows: a small group is padded)
+        if GROUP_P >= 16:  # full_dot (tl.dot needs >= 16 rows: a small group is padded)
             scores = full_dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N] fp32
         else:  # the group's rows alone, on CUDA cores (a launch's `mma=False`: MHA models' one query a KV head)
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale

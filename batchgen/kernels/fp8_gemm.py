@@ -82,8 +82,8 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
 }
 # The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
 # a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
-# the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS
-# lists the weight's shape.
+# the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS lists the
+# weight's shape.
 SPLITK_MAX_ROWS = 32
 # (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
 # bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its

@@ -16,6 +16,10 @@ sum (splitk_common.SplitKPartials: the fused decoders' residual add + RMSNorm af
 No atomics: the result does not depend on program order, and the bf16 output equals the fp32 output rounded.
 With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
 
+Persistent launch (SplitKConfig.persistent = P): P programs a SM share the same work items round-robin, each
+running its items' k blocks as one software-pipelined loop (no pipeline fill and drain per item): the same
+partials, bit for bit. Off in the default config (PERSISTENT_PER_SM) until a GPU run measures it faster.
+
 fp8_gemm's default path for block-scaled weights at M <= fp8_gemm.SPLITK_MAX_ROWS (32: the rows at which a GPU run
 measured it faster end to end), and up to fp8_gemm.SPLITK_SHAPE_ROWS's rows for the weight shapes listed there;
 bench/fp8_gemm.py times it (column `splitk`, at every M) and sweeps its configs (row tiles of 64 or 128 above 64).
@@ -129,7 +133,6 @@ if triton is not None:
                           tl.program_id(0), pid_n, kb_first, kb_end, M, N, K, stride_am, stride_asm, stride_ask,
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                           BLOCK_K, B_TMA)
-
 
     @triton.jit
     def _splitk_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, num_items,

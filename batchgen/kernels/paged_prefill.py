@@ -35,9 +35,9 @@ if triton is not None:
 
     @triton.jit
     def full_dot(a, b):
-        """a @ b on tensor cores; fp32 operands in fp32 (IEEE), where Triton's default would round them to TF32
-        (~1e-3 relative error: an fp32 model's attention would not be fp32). Other dtypes: the plain dot. Shared
-        with the decode kernels (kernels/decode_tiles.py)."""
+        """a @ b: bf16 / fp16 / fp8 operands on tensor cores; fp32 operands in IEEE fp32 (FMAs on CUDA cores,
+        slower), where Triton's default would round them to TF32 (~1e-3 relative error, measured on the H200:
+        an fp32 model's attention would not be fp32). Shared with the decode kernels (kernels/decode_tiles.py)."""
         if a.dtype == tl.float32:
             return tl.dot(a, b, input_precision="ieee")
         else:
