@@ -24,7 +24,8 @@ emulated W8A8 reference (same quantisation in fp32).
 literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
 shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
 stages, TMA) (SPLITK_TILES x split counts at M <= 64, and SPLITK_PERSISTENT_TILES as the persistent kernel; above,
-SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
+SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits do not recompile), its best per (shape, M) printed beside
+the Triton GEMM's and the cuBLAS block-wise GEMM alone,
 then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8_gemm.py (the rows up to which split-K's default config
 beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64 (session 15,
 before the persistent configs doubled them), mostly Triton compiles; ~2 more a swept M above 64.
@@ -88,9 +89,10 @@ def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
             programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // (block_m or 64))
             if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
                 cfg = SplitKConfig(block_n, splits, warps, stages, tma, block_m)
-                out += [cfg] if tile in tiles else []
-                out += [cfg._replace(persistent=p) for p in SPLITK_PERSISTENT_PER_SM] if tile in persistent_tiles \
-                    else []
+                if tile in tiles:
+                    out.append(cfg)
+                if tile in persistent_tiles:
+                    out += [cfg._replace(persistent=p) for p in SPLITK_PERSISTENT_PER_SM]
     return out
 
 

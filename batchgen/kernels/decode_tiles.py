@@ -114,8 +114,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
                  BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
-    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32: IEEE); below,
-    broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
+    max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32:
+    IEEE); below, broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
     (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
