@@ -23,12 +23,11 @@ emulated W8A8 reference (same quantisation in fp32).
 (shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
 literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
 shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
-stages, TMA) (SPLITK_TILES x split counts at M <= 64, and SPLITK_PERSISTENT_TILES as the persistent kernel; above,
-SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits do not recompile), its best per (shape, M) printed beside
-the Triton GEMM's and the cuBLAS block-wise GEMM alone,
+stages, TMA) (SPLITK_TILES x split counts at M <= 64; above, SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits
+do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
 then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8_gemm.py (the rows up to which split-K's default config
-beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64 (session 15,
-before the persistent configs doubled them), mostly Triton compiles; ~2 more a swept M above 64.
+beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
+compiles; ~2 more a swept M above 64.
 """
 
 from __future__ import annotations
@@ -69,30 +68,18 @@ SPLITK_TILES_LARGE_M = ((64, 4, 4, True), (64, 8, 4, True), (128, 4, 4, True), (
                         (128, 8, 4, False))
 SPLITK_BLOCK_M_LARGE = (64, 128)
 SPLITK_MAX_SPLITS = 16
-# at <= 64 rows these tiles also run as the persistent kernel (SplitKConfig.persistent: 1 and 2 programs a SM)
-SPLITK_PERSISTENT_TILES = ((64, 4, 4, True), (64, 4, 6, True), (64, 4, 8, True), (128, 4, 4, True), (128, 4, 6, True))
-SPLITK_PERSISTENT_PER_SM = (1, 2)
 
 
 def splitk_sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
-    """The split-K configs --sweep times at M rows: every tile x split count that divides K's blocks into 132 to
-    1600 work items (or one split); at <= 64 rows also SPLITK_PERSISTENT_TILES as the persistent kernel (1 and 2
-    programs a SM over those items)."""
     blocks = -(-k // 128)
     tiles = [(*t, 0) for t in SPLITK_TILES] if m <= 64 else \
         [(*t, bm) for t in SPLITK_TILES_LARGE_M for bm in SPLITK_BLOCK_M_LARGE]
-    persistent_tiles = [(*t, 0) for t in SPLITK_PERSISTENT_TILES] if m <= 64 else []
     out = []
-    for tile in dict.fromkeys(tiles + persistent_tiles):
-        block_n, warps, stages, tma, block_m = tile
+    for block_n, warps, stages, tma, block_m in tiles:
         for splits in range(1, min(blocks, SPLITK_MAX_SPLITS) + 1):
             programs = -(-n // block_n) * split_sizes(blocks, splits)[1] * -(-m // (block_m or 64))
             if blocks % splits == 0 and (132 <= programs <= 1600 or splits == 1):
-                cfg = SplitKConfig(block_n, splits, warps, stages, tma, block_m)
-                if tile in tiles:
-                    out.append(cfg)
-                if tile in persistent_tiles:
-                    out += [cfg._replace(persistent=p) for p in SPLITK_PERSISTENT_PER_SM]
+                out.append(SplitKConfig(block_n, splits, warps, stages, tma, block_m))
     return out
 
 
@@ -250,11 +237,9 @@ def sweep_splitk(name: str, n: int, k: int, m: int, xq, xs, block, copies: int, 
            "splitk_default_ms": timed.get(default, float("nan")),
            "splitk_best_TBps": n * k / (timed[best] / 1e3) / 1e12,
            "splitk_all": {",".join(map(str, c)): round(t, 5) for c, t in sorted(timed.items(), key=lambda kv: kv[1])}}
-    for tma in (False, True):  # one program per item: the best with plain pointer loads and with TMA loads
-        times = [t for c, t in timed.items() if c.tma == tma and not c.persistent]
+    for tma in (False, True):  # the best with plain pointer loads of the weight and with TMA descriptor loads
+        times = [t for c, t in timed.items() if c.tma == tma]
         out[f"splitk_best_{'tma' if tma else 'plain'}_ms"] = min(times) if times else float("nan")
-    persistent = [t for c, t in timed.items() if c.persistent]  # the persistent kernel's best (M <= 64)
-    out["splitk_best_persistent_ms"] = min(persistent) if persistent else float("nan")
     if blockwise_scaled_mm_fits(torch.bfloat16, n, k, 128, 128) and blockwise_scaled_mm_supported(0):
         out["cublas_alone_ms"] = time_graph_ms(lambda i: torch._scaled_mm(
             xq, block[i][0].t(), scale_a=xs, scale_b=block[i][1].t(), out_dtype=torch.bfloat16), copies, 10, 5)
@@ -307,16 +292,14 @@ def main() -> None:
             table.setdefault((s["N"], s["K"]), {})[s["M"]] = tuple(s["best"])
         skw = [s for s in sweeps if "splitk_best" in s]
         if skw:
-            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages, TMA, BLOCK_M; 0: M's,"
-                  " persistent programs a SM) vs its default, the best one-program-per-item launch with plain and"
-                  " with TMA weight loads, the persistent kernel's best, the Triton GEMM's best and cuBLAS"
-                  " block-wise alone")
+            print("\nsplit-K GEMM alone (graph replay): best (BLOCK_N, splits, warps, stages, TMA, BLOCK_M; 0: M's)"
+                  " vs its default, the Triton GEMM's best and cuBLAS block-wise alone")
             print(f"{'shape':<8}{'M':>5}{'best ms':>9}{'TB/s':>7}{'default ms':>11}{'plain ms':>9}{'tma ms':>8}"
-                  f"{'persist ms':>11}{'triton ms':>10}{'cublas ms':>10}  best / default")
+                  f"{'triton ms':>10}{'cublas ms':>10}  best / default")
             for s in skw:
                 print(f"{s['shape']:<8}{s['M']:>5}{s['splitk_best_ms']:>9.4f}{s['splitk_best_TBps']:>7.2f}"
                       f"{s['splitk_default_ms']:>11.4f}{s['splitk_best_plain_ms']:>9.4f}{s['splitk_best_tma_ms']:>8.4f}"
-                      f"{s.get('splitk_best_persistent_ms', float('nan')):>11.4f}{s['best_ms']:>10.4f}"
+                      f"{s['best_ms']:>10.4f}"
                       f"{s.get('cublas_alone_ms', float('nan')):>10.4f}"
                       f"  {tuple(s['splitk_best'])} / {tuple(s['splitk_default'])}")
         print("\nSHAPE_CONFIGS = {")

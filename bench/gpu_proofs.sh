@@ -34,8 +34,6 @@
 #                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
 #                                       # SPLITK_SHAPE_ROWS literal says which shapes take split-K at the FP8 job's
 #                                       # sizes (~8 min?; SPLITK_SWEEP_ROWS narrows it)
-#   bash bench/gpu_proofs.sh fp8persist # issue 19: FP8 W1 with the persistent split-K kernel off (this tree) and on at
-#                                       # 1 and 2 programs a SM, its GPU tests, its sweep at 32 / 64 rows (~9 min?)
 #   bash bench/gpu_proofs.sh fp8kv      # engine.kv_cache_dtype: fp8: its GPU tests, then the job at 256 seqs, default (A)
 #                                       # vs an fp8 K/V cache (B), A B B A (~7 min)
 #   bash bench/gpu_proofs.sh refill     # issue 18: job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
@@ -165,19 +163,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep \
                  --sweep-rows "${SPLITK_SWEEP_ROWS:-64,128,256,512}" \
                  --json "$LOGS/fp8_gemm_256.json" ;;
-    fp8persist) # the persistent split-K kernel: FP8 W1 from this tree (off) and from copies whose default config runs
-                # it with 1 and 2 programs a SM (.alt1, .alt2), then its GPU tests, then the GEMM sweep at 32 / 64 rows
-                for per_sm in 0 1 2; do code=.; if [ "$per_sm" != 0 ]; then code=.alt$per_sm
-                  rm -rf "$code" && mkdir "$code" && cp -r batchgen pyproject.toml "$code"/ && sed -i \
-                    "s/^PERSISTENT_PER_SM = 0$/PERSISTENT_PER_SM = $per_sm/" "$code"/batchgen/kernels/fp8_splitk.py
-                  grep -q "^PERSISTENT_PER_SM = $per_sm$" "$code"/batchgen/kernels/fp8_splitk.py \
-                    || { echo "== fp8persist: could not make $code"; continue; }; fi
-                  step "w1_fp8_persistent_$per_sm" 90 bash -c "cd $code && PYTHONPATH=/tmp/site:\$PWD ${BG[*]} \
-                    --new-tokens 1024 --weights fp8 --variants graphs_async --json $LOGS/w1_fp8_p$per_sm.json"; done
-                step persist_tests 90 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -k persistent \
-                  -p no:cacheprovider -rfE
-                step persist_sweep 300 python3 bench/fp8_gemm.py --rows 32 --sweep --sweep-rows 32,64 \
-                  --json "$LOGS/persist_sweep.json" ;;
     fp8job) for w in ${FP8_WEIGHTS:-bf16 fp8}; do
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \
@@ -189,6 +174,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8persist fp8kv refill prefill mixedab mixedprof admission fp8job detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof admission fp8job detcheck detcost det)"; exit 2 ;;
   esac
 done

@@ -60,31 +60,6 @@ for m, n, k, gn, gk, cfg in cases:
     assert ((out16.float() - out).abs() <= out.abs() * 2.0 ** -7).all(), (m, n, k, cfg)
 out = splitk_scaled_matmul(x, w, s, gn, gk, bias, config=SplitKConfig(32, 2, 4, 1))  # the quantiser in front
 assert (out - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
-
-# The persistent kernel writes the plain kernel's bits: on a 2-SM GPU (1 or 2 programs a SM: 2 or 4 programs),
-# several work items a program, items whose last split is short (5 blocks in splits of 2: 2+2+1), TMA tiles,
-# several row tiles, the bias in the GEMM's own epilogue (one split), per-row and per-channel scales.
-import batchgen.kernels.fp8_splitk as splitk_module
-splitk_module.device_sms = lambda t: 2
-cases = [(5, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1)), (5, 200, 576, 128, 128, SplitKConfig(64, 1, 4, 1)),
-         (1, 200, 576, 128, 128, SplitKConfig(64, 3, 4, 1, True)),
-         (40, 200, 576, 128, 128, SplitKConfig(32, 3, 4, 1, False, 16)),
-         (5, 72, 160, 1, 32, SplitKConfig(32, 5, 4, 1)), (3, 48, 384, 1, None, SplitKConfig(32, 3, 4, 1)),
-         (5, 48, 384, 1, None, SplitKConfig(64, 1, 4, 1))]  # 1 item, fewer than the programs asked for
-for m, n, k, gn, gk, cfg in cases:
-    x = exact_x(m, k, gk or 128)
-    w, s = quantize_weight(torch.randn(n, k) * 0.05, gn if gk else None, gk)
-    bias = torch.randn(n)
-    xq, xs = quantize_groups(x, gk or 128)
-    for dtype in (torch.float32, torch.bfloat16):
-        plain = splitk_matmul(xq, xs, w, s, gn, gk, dtype, bias, cfg)
-        for per_sm in (1, 2):
-            assert torch.equal(splitk_matmul(xq, xs, w, s, gn, gk, dtype, bias, cfg._replace(persistent=per_sm)),
-                               plain), (m, n, k, cfg, per_sm)
-    partials = splitk_matmul(xq, xs, w, s, gn, gk, torch.bfloat16, bias, cfg._replace(persistent=1), unreduced=True)
-    plain_partials = splitk_matmul(xq, xs, w, s, gn, gk, torch.bfloat16, bias, cfg, unreduced=True)
-    if isinstance(plain_partials, splitk_module.SplitKPartials):  # the fp32 partials themselves, before any sum
-        assert torch.equal(partials.part, plain_partials.part), (m, n, k, cfg)
 print("ok")
 """
 
@@ -166,10 +141,6 @@ def test_the_fp8_gemm_sweep_routes_a_shape_to_splitk_only_up_to_its_first_loss()
     configs = sweep.splitk_sweep_configs(256, 4096, 14336)
     assert {c.block_m for c in configs} == {64, 128} and all(c.splits <= 16 for c in configs)
     assert all(c.block_m == 0 for c in sweep.splitk_sweep_configs(32, 4096, 14336))
-    # the persistent kernel swept at decode rows only, beside the same tile's one-program-per-item launch
-    small = sweep.splitk_sweep_configs(32, 4096, 14336)
-    assert {c.persistent for c in small} == {0, 1, 2} and not any(c.persistent for c in configs)
-    assert {(c.block_n, c.warps, c.stages, c.tma) for c in small if c.persistent} == set(sweep.SPLITK_PERSISTENT_TILES)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -204,23 +175,3 @@ def test_splitk_gemm_at_the_8b_shapes_equals_the_reference_and_replays_from_a_cu
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, splitk_scaled_matmul(x * 3, w, s, 128, 128, bias)), (name, m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(SHAPES_8B))
-def test_the_persistent_splitk_kernel_writes_the_plain_kernels_bits_at_the_8b_shapes(name):
-    """SplitKConfig.persistent (1 or 2 programs a SM over the same work items) against the one-program-per-item
-    launch, default tiles and splits, TMA and plain weight tiles: the same partials, the same output, bit for bit
-    (the same k blocks in the same order with the same arithmetic; only the program that runs an item changes)."""
-    n, k = SHAPES_8B[name]
-    g = torch.Generator("cuda").manual_seed(1)
-    w, s = quantize_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02, 128, 128)
-    for m in (1, 32, 64):
-        xq, xs = quantize_groups((torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16), 128)
-        for tma in (True, False):
-            cfg = splitk_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count)
-            cfg = cfg._replace(tma=tma, persistent=0)  # the plain launch, whatever PERSISTENT_PER_SM says
-            plain = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, config=cfg)
-            for per_sm in (1, 2):
-                out = splitk_matmul(xq, xs, w, s, 128, 128, torch.float32, config=cfg._replace(persistent=per_sm))
-                assert torch.equal(out, plain), (name, m, tma, per_sm)

@@ -16,10 +16,6 @@ sum (splitk_common.SplitKPartials: the fused decoders' residual add + RMSNorm af
 No atomics: the result does not depend on program order, and the bf16 output equals the fp32 output rounded.
 With SPLITS 1 the GEMM kernel does that epilogue itself (one launch).
 
-Persistent launch (SplitKConfig.persistent = P): P programs a SM share the same work items round-robin, each
-running its items' k blocks as one software-pipelined loop (no pipeline fill and drain per item): the same
-partials, bit for bit. Off in the default config (PERSISTENT_PER_SM) until a GPU run measures it faster.
-
 fp8_gemm's default path for block-scaled weights at M <= fp8_gemm.SPLITK_MAX_ROWS (32: the rows at which a GPU run
 measured it faster end to end), and up to fp8_gemm.SPLITK_SHAPE_ROWS's rows for the weight shapes listed there;
 bench/fp8_gemm.py times it (column `splitk`, at every M) and sweeps its configs (row tiles of 64 or 128 above 64).
@@ -58,14 +54,6 @@ class SplitKConfig(NamedTuple):
     tma: bool = False
     # rows a program's tile holds (a power of two, >= 16); 0: M's power of two up to splitk_common.MAX_BLOCK_M (64)
     block_m: int = 0
-    # > 0: that many programs per SM, each running its share of the work items (row tile, column tile, split) as
-    # one software-pipelined loop (_splitk_persistent_kernel: the same partials); 0: one program per work item
-    persistent: int = 0
-
-
-# The default config's SplitKConfig.persistent: 0 (one program per work item) until a GPU run measures the
-# persistent kernel faster (bash bench/gpu_proofs.sh fp8persist: the sweep, then FP8 W1 with 1 and 2 here)
-PERSISTENT_PER_SM = 0
 
 
 def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> SplitKConfig:
@@ -77,7 +65,7 @@ def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) ->
     27.0; gate_up 40.1 vs 39.8, a tie)."""
     block_n = 64
     splits = split_count(m, n, -(-k // block_k), block_n, sms)
-    return SplitKConfig(block_n, splits, 4, 4, True, persistent=PERSISTENT_PER_SM)
+    return SplitKConfig(block_n, splits, 4, 4, True)
 
 
 if triton is not None:
@@ -134,51 +122,6 @@ if triton is not None:
                           stride_bn, stride_bsn, stride_bsk, stride_cm, group_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                           BLOCK_K, B_TMA)
 
-    @triton.jit
-    def _splitk_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, per_split, num_items,
-                                  row_tiles, col_tiles, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn,
-                                  stride_bsk, stride_cs, stride_cm, group_n, HAS_BIAS: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  B_TMA: tl.constexpr):
-        """_splitk_kernel's work items (row tile, column tile, split), numbered in its launch order (row tile
-        fastest), dealt round-robin: program p of P takes items p, p + P, p + 2P, ... and runs all their k blocks
-        as ONE loop, which Triton software-pipelines across item boundaries (the next item's first tiles load
-        while this item's last ones multiply: no pipeline fill and drain per item, the cost of short programs),
-        storing an item's tile after its last k block. Each item sums the same k blocks in the same order with the
-        same arithmetic as in _splitk_kernel: the same partials. Every item runs per_split iterations; those past
-        K (a shorter last split) load zeros (masks, TMA zero fill) with zero scales and add +0.0."""
-        pid = tl.program_id(0)
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        my_items = tl.cdiv(num_items - pid, tl.num_programs(0))  # the grid never exceeds num_items: >= 1
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, my_items * per_split):
-            item = pid + (i // per_split) * tl.num_programs(0)
-            kb_local = i % per_split
-            pid_m = item % row_tiles
-            pid_n = (item // row_tiles) % col_tiles
-            split = item // (row_tiles * col_tiles)
-            kb = split * per_split + kb_local
-            offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-            offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :],
-                        mask=(offs_k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if B_TMA:
-                b = tl.trans(b_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]))  # [BLOCK_K, BLOCK_N]
-            else:
-                b = tl.load(b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None],
-                            mask=(offs_k < K)[:, None], other=0.0)
-            in_k = kb < k_blocks
-            a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask, mask=in_k, other=0.0)
-            b_s = tl.load(bs_ptr + (offs_n // group_n) * stride_bsn + kb * stride_bsk, mask=in_k,
-                          other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            last = kb_local == per_split - 1
-            if last:
-                store_tile(acc, bias_ptr, c_ptr + split.to(tl.int64) * stride_cs, pid_m, pid_n, M, N, stride_cm,
-                           HAS_BIAS, BLOCK_M, BLOCK_N)
-            acc = tl.where(last, 0.0, acc)
-
 
 def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_n: int,
                   group_k: int | None, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -206,20 +149,11 @@ def splitk_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     # a TMA descriptor needs a 16-byte aligned base and row stride (fp8: 16 values): else plain loads
     tma = cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0 and device_has_tma(weight)
     b = TensorDescriptor.from_tensor(weight, [cfg.block_n, block_k]) if tma else weight
-    stride_cs = part.stride(0) if splits > 1 else 0
-    flags = dict(HAS_BIAS=gemm_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, B_TMA=tma,
-                 num_warps=cfg.warps, num_stages=cfg.stages)
-    if cfg.persistent:
-        num_items = grid[0] * grid[1] * grid[2]
-        programs = min(num_items, cfg.persistent * device_sms(xq))
-        _splitk_persistent_kernel[(programs,)](
-            xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split, num_items, grid[0],
-            grid[1], xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn, stride_bsk,
-            stride_cs, n, group_n, **flags)
-    else:
-        _splitk_kernel[grid](xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
-                             xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
-                             stride_bsk, stride_cs, n, group_n, **flags)
+    _splitk_kernel[grid](xq, x_scale, b, scale, bias if gemm_bias else scale, part, m, n, k, per_split,
+                         xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0), stride_bsn,
+                         stride_bsk, part.stride(0) if splits > 1 else 0, n, group_n, HAS_BIAS=gemm_bias,
+                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, B_TMA=tma, num_warps=cfg.warps,
+                         num_stages=cfg.stages)
     if splits == 1:
         return part
     partials = SplitKPartials(part, bias, out_dtype)
