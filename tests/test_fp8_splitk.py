@@ -20,6 +20,7 @@ from batchgen.kernels import fp8_blockwise, fp8_gemm  # noqa: E402
 from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
 from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
 from batchgen.kernels.fp8_splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
+from batchgen.kernels.splitk_common import sm_balance  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -69,15 +70,17 @@ def test_splitk_gemm_matches_the_w8a8_reference_under_triton_interpreter():
     run_under_interpreter(INTERPRET_SCRIPT, timeout=300)
 
 
-def test_splitk_default_configs_fill_the_gpu_with_even_splits_of_at_least_eight_scale_blocks():
-    # 384, 256, 448, 448 programs at M <= 64 on 132 SMs; o: 8 splits would give 2 a SM but 4 blocks a split
-    want = {"qkv": 4, "o": 4, "gate_up": 1, "down": 7}
+def test_splitk_default_configs_fill_the_gpu_evenly_with_even_splits_of_at_least_eight_scale_blocks():
+    # 384, 256, 224, 512 programs at M <= 64 on 132 SMs; o: 8 splits would give 2 a SM but 4 blocks a split;
+    # down: 7 splits (448 programs: 3 or 4 an SM) spread less evenly than 8 (512: 3 or 4, mostly 4)
+    want = {"qkv": (64, 4), "o": (64, 4), "gate_up": (128, 1), "down": (64, 8)}
     for name, (n, k) in SHAPES_8B.items():
         for m in (1, 32, 64):
             cfg = splitk_config(m, n, k, 128, 132)
-            assert cfg.splits == want[name] and (k // 128) % cfg.splits == 0, (name, m, cfg)
+            assert (cfg.block_n, cfg.splits) == want[name] and (k // 128) % cfg.splits == 0, (name, m, cfg)
             assert (k // 128) // cfg.splits >= 8 and cfg.stages == 4
-            assert -(-n // cfg.block_n) * cfg.splits >= (2 * 132 if name != "o" else 256)
+            assert -(-n // cfg.block_n) * cfg.splits >= {"o": 256, "gate_up": 132}.get(name, 2 * 132)
+    assert sm_balance(448, 132) < sm_balance(512, 132) < 1 == sm_balance(264, 132)
     # Qwen2-7B: down's 148 blocks (4 x 37) split unevenly in 5; o's 28 blocks in at most 3 (uneven: 10, 10, 8)
     assert splitk_config(32, 3584, 18944, 128, 132).splits == 5
     assert splitk_config(32, 3584, 3584, 128, 132).splits == 3 and split_sizes(28, 3) == (10, 3)
