@@ -92,3 +92,52 @@ def check_gemm_reads_quantized(device, dtype: torch.dtype, m: int, n: int, k: in
     if path == "splitk":
         partials = fp8_linear(acts, w, s, group, group, bias, unreduced=True)
         assert isinstance(partials, SplitKPartials) and same_bits(partials.reduce(), ref), (m, n, k)
+
+
+def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads: int, head_dim: int,
+                    group: int | None, scale_ub: float | None, qkv_splits: int, bias: bool, attn_splits: int,
+                    qk_norm: bool = False, heads_per_program: int = 1, seed: int = 0) -> None:
+    """paged_decode_rope_attention over a split-K QKV GEMM's partials (qkv_splits > 0; 0: the output tensor) and
+    with its output quantised (`group`; None: not asked) against the unfused kernels: reduce_splits, the kernel over
+    the tensor, quantize_groups of its output. The K/V caches it writes too. Where the launch cannot quantise (a
+    head that is not whole groups, several heads a program) the output must come back as the plain tensor."""
+    from batchgen.kernels.decode_launch import DecodeLaunch
+    from batchgen.kernels.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.rope_kv import QKNorm
+
+    g = torch.Generator().manual_seed(seed)
+    block_size, blocks_per_seq = 16, 4
+    n = (heads + 2 * kv_heads) * head_dim
+    caches = [(torch.randn(seqs * blocks_per_seq + 1, block_size, kv_heads, head_dim, generator=g) * 0.5).to(
+        device, dtype) for _ in "kv"]
+    tables = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).view(seqs, blocks_per_seq).to(device)
+    lens = torch.randint(1, blocks_per_seq * block_size + 1, (seqs,), generator=g, dtype=torch.int32)
+    if seqs > 2:
+        lens[2] = 0  # a padding row of a graph bucket
+    pos = (lens.long() - 1).clamp(min=0)
+    slots = torch.where(lens > 0, tables.cpu().long()[torch.arange(seqs), pos // block_size] * block_size
+                        + pos % block_size, seqs * blocks_per_seq * block_size).to(device)  # padding: the last block
+    angles = pos[:, None].float() * torch.linspace(0.1, 1.0, head_dim)[None, :]
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    part = (torch.randn(max(qkv_splits, 1), seqs, n, generator=g) * 1.5).to(device)
+    b = (torch.randn(n, generator=g) * 0.1).to(device, dtype) if bias else None
+    qkv = SplitKPartials(part, b, dtype) if qkv_splits else part[0].to(dtype)
+    plain_qkv = qkv.reduce() if qkv_splits else qkv
+    norm = QKNorm((torch.randn(2, head_dim, generator=g) * 0.2 + 1.0).to(device, dtype), 1e-6) if qk_norm else None
+    quant = ActQuant(group, scale_ub) if group else None
+    launch = DecodeLaunch(attn_splits, 16, 4, heads_per_program=heads_per_program)
+    what = (dtype, seqs, heads, kv_heads, head_dim, group, scale_ub, qkv_splits, bias, attn_splits, qk_norm,
+            heads_per_program)
+    outs = []
+    for source, q in ((plain_qkv, None), (qkv, quant)):
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        out = paged_decode_rope_attention(source, cos, sin, slots, k_cache, v_cache, tables, lens, 0.125, heads,
+                                          launch=launch, qk_norm=norm, quant=q)
+        outs.append((out, k_cache, v_cache))
+    (ref, k_ref, v_ref), (got, k_got, v_got) = outs
+    assert same_bits(k_got, k_ref) and same_bits(v_got, v_ref), what
+    whole_groups = group is not None and head_dim % group == 0 and head_dim & (head_dim - 1) == 0
+    if whole_groups and heads_per_program == 1:
+        assert_quantized_as(got, ref.reshape(seqs, -1), quant, what)
+    else:
+        assert isinstance(got, torch.Tensor) and same_bits(got, ref), what

@@ -20,7 +20,7 @@ KERNELS_SCRIPT = r"""
 import sys
 import torch
 sys.path.insert(0, "tests")
-from fp8_fusion_cases import check_gated, check_gemm_reads_quantized, check_norm
+from fp8_fusion_cases import check_attention, check_gated, check_gemm_reads_quantized, check_norm
 from batchgen.kernels import fp8_gemm, splitk_common
 
 # row widths: partial last group (200 / 32), whole groups, narrower than a group (64 < 128: one group); a cap that
@@ -36,6 +36,15 @@ for dtype in (torch.float32, torch.bfloat16):
         for activation in ("silu", "gelu_tanh"):
             check_gated("cpu", dtype, 5, cols, group, ub, activation)
     check_gated("cpu", dtype, 3, 2100, 2048, None, "silu")  # a group wider than the kernel's 1024 columns
+    # the decode attention: QKV partials (3 splits, a bias; or the tensor), its output quantised: one head a group,
+    # two groups a head, a capped scale; one context split (the kernel quantises) and two (the merge kernel does);
+    # Qwen3's q/k norm; heads that are not whole groups and MHA's several heads a program (a tensor back)
+    for qkv_splits, bias, group, ub, attn_splits in [(3, True, 32, None, 1), (3, False, 16, 2.0, 2),
+                                                     (0, False, 32, None, 2), (2, True, None, None, 1)]:
+        check_attention("cpu", dtype, 4, 4, 2, 32, group, ub, qkv_splits, bias, attn_splits)
+    check_attention("cpu", dtype, 3, 4, 2, 32, 32, None, 2, False, 2, qk_norm=True)
+    check_attention("cpu", dtype, 3, 4, 2, 24, 8, None, 2, True, 1)  # 24 dims (padded to 32): not quantised
+    check_attention("cpu", dtype, 3, 4, 4, 32, 32, None, 2, True, 2, heads_per_program=2)
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype):  # cuBLASLt's block-wise _scaled_mm, in fp32, its layout checked
     m, k = a.shape
@@ -110,6 +119,12 @@ def test_fused_norm_and_gated_activation_are_bit_identical_to_the_unfused_kernel
     for activation in ("silu", "gelu_tanh"):
         check_gated("cuda", bf16, rows, 14336, 128, None, activation)
     check_gated("cuda", bf16, rows, 14336, 128, 2.0, "silu")
+    # the decode attention at Llama-8B heads (32 x 128, 8 KV heads): qkv's 4 splits, o's 128-column groups;
+    # one context split and four (the merge kernel quantises); Qwen2's QKV bias; Qwen3's q/k norm
+    if rows <= 32:
+        check_attention("cuda", bf16, rows, 32, 8, 128, 128, None, 4, False, 1)
+        check_attention("cuda", bf16, rows, 32, 8, 128, 128, None, 4, True, 4)
+        check_attention("cuda", bf16, rows, 32, 8, 128, 128, 2.0, 4, False, 2, qk_norm=True)
 
 
 @pytest.mark.gpu

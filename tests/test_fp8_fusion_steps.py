@@ -52,9 +52,13 @@ splitk_common.MIN_BLOCKS_PER_SPLIT = 1
 # residual stream itself (no kernel writes it); Starcoder2's LayerNorm quantises and sums apart (no launch saved);
 # Qwen3-MoE: its attention's (the experts keep their own quantisers). The packed step (Triton GEMM, no split-K):
 # the quantisers only
-SAVED = {"llama": (3, 2), "granite": (3, 2), "gemma2": (3, 2), "olmo2": (1, 2), "starcoder2": (0, 0),
-         "qwen3_moe": (1, 1)}
+# The decode attention kernel sums q/k/v's partials (one reduction less where the layer runs blocks.self_attention:
+# not Gemma2's or OLMo2's own loops) and quantises o's input where a head is whole groups: 16-dim heads are not
+# (the 32-column groups of these checkpoints), llama_hd32's 32-dim heads are.
+SAVED = {"llama": (3, 3), "granite": (3, 3), "gemma2": (3, 2), "olmo2": (1, 2), "starcoder2": (0, 1),
+         "qwen3_moe": (1, 2), "llama_hd32": (4, 3)}
 PACKED_SAVED = {"llama": (3, 0), "olmo2": (1, 0)}
+VARIANTS = {"llama_hd32": ("llama", {"head_dim": 32})}  # name -> (architecture, config overrides)
 
 
 def launches(run):
@@ -87,9 +91,11 @@ def packed_step(decoder, cache):
 
 
 tok = make_tokenizer()
-for arch in sys.argv[1:]:
+for name in sys.argv[1:]:
+    arch, overrides = VARIANTS.get(name, (name, {}))
     with tempfile.TemporaryDirectory() as folder:
-        path = save_fp8_checkpoint(make_model(arch, vocab_size=len(tok)), tok, Path(folder) / arch, "block")
+        model = make_model(arch, vocab_size=len(tok), **overrides)
+        path = save_fp8_checkpoint(model, tok, Path(folder) / name, "block")
         model = load_model(str(path), "bfloat16", "cpu")  # 32x32 blocks, bf16 activations
     cls, layers = DECODERS[arch][1], model.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
@@ -103,21 +109,22 @@ for arch in sys.argv[1:]:
         cls.fuse_fp8 = fuse
         decoders.append(cls(model, cache, use_triton=True))
     assert decoders[0].fusion is not None and decoders[1].fusion is None
-    steps = [(decode_step, SAVED[arch])] + ([(packed_step, PACKED_SAVED[arch])] if arch in PACKED_SAVED else [])
+    steps = [(decode_step, SAVED[name])] + ([(packed_step, PACKED_SAVED[name])] if name in PACKED_SAVED else [])
     for step, saved in steps:
         (fused, n_fused), (plain, n_plain) = (launches(lambda: step(d, c)) for d, c in zip(decoders, caches))
-        assert same_bits(fused, plain), (arch, step.__name__, (fused.float() - plain.float()).abs().max())
+        assert same_bits(fused, plain), (name, step.__name__, (fused.float() - plain.float()).abs().max())
         assert same_bits(caches[0].k_cache, caches[1].k_cache) and same_bits(caches[0].v_cache, caches[1].v_cache)
         got = tuple(n_plain.get(k, 0) - n_fused.get(k, 0) for k in ("_quantize_groups_kernel", "_splitk_reduce_kernel"))
-        assert got == (saved[0] * layers, saved[1] * layers), (arch, step.__name__, n_fused, n_plain)
+        assert got == (saved[0] * layers, saved[1] * layers), (name, step.__name__, n_fused, n_plain)
 print("ok")
 """
 
 
 @needs_interpreter
 def test_fp8_decode_and_packed_steps_give_the_same_logits_and_cache_with_fewer_launches_fused_under_interpreter():
-    """Llama (and Granite's branch scale, Qwen3-MoE's attention) through LlamaDecoder's loop, Gemma2's and OLMo2's
-    own loops, Starcoder2's LayerNorm (the hand-offs summed and quantised apart), in two processes (2 CPU cores)."""
+    """Llama (and Granite's branch scale, Qwen3-MoE's attention, 32-dim heads whose attention output is quantised
+    in the attention kernel) through LlamaDecoder's loop, Gemma2's and OLMo2's own loops, Starcoder2's LayerNorm
+    (the hand-offs summed and quantised apart), in two processes (2 CPU cores)."""
     import os
     import subprocess
     import sys
@@ -126,7 +133,7 @@ def test_fp8_decode_and_packed_steps_give_the_same_logits_and_cache_with_fewer_l
     procs = [subprocess.Popen([sys.executable, "-c", HOPPER_PRELUDE + STEPS_SCRIPT, *archs], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-             for archs in (["olmo2", "starcoder2", "granite"], ["llama", "gemma2", "qwen3_moe"])]
+             for archs in (["olmo2", "starcoder2", "granite", "llama_hd32"], ["llama", "gemma2", "qwen3_moe"])]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0 and "ok" in stdout, stderr[-3000:]

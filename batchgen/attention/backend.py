@@ -18,7 +18,9 @@ from batchgen.kernels.invariant_attention import query_attention_rows
 from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
 from batchgen.kernels.paged_prefill import paged_prefill_attention
 from batchgen.kernels.prefill_launch import PrefillWork
+from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs
 from batchgen.kernels.rope_kv import QKNorm
+from batchgen.kernels.splitk_common import SplitKPartials
 
 
 @dataclass
@@ -68,17 +70,20 @@ def attend_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                 sliding_window=sliding_window, softcap=softcap)
 
 
-def decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+def decode_rope(qkv: torch.Tensor | SplitKPartials, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 scale: float, num_heads: int, sliding_window: int | None = None,
-                softcap: float | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                softcap: float | None = None, qk_norm: QKNorm | None = None,
+                quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
     """Rotary embedding (after the per-head q/k RMSNorm `qk_norm`, if any: Qwen3, Gemma3), K/V cache write and
     decode attention in one Triton kernel (CUDA only; callers on CPU run `kernels.rope_kv.rope_kv` and `decode`).
-    qkv: [B, (H + 2 Hkv) D]; cos/sin: [B, D]. Returns [B, H, D]."""
+    qkv: [B, (H + 2 Hkv) D] (or a split-K GEMM's partials); cos/sin: [B, D]. Returns [B, H, D], or with `quant`
+    [B, H D] quantised where the kernel can (paged_decode_rope_attention)."""
     from batchgen.kernels.paged_decode import paged_decode_rope_attention
 
     return paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       num_heads, sliding_window=sliding_window, softcap=softcap, qk_norm=qk_norm)
+                                       num_heads, sliding_window=sliding_window, softcap=softcap, qk_norm=qk_norm,
+                                       quant=quant)
 
 
 def attend(meta: AttentionMetadata, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -1,8 +1,8 @@
 """The Triton pieces the paged decode kernels share: rotary loads (with or without Qwen3's / Gemma3's per-head q/k
-norm), the online softmax over a split's K/V tiles, and a split's partials to and from the fp32 workspace. Used by
-kernels/paged_decode.py (per KV head), kernels/paged_decode_heads.py (several MHA heads a program) and
-kernels/invariant_attention.py (one query row at a time, whose batch invariance is exactly attend_tiles' fixed tile
-order)."""
+norm, from the QKV projection or its split-K partials), the online softmax over a split's K/V tiles, and a split's
+partials to and from the fp32 workspace. Used by kernels/paged_decode.py (per KV head),
+kernels/paged_decode_heads.py (several MHA heads a program) and kernels/invariant_attention.py (one query row at a
+time, whose batch invariance is exactly attend_tiles' fixed tile order)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import triton.language as tl
 
 from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
+from batchgen.kernels.splitk_common import sum_splits
 
 
 @triton.jit
@@ -22,20 +23,31 @@ def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
 
 
 @triton.jit
-def normed_rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign, w_ptr, d, partner, norm_eps,
-                        HEAD_DIM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    """rotated_load of heads RMS-normalised first, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P]
-    or [D_P], one head a row; masked columns load as 0, so the fp32 sum of squares covers the HEAD_DIM real ones),
-    x[d] and its partner x[partner[d]] each normalised with the row's rstd and the norm weight (w_ptr: HEAD_DIM
-    values) at d and at partner[d], then rotated."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+def normed_rotated(x, xp, cos, sin, sign, w_ptr, d, partner, norm_eps, HEAD_DIM: tl.constexpr,
+                   UNIT_OFFSET: tl.constexpr):
+    """Heads RMS-normalised, then rotated, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P] or
+    [D_P], one head a row, activation dtype; masked columns 0, so the fp32 sum of squares covers the HEAD_DIM real
+    ones) and their rotate-half partners xp (x[partner[d]]), each normalised with the row's rstd and the norm
+    weight (w_ptr: HEAD_DIM values) at d and at partner[d], then rotated."""
     w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     w_partner = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     f = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(f * f, axis=-1, keep_dims=True) / HEAD_DIM + norm_eps)
     return rotate_rounded(qk_norm_rounded(x, rstd, w, UNIT_OFFSET), qk_norm_rounded(xp, rstd, w_partner, UNIT_OFFSET),
                           cos, sin, sign)
+
+
+@triton.jit
+def projection_load(row_ptr, cols, mask, split_stride, bias_ptr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DTYPE: tl.constexpr):
+    """Columns `cols` of one row of a projection's output (0 where masked): the output itself at row_ptr + cols
+    (SPLITS 0), or the sum of a split-K GEMM's SPLITS fp32 partials there (split_stride apart) with its bias,
+    rounded once to DTYPE: the values its reduction kernel would have stored (splitk_common.sum_splits)."""
+    if SPLITS > 0:
+        x = sum_splits(row_ptr, cols, mask, split_stride, bias_ptr, cols, SPLITS, HAS_BIAS).to(DTYPE)
+    else:
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -115,8 +127,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
     """Online softmax of q [GROUP_P, D_P] over the cached keys [start, end) of KV head h, BLOCK_N keys a tile in
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
     max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32:
-    IEEE); below, broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the batch-invariant one
-    (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
+    IEEE); below, broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the
+    batch-invariant one (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)

@@ -236,6 +236,20 @@ if triton is not None:
         tl.store(s_row_ptr + groups * stride_sg, scale, mask=groups * GROUP < num_cols)
 
     @triton.jit
+    def quantize_store_heads(y, heads, heads_ok, q_row_ptr, s_row_ptr, stride_sg, scale_ub, HAS_UB: tl.constexpr,
+                             ROWS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
+        """Several heads of one token's row quantised as quantize_groups quantises the row [H * D]: y [ROWS, D] fp32
+        (heads `heads` [ROWS], their values as rounded to the activation dtype), D a multiple of GROUP, so each
+        head is D / GROUP whole groups: fp8 to q_row_ptr + head * D + column, scales to s_row_ptr + group *
+        stride_sg, for the heads where heads_ok. For the decode attention kernel, whose programs hold a query
+        group's heads."""
+        q, scale = quantize_group_tile(tl.reshape(y, (ROWS * (D // GROUP), GROUP)), scale_ub, HAS_UB)
+        cols = heads[:, None] * D + tl.arange(0, D)[None, :]  # [ROWS, D]
+        tl.store(q_row_ptr + cols, tl.reshape(q, (ROWS, D)).to(q_row_ptr.dtype.element_ty), mask=heads_ok[:, None])
+        groups = heads[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]  # [ROWS, D / GROUP]
+        tl.store(s_row_ptr + groups * stride_sg, tl.reshape(scale, (ROWS, D // GROUP)), mask=heads_ok[:, None])
+
+    @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, stride_sm, stride_sg, scale_ub,
                                 HAS_UB: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
         """Program (row, GROUPS_PER_PROG groups): each [GROUP] slice of the row quantised with its own absolute max;

@@ -106,6 +106,10 @@ class SplitKPartials:
     def shape(self) -> torch.Size:
         return self.part.shape[1:]
 
+    @property
+    def device(self) -> torch.device:
+        return self.part.device
+
     def reduce(self) -> torch.Tensor:
         """The GEMM's output [M, N] in `dtype` (reduce_splits: one launch)."""
         out = torch.empty(self.shape, dtype=self.dtype, device=self.part.device)
@@ -114,6 +118,9 @@ class SplitKPartials:
 
 
 if triton is not None:
+    # a partials reader's ACT_DTYPE constexpr: the dtype its sum is rounded to (SplitKPartials.dtype)
+    TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
     @triton.jit
     def sum_splits(p_ptr, offs, mask, split_stride, bias_ptr, bias_offs, SPLITS: tl.constexpr,
                    HAS_BIAS: tl.constexpr):

@@ -22,7 +22,7 @@ from batchgen.kernels.rope_kv import QKNorm, rope_kv
 from batchgen.kernels.gated_act import gated_act
 from batchgen.kernels.splitk_common import SplitKPartials
 from batchgen.models.fp8 import Fp8Weight
-from batchgen.models.fp8_fusion import Fp8Fusion, linear_to_norm
+from batchgen.models.fp8_fusion import Fp8Fusion, input_quant, linear_to_norm
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "mlp_input_quant", "self_attention"]
 
@@ -99,25 +99,36 @@ def self_attention(h: torch.Tensor | QuantizedActs, qkv_weight: torch.Tensor | F
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3, Gemma3); `sliding_window`: the
     layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant);
-    `fusion` (the decoder's FP8 hand-offs): the output GEMM's as `fusion.linear_to_norm` leaves it, for add_norm."""
-    qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
+    `fusion` (the decoder's FP8 hand-offs): the QKV GEMM's partials summed by the attention kernel, its output
+    quantised there for the o GEMM, whose output is as `fusion.linear_to_norm` leaves it, for add_norm."""
+    if fusion is None:
+        qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
+    else:
+        qkv = fusion.linear_to_attention(h, qkv_weight, qkv_bias)  # or its partials
     attn = attend_qkv(qkv, k_cache, v_cache, step, num_heads, num_kv_heads, scale, qk_norm,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, quant=input_quant(fusion, o_weight, qkv))
     return linear_to_norm(fusion, linear, attn, o_weight, o_bias)
 
 
-def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
+def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
                num_heads: int, num_kv_heads: int, scale: float,
                qk_norm: QKNorm | None = None, rotate_fp32: bool = False,
-               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, softcap: float | None = None,
+               quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
     """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
     [B, H D]. On CUDA a decode step's rotary and cache write run inside the attention kernel, `qk_norm` (the
     per-head q/k RMSNorm before the rotation: Qwen3, Gemma3) included; `rotate_fp32` (the rotation in fp32,
     rounded once: OLMo2) keeps the rotary in its own kernel (rope_kv), as do the CPU reference, the
     deterministic path (`step.invariant`: every row's key read back from the cache) and packed steps, which
     write their K/V with the rotary, then attend (prefill kernel; decode kernel for their decode rows).
-    `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3)."""
+    `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3). FP8 hand-offs
+    (models/fp8_fusion.py): qkv may be a split-K GEMM's partials (summed by the fused decode kernel, reduced first
+    on the other paths), and `quant` asks for the output quantised for the o GEMM (QuantizedActs), which the fused
+    decode kernel does where it can; otherwise the output is a tensor, for that GEMM to quantise."""
     window = {"sliding_window": sliding_window, "softcap": softcap}
+    fused_decode = not step.invariant and step.packed is None and step.use_triton and not rotate_fp32
+    if isinstance(qkv, SplitKPartials) and not fused_decode:
+        qkv = qkv.reduce()
     if step.invariant:  # every row alike, its key read back from the cache (no fused rotary decode kernel)
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
@@ -127,9 +138,11 @@ def attend_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
         attn = backend.attend_cached(step.packed, q, k_cache, v_cache, scale, **window)
-    elif step.use_triton and not rotate_fp32:
+    elif fused_decode:
         attn = backend.decode_rope(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, step.block_tables,
-                                   step.seq_lens, scale, num_heads, qk_norm=qk_norm, **window)  # [B, H, D]
+                                   step.seq_lens, scale, num_heads, qk_norm=qk_norm, quant=quant, **window)
+        if isinstance(attn, QuantizedActs):  # [B, H D] quantised
+            return attn
     else:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]

@@ -6,7 +6,10 @@ spent ~0.44 ms a step on 224 quantiser and split-K reduction launches of a few m
     (kernels/fp8_gemm.input_quant: block-scaled weights on the split-K, Triton and cuBLASLt block-wise paths), and
     hands the GEMM QuantizedActs: one quantize_groups launch less per such projection;
   - outputs: a split-K GEMM whose output only a residual add + RMSNorm reads (o and down) hands that kernel its
-    fp32 partials unsummed (kernels/splitk_common.SplitKPartials): one reduction launch less per such GEMM.
+    fp32 partials unsummed (kernels/splitk_common.SplitKPartials): one reduction launch less per such GEMM;
+  - attention: the QKV GEMM's partials go unsummed to the decode attention kernel (it sums them as it loads q, k
+    and v), and that kernel quantises its output for the o GEMM (kernels/paged_decode.py, where each head is
+    whole quantisation groups): a reduction and a quantiser launch less a layer at decode steps.
 
 Both give the unfused kernels' bits: the same arithmetic on the same rounded values (kernels/rmsnorm.py,
 kernels/gated_act.py). Each decision is made per weight and per step's rows, as fp8_linear makes its path's: on
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels import fp8_gemm
-from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight
+from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight, QuantizedActs
 from batchgen.kernels.splitk_common import SplitKPartials
 from batchgen.models.fp8 import linear as plain_or_fp8_linear
 
@@ -42,6 +45,13 @@ class Fp8Fusion:
         if not isinstance(weight, Fp8Weight):
             return None
         return fp8_gemm.input_quant(weight, like.shape[0], like.dtype, like.device, self.fp8_path)
+
+    def linear_to_attention(self, x: torch.Tensor | QuantizedActs, weight: torch.Tensor | Fp8Weight,
+                            bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
+        """The decoder's QKV GEMM x [M, K] -> [M, N]: a split-K GEMM's partials left unsummed, for the decode
+        attention kernel to sum as it loads them (blocks.attend_qkv reduces them for its other paths). Also on
+        tensor-parallel shards: the QKV projection is column-parallel, nothing is all-reduced before it is read."""
+        return plain_or_fp8_linear(x, weight, bias, self.fp8_path, unreduced=True)
 
     def linear_to_norm(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                        bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
