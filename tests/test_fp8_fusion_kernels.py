@@ -105,7 +105,7 @@ def test_the_fused_norm_sums_its_row_in_the_unfused_kernels_layout_when_compiled
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 32, 256])
 def test_fused_norm_and_gated_activation_are_bit_identical_to_the_unfused_kernels_on_gpu_at_8b_shapes(rows):
-    from fp8_fusion_cases import check_gated, check_norm
+    from fp8_fusion_cases import check_attention, check_gated, check_norm
 
     bf16 = torch.bfloat16
     for kind in ("rms", "rms_unit_offset", "rms_fp32_weight"):
