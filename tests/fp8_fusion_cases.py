@@ -131,8 +131,8 @@ def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads:
     outs = []
     for source, q in ((plain_qkv, None), (qkv, quant)):
         k_cache, v_cache = caches[0].clone(), caches[1].clone()
-        out = paged_decode_rope_attention(source, cos, sin, slots, k_cache, v_cache, tables, lens, 0.125, heads,
-                                          launch=launch, qk_norm=norm, quant=q)
+        out = paged_decode_rope_attention(source, cos, sin, slots, k_cache, v_cache, tables, lens.to(device), 0.125,
+                                          heads, launch=launch, qk_norm=norm, quant=q)
         outs.append((out, k_cache, v_cache))
     (ref, k_ref, v_ref), (got, k_got, v_got) = outs
     assert same_bits(k_got, k_ref) and same_bits(v_got, v_ref), what
