@@ -136,7 +136,8 @@ def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads:
         outs.append((out, k_cache, v_cache))
     (ref, k_ref, v_ref), (got, k_got, v_got) = outs
     assert same_bits(k_got, k_ref) and same_bits(v_got, v_ref), what
-    whole_groups = group is not None and head_dim % group == 0 and head_dim & (head_dim - 1) == 0
+    # _launch's rule: heads of a power of two >= 16 dims (D_P == head_dim), each whole groups
+    whole_groups = group is not None and head_dim % group == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
     if whole_groups and heads_per_program == 1:
         assert_quantized_as(got, ref.reshape(seqs, -1), quant, what)
     else:

@@ -42,7 +42,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for qkv_splits, bias, group, ub, attn_splits in [(3, True, 32, None, 1), (3, False, 16, 2.0, 2),
                                                      (0, False, 32, None, 2), (2, True, None, None, 1)]:
         check_attention("cpu", dtype, 4, 4, 2, 32, group, ub, qkv_splits, bias, attn_splits)
-    check_attention("cpu", dtype, 3, 4, 2, 32, 32, None, 2, False, 2, qk_norm=True)
+    for attn_splits in (1, 2):  # Qwen3's q/k norm: the one-split kernel quantises beside the norm's row sums
+        check_attention("cpu", dtype, 3, 4, 2, 32, 32, None, 2, False, attn_splits, qk_norm=True)
     check_attention("cpu", dtype, 3, 4, 2, 24, 8, None, 2, True, 1)  # 24 dims (padded to 32): not quantised
     check_attention("cpu", dtype, 3, 4, 4, 32, 32, None, 2, True, 2, heads_per_program=2)
 
@@ -75,7 +76,7 @@ from batchgen.kernels.splitk_common import SplitKPartials
 
 builds = norm_kernels._rmsnorm_kernel.device_caches[0][0]  # the sm_90 builds of this process, by specialisation
 g = torch.Generator().manual_seed(0)
-for cols in (2048, 4096, 5120):  # 4 and 8 warps; a row wider than a power of two
+for cols in (2048, 4096, 5120):  # 4 and 16 warps; a row wider than a power of two
     builds.clear()
     x, w = torch.randn(2, cols, generator=g).bfloat16(), torch.ones(cols).bfloat16()
     part = SplitKPartials(torch.randn(3, 2, cols, generator=g), None, torch.bfloat16)
@@ -111,7 +112,8 @@ def test_fused_norm_and_gated_activation_are_bit_identical_to_the_unfused_kernel
     for kind in ("rms", "rms_unit_offset", "rms_fp32_weight"):
         check_norm("cuda", bf16, rows, 4096, 128, None, kind, residual=True, x_scale=None, splits=0, bias=False)
     check_norm("cuda", torch.float16, rows, 4096, 128, 2.0, "rms", residual=True, x_scale=None, splits=0, bias=False)
-    # o's 4 splits with a bias and Granite's scale; down's 7; Gemma2's post-attention norm (no residual)
+    # o's 4 splits with a bias and Granite's scale; 7 splits (an odd count); Gemma2's post-attention norm (no
+    # residual)
     check_norm("cuda", bf16, rows, 4096, 128, 2.0, "rms", residual=True, x_scale=0.5, splits=4, bias=True)
     check_norm("cuda", bf16, rows, 4096, 128, None, "rms", residual=True, x_scale=None, splits=7, bias=False)
     check_norm("cuda", bf16, rows, 4096, 128, None, "rms_unit_offset", residual=False, x_scale=None, splits=4,
@@ -124,7 +126,8 @@ def test_fused_norm_and_gated_activation_are_bit_identical_to_the_unfused_kernel
     if rows <= 32:
         check_attention("cuda", bf16, rows, 32, 8, 128, 128, None, 4, False, 1)
         check_attention("cuda", bf16, rows, 32, 8, 128, 128, None, 4, True, 4)
-        check_attention("cuda", bf16, rows, 32, 8, 128, 128, 2.0, 4, False, 2, qk_norm=True)
+        for attn_splits in (1, 2):  # with one split the kernel quantises beside the norm's row sums
+            check_attention("cuda", bf16, rows, 32, 8, 128, 128, 2.0, 4, False, attn_splits, qk_norm=True)
 
 
 @pytest.mark.gpu

@@ -49,7 +49,8 @@ fp8_gemm.gemm_path = lambda device, dtype, n, k, group_n, group_k, act_quant, ro
 splitk_common.MIN_BLOCKS_PER_SPLIT = 1
 # launches saved per layer (quantize_groups, split-K reductions) at the decode step: q/k/v, gate/up, down inputs
 # quantised by their norm / activation; o and down summed by the next norm. OLMo2's q/k/v and gate/up read the
-# residual stream itself (no kernel writes it); Starcoder2's LayerNorm quantises and sums apart (no launch saved);
+# residual stream itself (no kernel writes it); Starcoder2's LayerNorm quantises and sums apart (no launch saved
+# there);
 # Qwen3-MoE: its attention's (the experts keep their own quantisers). The packed step (Triton GEMM, no split-K):
 # the quantisers only
 # The decode attention kernel sums q/k/v's partials (one reduction less where the layer runs blocks.self_attention:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, softcapped
-from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded
+from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded, row_sums
 from batchgen.kernels.splitk_common import sum_splits
 
 
@@ -24,15 +24,18 @@ def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
 
 @triton.jit
 def normed_rotated(x, xp, cos, sin, sign, w_ptr, d, partner, norm_eps, HEAD_DIM: tl.constexpr,
-                   UNIT_OFFSET: tl.constexpr):
-    """Heads RMS-normalised, then rotated, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P] or
-    [D_P], one head a row, activation dtype; masked columns 0, so the fp32 sum of squares covers the HEAD_DIM real
-    ones) and their rotate-half partners xp (x[partner[d]]), each normalised with the row's rstd and the norm
-    weight (w_ptr: HEAD_DIM values) at d and at partner[d], then rotated."""
+                   UNIT_OFFSET: tl.constexpr, LOG2_HALF_D: tl.constexpr):
+    """Heads RMS-normalised, then rotated, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P], one head
+    a row, activation dtype; masked columns 0) and their rotate-half partners xp (x[partner[d]]), each normalised
+    with the row's rstd and the norm weight (w_ptr: HEAD_DIM values) at d and at partner[d], then rotated. The
+    row's fp32 sum of squares in rope_kv's fixed order (the two halves' squares added, then a pairwise tree over
+    2 ** LOG2_HALF_D = D_P / 2 columns): its bits do not depend on the layout the compiler picks, which follows
+    the rest of the kernel (its output's store, say); for a power-of-two head dim they are rope_kv's."""
     w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     w_partner = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     f = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(f * f, axis=-1, keep_dims=True) / HEAD_DIM + norm_eps)
+    f1, f2 = tl.split(tl.permute(tl.reshape(f, [f.shape[0], 2, f.shape[1] // 2]), [0, 2, 1]))  # [R, D_P / 2]
+    rstd = tl.rsqrt(row_sums(f1 * f1 + f2 * f2, LOG2_HALF_D) / HEAD_DIM + norm_eps)[:, None]
     return rotate_rounded(qk_norm_rounded(x, rstd, w, UNIT_OFFSET), qk_norm_rounded(xp, rstd, w_partner, UNIT_OFFSET),
                           cos, sin, sign)
 

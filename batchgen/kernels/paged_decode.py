@@ -19,8 +19,9 @@ launch per layer: queries are rotated as they are loaded from the QKV projection
 split holds the new token rotates its key, writes key and value to the token's cache slot, and attends to
 them from registers (no program reads that slot in this step, so the write races with nothing). With a
 `QKNorm` (Qwen3, Gemma3) each query head and the new key are first RMS-normalised over the head dim, with
-rope_kv's rounding (the same Triton helpers: rope_kv.qk_norm_rounded, then rotate_rounded; up to the order
-of the fp32 sum of squares); the values are not normalised. The several-heads kernel (MHA only) has no q/k
+rope_kv's rounding (the same Triton helpers: rope_kv.qk_norm_rounded, then rotate_rounded) and its fixed order of
+the fp32 sum of squares (rope_kv.row_sums: the same bits for power-of-two head dims); the values are not
+normalised. The several-heads kernel (MHA only) has no q/k
 norm: `_launch` refuses that combination.
 """
 
@@ -60,7 +61,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_ROPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_UNIT_OFFSET: tl.constexpr,
     QKV_SPLITS: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, ACT_DTYPE: tl.constexpr, OUT_GROUP: tl.constexpr,
-    HAS_UB: tl.constexpr,
+    HAS_UB: tl.constexpr, LOG2_HALF_D: tl.constexpr,
 ):
     b, h, num_kv_heads, s, seq_len, start, end, chunk = split_program(heads_first, seq_lens_ptr, window, NUM_SPLITS,
                                                                       BLOCK_N, HAS_WINDOW)
@@ -91,9 +92,10 @@ def _decode_split_kernel(
                               ACT_DTYPE)
         if HAS_QK_NORM:  # Qwen3 / Gemma3: each q row (a query head) and the key RMS-normalised, then rotated
             q = normed_rotated(x, xp, cos[None, :], sin[None, :], sign[None, :], qk_norm_ptr, d, partner, norm_eps,
-                               HEAD_DIM, QK_UNIT_OFFSET)  # [GROUP_P, D_P]
-            k_new = normed_rotated(kx, kxp, cos, sin, sign, qk_norm_ptr + HEAD_DIM, d, partner, norm_eps, HEAD_DIM,
-                                   QK_UNIT_OFFSET)
+                               HEAD_DIM, QK_UNIT_OFFSET, LOG2_HALF_D)  # [GROUP_P, D_P]
+            k_new = tl.reshape(normed_rotated(kx[None, :], kxp[None, :], cos[None, :], sin[None, :], sign[None, :],
+                                              qk_norm_ptr + HEAD_DIM, d, partner, norm_eps, HEAD_DIM, QK_UNIT_OFFSET,
+                                              LOG2_HALF_D), [D_P])
         else:
             q = rotate_rounded(x, xp, cos[None, :], sin[None, :], sign[None, :])  # [GROUP_P, D_P]
             k_new = rotate_rounded(kx, kxp, cos, sin, sign)
@@ -297,7 +299,8 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
             NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
             HAS_WINDOW=sliding_window is not None, HAS_QK_NORM=qk_norm is not None,
             QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
-            QKV_SPLITS=0 if partials is None else src.shape[0], HAS_QKV_BIAS=has_bias, **quant_flags, **options,
+            QKV_SPLITS=0 if partials is None else src.shape[0], HAS_QKV_BIAS=has_bias,
+            LOG2_HALF_D=(d_p // 2).bit_length() - 1, **quant_flags, **options,
         )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -78,7 +78,7 @@ if triton is not None:
         return y.to(x.dtype)
 
     @triton.jit
-    def _row_sums(x, LOG2_WIDTH: tl.constexpr):
+    def row_sums(x, LOG2_WIDTH: tl.constexpr):
         """Each row's sum of x [R, 2 ** LOG2_WIDTH] by a fixed pairwise tree of elementwise adds ((x0 + x1) +
         (x2 + x3)) + ...: the same bits whatever the tile's row count and the compiler's layout (tl.sum's order
         follows the layout, which follows the launch: a row's q/k norm would depend on the step's token count)."""
@@ -115,7 +115,7 @@ if triton is not None:
                 f1 = x1.to(tl.float32)
                 f2 = x2.to(tl.float32)
                 # one rstd per (token, head) row; masked columns add exact zeros
-                rstd = tl.rsqrt(_row_sums(f1 * f1 + f2 * f2, LOG2_HALF_P) / HEAD_DIM + norm_eps)[:, None]
+                rstd = tl.rsqrt(row_sums(f1 * f1 + f2 * f2, LOG2_HALF_P) / HEAD_DIM + norm_eps)[:, None]
                 w1 = tl.load(w_row + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
                 w2 = tl.load(w_row + half + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
                 x1 = qk_norm_rounded(x1, rstd, w1, QK_UNIT_OFFSET)

@@ -11,8 +11,8 @@ spent ~0.44 ms a step on 224 quantiser and split-K reduction launches of a few m
     and v), and that kernel quantises its output for the o GEMM (kernels/paged_decode.py, where each head is
     whole quantisation groups): a reduction and a quantiser launch less a layer at decode steps.
 
-Both give the unfused kernels' bits: the same arithmetic on the same rounded values (kernels/rmsnorm.py,
-kernels/gated_act.py). Each decision is made per weight and per step's rows, as fp8_linear makes its path's: on
+All give the unfused kernels' bits: the same arithmetic on the same rounded values (kernels/rmsnorm.py,
+kernels/gated_act.py, kernels/paged_decode.py). Each decision is made per weight and per step's rows, as fp8_linear makes its path's: on
 the host from shapes alone (no sync; a CUDA graph captured for a batch size keeps it). Not asked for: without
 Triton (the torch references), in engine.deterministic (InvariantLinear: plain weights), and, for the outputs,
 on tensor-parallel shards (their o and down outputs are all-reduced first).
@@ -53,7 +53,7 @@ class Fp8Fusion:
         tensor-parallel shards: the QKV projection is column-parallel, nothing is all-reduced before it is read."""
         return plain_or_fp8_linear(x, weight, bias, self.fp8_path, unreduced=True)
 
-    def linear_to_norm(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def linear_to_norm(self, x: torch.Tensor | QuantizedActs, weight: torch.Tensor | Fp8Weight,
                        bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
         """The decoder's GEMM x [M, K] -> [M, N] for an output that only blocks.add_norm reads: a split-K GEMM's
         partials left unsummed where `partials`."""
@@ -66,7 +66,7 @@ def input_quant(fusion: Fp8Fusion | None, weight: torch.Tensor | Fp8Weight, like
     return None if fusion is None else fusion.input_quant(weight, like)
 
 
-def linear_to_norm(fusion: Fp8Fusion | None, linear: Callable, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
-                   bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
+def linear_to_norm(fusion: Fp8Fusion | None, linear: Callable, x: torch.Tensor | QuantizedActs,
+                   weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor | SplitKPartials:
     """fusion.linear_to_norm(x, weight, bias), or the decoder's `linear` without hand-offs (fusion None)."""
     return linear(x, weight, bias) if fusion is None else fusion.linear_to_norm(x, weight, bias)
