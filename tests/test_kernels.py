@@ -238,39 +238,54 @@ print("ok")
 # The fused kernel's q/k norm sums a row's squares in rope_kv's fixed order (rope_kv.row_sums), whatever layout the
 # rest of the kernel leads the compiler to (its output quantised for an FP8 o GEMM, one split or several): the new
 # keys it writes are rope_kv's, bit for bit, for power-of-two head dims
+def _check_qk_norm_same_bits(device, heads=4, kv_heads=2, head_dims=((32, False), (64, True))):
+    from batchgen.kernels.decode_launch import DecodeLaunch
+    from batchgen.kernels.fp8_quant import ActQuant
+    from batchgen.kernels.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.rope_kv import QKNorm, rope_kv
+
+    g = torch.Generator().manual_seed(0)
+    seqs, block_size = 3, 16
+    tables = torch.arange(2 * seqs, dtype=torch.int32).view(seqs, 2)
+    lens = torch.tensor([5, 17, 30], dtype=torch.int32)
+    pos = lens.long() - 1
+    slots = tables.long()[torch.arange(seqs), pos // block_size] * block_size + pos % block_size
+    tables, lens, slots = tables.to(device), lens.to(device), slots.to(device)
+    for head_dim, unit_offset in head_dims:
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = (torch.randn(seqs, (heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(device, dtype)
+            angles = pos[:, None].float() * torch.linspace(0.1, 1.0, head_dim)[None, :]
+            cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+            norm = QKNorm((torch.randn(2, head_dim, generator=g) * 0.3 + 1.0).to(device, dtype), 1e-6,
+                          unit_offset=unit_offset)
+            cache = torch.zeros(2 * seqs, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+            k_ref, v_ref = cache.clone(), cache.clone()
+            rope_kv(qkv, cos, sin, slots, k_ref, v_ref, heads, kv_heads, qk_norm=norm, use_triton=True)
+            for splits in (1, 2):
+                for quant in (None, ActQuant(head_dim)):
+                    k_got, v_got = cache.clone(), cache.clone()
+                    paged_decode_rope_attention(qkv, cos, sin, slots, k_got, v_got, tables, lens, 0.1, heads,
+                                                launch=DecodeLaunch(splits, 16, 4), qk_norm=norm, quant=quant)
+                    ints = torch.int32 if dtype == torch.float32 else torch.int16
+                    assert torch.equal(k_got.view(ints), k_ref.view(ints)), (head_dim, dtype, splits, quant)
+
+
 QK_NORM_SAME_BITS_SCRIPT = """
-import torch
-from batchgen.kernels.decode_launch import DecodeLaunch
-from batchgen.kernels.fp8_quant import ActQuant
-from batchgen.kernels.paged_decode import paged_decode_rope_attention
-from batchgen.kernels.rope_kv import QKNorm, rope_kv
-g = torch.Generator().manual_seed(0)
-seqs, heads, kv_heads, block_size = 3, 4, 2, 16
-tables = torch.arange(2 * seqs, dtype=torch.int32).view(seqs, 2)
-lens = torch.tensor([5, 17, 30], dtype=torch.int32)
-slots = tables.long()[torch.arange(seqs), (lens.long() - 1) // block_size] * block_size + (lens.long() - 1) % block_size
-for head_dim, unit_offset in ((32, False), (64, True)):
-    for dtype in (torch.float32, torch.bfloat16):
-        qkv = (torch.randn(seqs, (heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(dtype)
-        angles = (lens.long() - 1)[:, None].float() * torch.linspace(0.1, 1.0, head_dim)[None, :]
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        norm = QKNorm((torch.randn(2, head_dim, generator=g) * 0.3 + 1.0).to(dtype), 1e-6, unit_offset=unit_offset)
-        cache = torch.zeros(2 * seqs, block_size, kv_heads, head_dim, dtype=dtype)
-        k_ref, v_ref = cache.clone(), cache.clone()
-        rope_kv(qkv, cos, sin, slots, k_ref, v_ref, heads, kv_heads, qk_norm=norm, use_triton=True)
-        for splits in (1, 2):
-            for quant in (None, ActQuant(head_dim)):
-                k_got, v_got = cache.clone(), cache.clone()
-                paged_decode_rope_attention(qkv, cos, sin, slots, k_got, v_got, tables, lens, 0.1, heads,
-                                            launch=DecodeLaunch(splits, 16, 4), qk_norm=norm, quant=quant)
-                ints = torch.int32 if dtype == torch.float32 else torch.int16
-                assert torch.equal(k_got.view(ints), k_ref.view(ints)), (head_dim, dtype, splits, quant)
+import sys
+sys.path.insert(0, "tests")
+from test_kernels import _check_qk_norm_same_bits
+_check_qk_norm_same_bits("cpu")
 print("ok")
 """
 
 
 def test_the_fused_decode_kernels_q_k_norm_writes_rope_kvs_key_bits_under_triton_interpreter():
     run_under_interpreter(QK_NORM_SAME_BITS_SCRIPT)
+
+
+@pytest.mark.gpu
+def test_the_fused_decode_kernels_q_k_norm_writes_rope_kvs_key_bits_on_gpu_at_qwen3_and_gemma3_heads():
+    _check_qk_norm_same_bits("cuda", 32, 8, ((128, False), (256, True)))
 
 
 def test_decode_attention_with_fused_rope_and_kv_write_matches_reference_under_triton_interpreter():
