@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.bench.geometries import model_config  # noqa: E402
 from batchgen.kernels.decode_launch import DecodeLaunch, heuristic_launch, parse_table  # noqa: E402
+from batchgen.kernels.paged_attention_ref import KV_FP8, as_cached  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's KV block size
 MIN_GAIN = 0.03  # a table entry only for a launch at least this much faster than the heuristic's
@@ -156,9 +157,10 @@ def context_mean(context: int | str) -> float:
     return context if isinstance(context, int) else sum(int(x) for x in context.split("-")) / 2
 
 
-def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "cuda", copies: int = 1
-                 ) -> ShapeInputs:
-    """Random bf16 inputs of the shape (the same in the compile workers and the timing process, so a launch's
+def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "cuda", copies: int = 1,
+                 kv_dtype: str = "bf16") -> ShapeInputs:
+    """Random bf16 inputs of the shape, K/V in an fp8 cache where kv_dtype is "fp8" (engine.kv_cache_dtype); the
+    same in the compile workers and the timing process, so a launch's
     compiled kernel, specialised on these shapes and strides, is the same cache entry in both); `copies` block
     tables over disjoint blocks of one cache (same strides: the same compiled kernel). A ragged context's
     sequences each hold the blocks of the longest (their tables' unused tail is never read)."""
@@ -169,6 +171,8 @@ def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "c
     num_blocks = num_seqs * blocks_per_seq
     k = torch.randn(copies * num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype)
     v = torch.randn_like(k)
+    if kv_dtype == "fp8":
+        k, v = as_cached(k, KV_FP8), as_cached(v, KV_FP8)
     lens = torch.tensor(lengths, device=dev, dtype=torch.int32)  # the new token included
     pos = lens.long() - 1
     tables, slots = [], []
@@ -183,10 +187,10 @@ def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "c
 
 
 def compile_launches(geometry: str, num_seqs: int, context: int | str, chunk: list[DecodeLaunch],
-                     dev: str = "cuda") -> list[tuple]:
+                     dev: str = "cuda", kv_dtype: str = "bf16") -> list[tuple]:
     """A compile worker's job: run each launch of `chunk` once (its kernels land in Triton's on-disk cache).
     Returns (launch, why) for each launch that failed to compile or launch. (dev "cpu": tests, interpreted.)"""
-    inputs = build_inputs(geometry, num_seqs, context, dev)
+    inputs = build_inputs(geometry, num_seqs, context, dev, kv_dtype=kv_dtype)
     failed = []
     for launch in chunk:
         try:
@@ -202,30 +206,34 @@ def compile_launches(geometry: str, num_seqs: int, context: int | str, chunk: li
 
 
 def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_seqs: int, context: int | str,
-                    candidates: list[DecodeLaunch], dev: str = "cuda") -> dict[DecodeLaunch, str]:
+                    candidates: list[DecodeLaunch], dev: str = "cuda", kv_dtype: str = "bf16"
+                    ) -> dict[DecodeLaunch, str]:
     """Every candidate compiled once across the pool's workers (round-robin chunks); launch -> why it failed."""
     chunks = [candidates[i::workers] for i in range(workers)]
-    futures = [pool.submit(compile_launches, geometry, num_seqs, context, chunk, dev) for chunk in chunks if chunk]
+    futures = [pool.submit(compile_launches, geometry, num_seqs, context, chunk, dev, kv_dtype)
+               for chunk in chunks if chunk]
     return {launch: why for future in futures for launch, why in future.result()}
 
 
 def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: list[DecodeLaunch], copy_bytes_s: float,
-                failed: dict[DecodeLaunch, str] | None = None) -> list[dict]:
+                failed: dict[DecodeLaunch, str] | None = None, kv_dtype: str = "bf16") -> list[dict]:
     """One row per timed launch (the heuristic's first, marked "default"), each candidate in both grid orders."""
     from triton.runtime.errors import OutOfResources
 
     from profile_decode import graph_ms
 
     num_heads, num_kv_heads, head_dim, _ = heads(geometry)
-    one_copy = 2 * sum(context_lengths(context, num_seqs)) * num_kv_heads * head_dim * 2  # bf16 K and V a call reads
-    inputs = build_inputs(geometry, num_seqs, context, copies=max(1, -(-COLD_BYTES // one_copy)))
+    element_bytes = 1 if kv_dtype == "fp8" else 2
+    # the K and V bytes a call reads
+    one_copy = 2 * sum(context_lengths(context, num_seqs)) * num_kv_heads * head_dim * element_bytes
+    inputs = build_inputs(geometry, num_seqs, context, copies=max(1, -(-COLD_BYTES // one_copy)), kv_dtype=kv_dtype)
     floor_us = inputs.kv_bytes() / copy_bytes_s * 1e6
 
     def timed(launch: DecodeLaunch) -> float:
         return 1e3 * graph_ms(lambda: inputs.attend(launch))
 
     base = {"geometry": geometry, "head_dim": head_dim, "num_kv_heads": num_kv_heads,
-            "group": num_heads // num_kv_heads, "num_seqs": num_seqs, "context": context,
+            "group": num_heads // num_kv_heads, "num_seqs": num_seqs, "context": context, "kv_dtype": kv_dtype,
             "floor_us": round(floor_us, 1)}
     default = heuristic_launch(num_seqs, num_kv_heads, head_dim)
     default_us = timed(default)
@@ -367,8 +375,12 @@ def main() -> None:
                     help="merge the fastest launches into this launch table (batchgen/kernels/decode_launches.json)")
     ap.add_argument("--from-report", metavar="JSON",
                     help="measure nothing: merge a saved report's (--json) rows into --write-table")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the K/V cache's type (fp8: engine.kv_cache_dtype fp8; its floor counts a byte a value)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.write_table and args.kv_dtype != "bf16":
+        ap.error("--write-table: the launch table is measured over bf16 caches (leave --kv-dtype at bf16)")
     if args.from_report:
         if not args.write_table:
             ap.error("--from-report needs --write-table")
@@ -392,14 +404,15 @@ def main() -> None:
             if pool:
                 t0 = time.time()
                 failed = compile_in_pool(pool, workers, geometry, num_seqs, context,
-                                         [heuristic_launch(num_seqs, num_kv_heads, head_dim), *candidates])
+                                         [heuristic_launch(num_seqs, num_kv_heads, head_dim), *candidates],
+                                         kv_dtype=args.kv_dtype)
                 print(f"{geometry} {num_seqs} seqs x {context}: {len(candidates) + 1} launches compiled by {workers} "
                       f"workers in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
-            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s, failed)
+            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s, failed, args.kv_dtype)
             report["rows"] += rows
             best = sorted(rows, key=lambda r: r["us"])
-            print(f"{geometry} {num_seqs} seqs x {context}: floor {rows[0]['floor_us']} us; heuristic "
-                  f"{rows[0]['us']} us ({rows[0]['kv_x']}x, {rows[0]['num_splits']}/{rows[0]['block_n']}/"
+            print(f"{geometry} {num_seqs} seqs x {context} ({args.kv_dtype} K/V): floor {rows[0]['floor_us']} us; "
+                  f"heuristic {rows[0]['us']} us ({rows[0]['kv_x']}x, {rows[0]['num_splits']}/{rows[0]['block_n']}/"
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchgen.kernels.decode_launch import (TABLE_PATH, DecodeLaunch, TableEntry, default_launch, launch_from_table,
                                             load_table, nearest_entry, scaled_splits)
@@ -215,6 +216,8 @@ def test_a_ragged_context_spreads_every_length_in_a_fixed_order_and_ranks_beside
     inputs = sweep.build_inputs("llama-8b", 4, "10-40", dev="cpu")
     assert sorted(inputs.lens.tolist()) == [10, 20, 30, 40]
     assert inputs.kv_bytes() == 2 * 100 * 8 * 128 * 2  # K and V of every sequence's own length, bf16
+    fp8 = sweep.build_inputs("llama-8b", 4, "10-40", dev="cpu", kv_dtype="fp8")  # engine.kv_cache_dtype fp8
+    assert fp8.k.dtype == fp8.v.dtype == torch.float8_e4m3fn and fp8.kv_bytes() == inputs.kv_bytes() // 2
     short, long_ = DecodeLaunch(1, 32, 2, 2), DecodeLaunch(1, 128, 4)
     rows = (_rows("llama-8b", 128, 8, 4, 256, 2048, 400.0, [(short, 420.0), (long_, 380.0)])
             + _rows("llama-8b", 128, 8, 4, 256, "32-3072", 450.0, [(short, 460.0), (long_, 395.0)])
