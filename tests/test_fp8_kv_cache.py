@@ -49,6 +49,22 @@ torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 _check_prefill("cpu", torch.float32, 1e-5, q_lens=[1, 20, 37, 5], seq_lens=[9, 20, 50, 5], **fp8)
 _check_prefill("cpu", torch.float32, 1e-5, q_lens=[17, 3], seq_lens=[17, 40], num_heads=4, num_kv_heads=4,
                head_dim=24, block_size=8, sliding_window=16, **fp8)
+# bf16 queries over an fp8 cache attend in fp16 (paged_prefill.query_operand): decode at one split and several,
+# prefill (before: fp8 -> bf16 tiles, relative error ~1e9 under the interpreter); a query past fp16's range is
+# clamped to +-65504, finite where fp16 would give inf and NaN, as the reference over the clamped query
+for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2)):
+    _check("cpu", torch.bfloat16, 2e-2, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+           seq_lens=[70, 0, 3, 41], launch=launch, **fp8)
+_check_prefill("cpu", torch.bfloat16, 2e-2, q_lens=[1, 20, 37, 5], seq_lens=[9, 20, 50, 5], **fp8)
+from test_kernels import _case, _reference
+from batchgen.kernels.paged_decode import paged_decode_attention
+query, kc, vc, tables, lens = _case(3, 4, 2, 16, 8, [9, 30, 17], torch.bfloat16, "cpu", seed=4)
+query[0, 1, 3], query[2, 0, 5] = 3e5, -1e6
+kc, vc = as_cached(kc, KV_FP8), as_cached(vc, KV_FP8)
+out = paged_decode_attention(query, kc, vc, tables, lens, 0.25, launch=DecodeLaunch(1, 16, 2))
+ref = _reference(query.float().clamp(-65504, 65504), kc, vc, tables, lens, 0.25)
+assert out.isfinite().all(), "a query past fp16's range gave inf or NaN"
+assert (out.double() - ref).norm() / ref.norm() < 2e-2
 # the packed steps' rotary kernel writes the fp8 cache as rope_kv_ref does, saturating past 448
 g = torch.Generator().manual_seed(3)
 qkv = torch.randn(6, (4 + 2 * 2) * 16, generator=g) * 40.0  # some keys and values past 448 after scaling

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 KV_FP8 = torch.float8_e4m3fn  # engine.kv_cache_dtype: fp8 (scale 1: values past FP8_MAX saturate)
 FP8_MAX = 448.0  # its largest finite value (kernels/rope_kv.py's as_cached saturates there too)
+FP16_MAX = 65504.0  # bf16 queries over an fp8 cache attend in fp16, clamped here (kernels: query_operand)
 
 
 def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,6 +77,8 @@ def paged_attention_ref(
     group = num_heads // num_kv_heads
     q = queries.view(num_seqs, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * max_query_len, head_dim)  # [B, Hkv, G*Q, D]
+    if k_cache.dtype == KV_FP8 and q.dtype == torch.bfloat16:  # in fp16, as the kernels (query_operand)
+        q = q.float().clamp(-FP16_MAX, FP16_MAX).half()
     k = keys.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
     v = values.transpose(1, 2).to(q.dtype)
     mask = mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(num_seqs, 1, group * max_query_len, max_seq_len)
@@ -90,4 +93,4 @@ def paged_attention_ref(
     out = out.view(num_seqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs, max_query_len, num_heads, head_dim)
     assert out.shape[0] == num_seqs
-    return out[q_valid]  # [T, H, D]: row-major over (seq, offset) == packed order
+    return out[q_valid].to(query.dtype)  # [T, H, D]: row-major over (seq, offset) == packed order

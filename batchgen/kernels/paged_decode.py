@@ -39,6 +39,7 @@ from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_par
 from batchgen.kernels.fp8_quant import (ActQuant, QuantizedActs, group_quant_buffers, quantize_store_heads,
                                        quantize_store_row)
 from batchgen.kernels.paged_decode_heads import decode_heads_kernel
+from batchgen.kernels.paged_prefill import query_operand
 from batchgen.kernels.rope_kv import QKNorm, as_cached, rotate_rounded
 from batchgen.kernels.splitk_common import TL_DTYPES, SplitKPartials
 
@@ -106,6 +107,7 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)  # [GROUP_P, D_P]
 
+    q = query_operand(q, k_cache_ptr)  # bf16 over an fp8 cache: fp16, so the new key's p rounds as the tiles' do
     acc, m_i, l_i = attend_tiles(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_bt, start, end, h,
                                  scale, softcap, stride_kn, stride_kb, stride_kh, d, d_mask, GROUP_P, D_P,
                                  BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP)

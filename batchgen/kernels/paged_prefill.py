@@ -44,6 +44,19 @@ if triton is not None:
             return tl.dot(a, b)
 
     @triton.jit
+    def query_operand(q, cache_ptr):
+        """The queries as the attention's dot operand over the K/V cache at cache_ptr: bf16 queries over an fp8
+        cache in fp16 (clamped to +-65504, fp16's largest finite value; NaN stays NaN), so that each tile's
+        `k.to(q.dtype)` upcasts the cache with one hardware conversion for two values (fp8 -> fp16, exact), where
+        fp8 -> bf16 takes three on sm_90 (fp8 -> fp16, then fp16 -> bf16 one value at a time); else q itself.
+        p then rounds to fp16 too. Shared with the decode kernels (kernels/decode_tiles.py)."""
+        x = q
+        if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+            f = q.to(tl.float32)
+            x = tl.where(f > 65504.0, 65504.0, tl.where(f < -65504.0, -65504.0, f)).to(tl.float16)
+        return x
+
+    @triton.jit
     def paged_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, pos_ok, h, stride_kn, stride_kb, stride_kh, d, d_ok,
                       BLOCK_SIZE: tl.constexpr):
         """K and V [BLOCK_N, D_P] of KV head h at token positions pos [BLOCK_N] of one sequence (table_ptr: its
@@ -121,6 +134,7 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, D_P]
+        q = query_operand(q, k_cache_ptr)  # bf16 over an fp8 cache: fp16
 
         first_pos = ctx + tok0 - q_start  # the item's first token's absolute position
         last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)  # its last stored token's
