@@ -160,8 +160,8 @@ def context_mean(context: int | str) -> float:
 def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "cuda", copies: int = 1,
                  kv_dtype: str = "bf16") -> ShapeInputs:
     """Random bf16 inputs of the shape, K/V in an fp8 cache where kv_dtype is "fp8" (engine.kv_cache_dtype); the
-    same in the compile workers and the timing process, so a launch's
-    compiled kernel, specialised on these shapes and strides, is the same cache entry in both); `copies` block
+    same in the compile workers and the timing process, so a launch's compiled kernel, specialised on these shapes
+    and strides, is the same cache entry in both; `copies` block
     tables over disjoint blocks of one cache (same strides: the same compiled kernel). A ragged context's
     sequences each hold the blocks of the longest (their tables' unused tail is never read)."""
     num_heads, num_kv_heads, head_dim, softcap = heads(geometry)

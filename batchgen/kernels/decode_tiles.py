@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, query_operand, softcapped
+from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, softcapped
 from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded, row_sums
 from batchgen.kernels.splitk_common import sum_splits
 
@@ -131,9 +131,8 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
     max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32:
     IEEE); below, broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the
-    batch-invariant one (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order. bf16
-    queries over an fp8 cache attend in fp16 (paged_prefill.query_operand; a no-op on queries already converted)."""
-    q = query_operand(q, k_cache_ptr)
+    batch-invariant one (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order. q as
+    paged_prefill.query_operand gives it (bf16 queries over an fp8 cache: fp16)."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)

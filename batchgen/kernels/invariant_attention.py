@@ -39,6 +39,7 @@ try:
     import triton.language as tl
 
     from batchgen.kernels.decode_tiles import attend_tiles, merge_partials, store_partials
+    from batchgen.kernels.paged_prefill import query_operand
 except ImportError:  # installs without Triton (CPU) use query_attention_rows
     triton = None
 
@@ -85,6 +86,7 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + t * stride_qt + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_P, D_P]
+        q = query_operand(q, k_cache_ptr)  # bf16 over an fp8 cache: fp16
         for s in tl.range(tl.program_id(2), n_splits, tl.num_programs(2)):
             start = lo + s * size
             acc, m_i, l_i = attend_tiles(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start,

@@ -25,6 +25,7 @@ except ImportError:  # installs without Triton (CPU) use the reference
 
 if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+    FP16_MAX = tl.constexpr(65504.0)  # fp16's largest finite value: query_operand clamps there
 
     @triton.jit
     def softcapped(s, softcap):
@@ -49,11 +50,11 @@ if triton is not None:
         cache in fp16 (clamped to +-65504, fp16's largest finite value; NaN stays NaN), so that each tile's
         `k.to(q.dtype)` upcasts the cache with one hardware conversion for two values (fp8 -> fp16, exact), where
         fp8 -> bf16 takes three on sm_90 (fp8 -> fp16, then fp16 -> bf16 one value at a time); else q itself.
-        p then rounds to fp16 too. Shared with the decode kernels (kernels/decode_tiles.py)."""
+        p then rounds to fp16 too. Called once a program, where q is loaded (decode_tiles.attend_tiles' callers)."""
         x = q
         if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
             f = q.to(tl.float32)
-            x = tl.where(f > 65504.0, 65504.0, tl.where(f < -65504.0, -65504.0, f)).to(tl.float16)
+            x = tl.where(f > FP16_MAX, FP16_MAX, tl.where(f < -FP16_MAX, -FP16_MAX, f)).to(tl.float16)
         return x
 
     @triton.jit
