@@ -103,7 +103,8 @@ if triton is not None:
     def _gumbel(x, cols, noise_key):
         """x + Gumbel noise of (row key, vocab id), as sample.noise.uniform_noise hashes it."""
         bits = _mix32(noise_key ^ _mix32(cols.to(tl.int64) + 0x27D4EB2F))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        # clamped below 1.0 as uniform_noise (noise.U_MAX): the top draw rounds to 1.0, whose noise is +inf
+        u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522)
         return x - tl.log(-tl.log(u))
 
     @triton.jit

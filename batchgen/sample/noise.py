@@ -12,6 +12,10 @@ import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# float32's largest value below 1. The top draw (2^24 - 0.5) / 2^24 is a tie between it and 1.0 in float32 and
+# rounds to 1.0 (to even), whose Gumbel noise -log(-log(1)) is +inf: it would win over any logit, and on a
+# masked (-inf) token give NaN, which argmax picks. Every draw is clamped to U_MAX (here and in the kernel).
+U_MAX = 1.0 - 2.0 ** -24
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -66,5 +70,5 @@ def uniform_noise(noise_key: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S, V] float32 in (0, 1), a pure function of (row key, vocab id)."""
     vocab_key = mix32(torch.arange(vocab_size, device=noise_key.device, dtype=torch.int64) + 0x27D4EB2F)
     bits = mix32(noise_key[:, None] ^ vocab_key[None, :])
-    # 24 high-quality bits -> exactly representable in float32, strictly inside (0, 1)
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 24 high-quality bits; the top one rounds to 1.0 in float32, hence the clamp (U_MAX says why)
+    return (((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
