@@ -106,3 +106,24 @@ def test_triton_sampler_on_gpu_agrees_with_the_reference_and_its_distribution():
         # the GPU's fast exp/log move a draw only at near-ties of the Gumbel scores or the top-p boundary
         assert (got == ref).float().mean().item() >= 0.97, (max_rounds, (got != ref).sum().item())
         assert torch.equal(got[0::3], ref[0::3])  # greedy rows: exactly torch.argmax
+
+
+TOP_DRAW_SCRIPT = """
+import torch
+from batchgen.kernels.sample import sample_rows
+V = 64
+logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+logits[:, 7] = float("-inf")  # masked; key 8013419's noise at vocab id 7 is the hash's top draw
+key = torch.full((3,), 8013419, dtype=torch.int64)
+got = sample_rows(logits, torch.tensor([0.8, 1.2, 0.5]), torch.tensor([V, V, 20]), torch.tensor([1.0, 0.9, 1.0]),
+                  torch.tensor([0.0, 0.0, 0.05]), key, block=16)
+assert (got != 7).all(), got.tolist()
+logits[:, 7] = -30.0  # finite but improbable: +inf noise made it a certain draw
+got = sample_rows(logits, torch.ones(3), torch.full((3,), V), torch.ones(3), torch.zeros(3), key, block=16)
+assert (got != 7).all(), got.tolist()
+print("ok")
+"""
+
+
+def test_triton_sampler_never_draws_a_masked_token_at_the_hashs_top_draw():
+    run_under_interpreter(TOP_DRAW_SCRIPT)

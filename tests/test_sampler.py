@@ -102,3 +102,31 @@ def test_noise_is_a_function_of_seed_and_position_only():
     assert torch.equal(noise.flip(0), uniform_noise(swapped, 100))
     assert (noise > 0).all() and (noise < 1).all()
     assert len(set(keys.tolist())) == 3
+
+
+# A row key whose noise at vocab id 7 is the hash's top draw ((2^24 - 0.5) / 2^24, a float32 tie that rounds to
+# 1.0): found by search over keys (mix32 is a bijection, so every vocab id has such keys).
+TOP_DRAW_KEY, TOP_DRAW_TOKEN = 8013419, 7
+
+
+def test_the_noise_never_reaches_one_even_at_the_hashs_top_draw():
+    u = uniform_noise(torch.tensor([TOP_DRAW_KEY]), 64)
+    assert u.max().item() < 1.0 and u.min().item() > 0.0
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_a_masked_token_is_never_drawn_at_the_hashs_top_draw():
+    """The draw that made structured output abort at temperature > 0: noise 1.0 at a -inf (grammar-masked,
+    suppressed, filtered) token gave NaN, which argmax picks."""
+    V = 64
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    logits[:, TOP_DRAW_TOKEN] = float("-inf")
+    rows = [_row(temperature=t, top_k=k, top_p=p, min_p=m)
+            for t, k, p, m in ((0.8, 0, 1.0, 0.0), (1.2, 0, 0.9, 0.0), (0.5, 20, 1.0, 0.05), (1.5, 0, 1.0, 0.0))]
+    st = SamplingTensors.build(rows, list(range(4)), V, logits.device)
+    st.noise_key = torch.full((4,), TOP_DRAW_KEY, dtype=torch.int64)
+    drawn = sample(logits, st)
+    assert (drawn != TOP_DRAW_TOKEN).all(), drawn.tolist()
+    # a finite token there wins no more than its probability says: not a certain draw by +inf noise
+    logits[:, TOP_DRAW_TOKEN] = -30.0
+    assert (sample(logits, st) != TOP_DRAW_TOKEN).all()
