@@ -299,13 +299,17 @@ class Engine:
         for req in (self._finished.popleft() for _ in range(num)):
             prompt_id = req.prompt_id
             result, params, remaining = self._pending[prompt_id]
-            text = (final_text(self.tokenizer, req.output_token_ids, params.stop,
-                               cut_at_stop=req.finish_reason is FinishReason.STOP_STRING)
-                    if self.tokenizer is not None else None)
+            try:
+                text = (final_text(self.tokenizer, req.output_token_ids, params.stop,
+                                   cut_at_stop=req.finish_reason is FinishReason.STOP_STRING)
+                        if self.tokenizer is not None else None)
+            except Exception as e:  # the tokenizer refused this sample's ids: it alone fails
+                text, req.finish_reason = None, FinishReason.ERROR
+                req.error, req.error_class = f"{req.request_id}: detokenizing failed: {e}", "detokenize_error"
             result.samples.append(Sample(
                 sample_idx=req.sample_idx, token_ids=list(req.output_token_ids), text=text,
                 finish_reason=req.finish_reason.value, seed=req.seed, num_cached_tokens=req.num_cached_tokens,
-                error=req.error, logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
+                error=req.error, error_class=req.error_class, logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
                 **top_logprob_arrays(req, params.logprobs)))
             if req.scores_prompt:
                 result.prompt_logprobs = req.prompt_logprobs

@@ -27,7 +27,16 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_new_tokens or the model's context
     STOP_STRING = "stop_string"  # a stop string appeared in the decoded text
-    ERROR = "error"  # never ran; `Request.error` says why
+    ERROR = "error"  # never ran, or failed on its own (not the engine's fault); `Request.error` says why
+
+
+class RequestFault(Exception):
+    """A fault of one sequence (its grammar, its tokenizer output), not of the engine: the engine finishes that
+    sequence with FinishReason.ERROR and `error_class`, and the other sequences go on."""
+
+    def __init__(self, error_class: str, message: str) -> None:
+        super().__init__(message)
+        self.error_class = error_class
 
 
 @dataclass(eq=False)
@@ -57,6 +66,7 @@ class Request:
     pending_row: int = -1
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_class: str | None = None  # with `error`: what kind of fault (a job's reject class)
     # Sibling samples (n > 1) wait until this request's prompt is in the cache, then reuse its blocks.
     followers: list[Request] = field(default_factory=list)
     last_sampling: object | None = None  # the scheduler's latest SeqSampling, reused while it is unchanged
@@ -143,7 +153,7 @@ class Request:
         # issue 14: structured output: the mask allowed only tokens the grammar accepts here
         if self.grammar is not None:
             if not self.grammar.accept(token_id):
-                raise RuntimeError(f"{self.request_id}: token {token_id} was sampled under a grammar that does "
+                raise RequestFault("grammar_error", f"token {token_id} was sampled under a grammar that does "
                                    f"not accept it (after {len(self.output_token_ids) - 1} tokens)")
             if self.grammar.terminated:  # a stop token of the grammar, or the grammar complete without one
                 return FinishReason.STOP

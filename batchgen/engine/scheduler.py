@@ -45,6 +45,7 @@ class Scheduler:
         if reason is not None:
             for r in [req, *req.followers]:
                 r.status, r.finish_reason, r.error = RequestStatus.FAILED, FinishReason.ERROR, reason
+                r.error_class = "too_long_for_cache" if req.num_prompt_tokens else "empty_prompt"
                 self._done.append(r)
             return
         self.waiting.append(req)
@@ -246,9 +247,14 @@ class Scheduler:
                 if req.is_finished:
                     continue  # finished at the previous step; this token was computed in vain
                 req.num_pending -= 1
-                if lp >= 0:
-                    self._append_logprobs(req, output, lp_row - 1, lp)
-                reason = req.append_token(token)
+                try:
+                    if lp >= 0:
+                        self._append_logprobs(req, output, lp_row - 1, lp)
+                    reason = req.append_token(token)
+                except Exception as e:  # this sequence's own fault: it alone ends (RequestFault says which)
+                    req.error = f"{req.request_id}: {e}"
+                    req.error_class = getattr(e, "error_class", "engine_error")
+                    reason = FinishReason.ERROR
                 if reason is not None:
                     self._finish(req, reason)
                     self._release_followers(req)  # a parent done at its first token still starts its siblings

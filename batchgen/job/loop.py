@@ -31,6 +31,14 @@ from batchgen.sources import open_source
 from batchgen.job.spec import JobSpec
 from batchgen.job.workers import WorkerInfo
 
+# A sequence's own fault (its grammar, its tokenizer output: engine.request.RequestFault) rejects its row and the
+# job goes on. A fault of no known class ("engine_error") may be the engine's: such rows are held back, rejected
+# once a later row is generated (the engine works: they were the rows' faults) or at the end of the run; this many
+# held at once means the engine is broken: the job stops (exit 1) and the held rows, never committed, are
+# generated again by the next run.
+MAX_CONSECUTIVE_ENGINE_ERRORS = 32
+
+
 def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     if value is None:
         raise JobError(f"source.key_column {key_column!r} is null at row {position}; keys must be unique "
@@ -84,6 +92,8 @@ class JobLoop:
         self.schema = OutputSchema.build(spec, self.source.schema, reasoning=self.reasoning is not None)
         self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
         self.engine = None  # built by _engine() on the first row that needs it
+        self.held_engine_errors: list[tuple] = []  # (key, position, message): "engine_error" rows since the last
+        # row generated, not yet handed to the writer (MAX_CONSECUTIVE_ENGINE_ERRORS says why)
         self.engine_setup_s = 0.0
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
         self.engine_builds: list[dict] = []  # the Triton builds of the engine's set-up (meter.totals.builds: later)
@@ -233,6 +243,7 @@ class JobLoop:
                     pass
             self.meter.close()  # also removes its garbage-collector hook from the process
             raise
+        self._reject_held_engine_errors()  # fewer than MAX_CONSECUTIVE_ENGINE_ERRORS at the end: the rows' own
         while self._commit():
             pass
         self.meter.maybe_log(self._stats, force=True)
@@ -342,6 +353,11 @@ class JobLoop:
         pending[rid] = (key, row.position, kept, text, len(ids), params.stop)
         self.meter.totals.prompt_tokens += len(ids)
 
+    def _reject_held_engine_errors(self) -> None:
+        for key, position, message in self.held_engine_errors:
+            self._reject(key, position, "engine_error", message)
+        self.held_engine_errors.clear()
+
     def _reject(self, key, position: int, error_class: str, message: str) -> None:
         t = self.meter.totals
         self.writer.add_reject(key, position, error_class, message)
@@ -353,9 +369,18 @@ class JobLoop:
     def _finish(self, result, entry) -> None:
         key, position, kept, prompt, num_prompt, stop = entry
         errors = [s for s in result.samples if s.error is not None]
-        if errors:
-            self._reject(key, position, "too_long_for_cache", errors[0].error)
+        if errors:  # one sample's fault rejects the row: rows are committed whole, all n samples or none
+            error_class = errors[0].error_class or "engine_error"
+            if error_class != "engine_error":
+                self._reject(key, position, error_class, errors[0].error)
+                return
+            self.held_engine_errors.append((key, position, errors[0].error))
+            if len(self.held_engine_errors) >= MAX_CONSECUTIVE_ENGINE_ERRORS:
+                raise RuntimeError(f"the engine failed on {len(self.held_engine_errors)} rows in a row with none "
+                                   f"generated between them (the last: {errors[0].error}); the engine's fault, "
+                                   f"not the rows': none of them is recorded")
             return
+        self._reject_held_engine_errors()  # a row generated: the engine works, those were the rows' own faults
         key_name = self.schema.key_field.name
         out_rows = []
         t = self.meter.totals
