@@ -39,8 +39,10 @@ def test_the_example_pair_runs_the_second_job_over_the_firsts_completions_and_re
     first = _example(tmp_path, "chain_questions.yaml", tiny_model_dir)
     assert runner.invoke(app, ["run", str(first), "--no-progress"]).exit_code == 0
     questions = {r["id"]: r for r in read_rows(tmp_path / "out" / "chain-questions")}
-    # a crash's leftover shard (no manifest names it) is never read
-    (tmp_path / "out" / "chain-questions" / "data" / "part-w00000-999999.parquet").write_bytes(b"leftover")
+    # a crash's leftover shard (no manifest names it: the commit after the last recorded one) is never read
+    upstream = tmp_path / "out" / "chain-questions"
+    num_commits = len((upstream / "manifest" / "w00000.jsonl").read_bytes().splitlines())
+    (upstream / "data" / f"part-w00000-{num_commits:06d}.parquet").write_bytes(b"leftover")
     second = _example(tmp_path, "chain_answers.yaml", tiny_model_dir)
     result = runner.invoke(app, ["run", str(second), "--no-progress"])
     assert result.exit_code == 0, result.output

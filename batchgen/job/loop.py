@@ -125,8 +125,9 @@ class JobLoop:
         if worker.index == 0:  # workers beyond today's count (an earlier, wider run) are nobody's but ours
             owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
                       if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
-        mf.remove_orphans(out_dir, owned)
-        self.done_keys = KeySet.from_keys(k for _, r in mf.read_all(out_dir) for k in r["keys"])
+        # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
+        # deleted; the committed keys are the rows to skip
+        self.done_keys = mf.prepare_resume(out_dir, owned)
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = self.source.progress_rows() if show_progress else self.source.expected_rows

@@ -20,7 +20,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
+from batchgen.errors import JobError
 from batchgen.output import manifest as mf
+from batchgen.output.layout import resolved_job_path
+from batchgen.output.damage import FINGERPRINT_FIX, load_json
 
 CARD_FILE = "README.md"
 MARKER = "<!-- dataset card written by batchgen: `batchgen report` rewrites it -->"
@@ -59,10 +62,11 @@ def collect(out_dir: Path) -> dict[str, Any]:
         classes = pq.read_table(rejects, columns=["error_class"])["error_class"].to_pylist()
         stats["rejects"] = dict(Counter(classes).most_common())
     stats["num_input_rows"] = sum(r.get("num_rows", 0) for _, r in mf.read_all(out_dir))
-    job_path = out_dir / "job.yaml"
+    job_path = resolved_job_path(out_dir)
     stats["job"] = yaml.safe_load(job_path.read_text()) if job_path.exists() else {}
     fp_path = out_dir / "fingerprint.json"
-    components = json.loads(fp_path.read_text()).get("components", {}) if fp_path.exists() else {}
+    stored = load_json(fp_path, FINGERPRINT_FIX) if fp_path.exists() else {}
+    components = stored.get("components", {}) if isinstance(stored, dict) else {}
     stats["batchgen_version"] = components.get("batchgen_version")
     stats["runs"] = _runs(out_dir)
     return stats
@@ -72,7 +76,11 @@ def _runs(out_dir: Path) -> list[dict[str, Any]]:
     """Each worker's latest run report: its rows, tokens, wall time and rate."""
     runs = []
     for path in sorted((out_dir / "reports").glob("w*.json")):
-        r = json.loads(path.read_text())
+        r = load_json(path, f"delete it (worker {path.stem}'s next run writes it again) and run `batchgen "
+                            f"report {out_dir}` again")
+        if not isinstance(r, dict):
+            raise JobError(f"{path} is damaged (not a JSON object): delete it (worker {path.stem}'s next run "
+                           f"writes it again) and run `batchgen report {out_dir}` again")
         runs.append({"worker": path.stem, "status": r.get("status"), "rows_committed": r.get("rows_committed"),
                      "generated_tokens": r.get("generated_tokens"), "wall_s": r.get("wall_s"),
                      "setup_s": r.get("setup_s"),

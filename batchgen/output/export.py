@@ -7,14 +7,20 @@
   else in the same file. Every input row that is committed appears exactly once across the two files.
 
 Order: the source's. Rows keyed by position (`row_idx`) sort by it; with a `key_column` the source named in the
-output's job.yaml is read again to learn each key's position; if it cannot be read, rows keep commit order and
-the result says so. Only committed shards count (a crash's leftovers are not read).
+output's job.resolved.yaml is read again to learn each key's position; if it cannot be read, rows keep commit
+order and the result says so. Only committed shards count (a crash's leftovers are not read), and each is checked against its record before
+anything is written: size, SHA-256, row count, keys (output/shard_check.py); a damaged output, or one where a row
+key is in two records, stops the export naming the file (exit 2), so no row is ever exported twice or short.
+
+JSON has no NaN or Infinity: in `jsonl` and `openai` exports a float that is NaN, Infinity or -Infinity (a kept
+input column, a logprob of -inf) is written as null. `parquet` keeps them as they are.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,9 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
+from batchgen.output.layout import resolved_job_path
+from batchgen.output.ledger import Ledger
+from batchgen.output.shard_check import read_checked
 
 FORMATS = ("openai", "jsonl", "parquet")
 OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length"}
@@ -40,16 +49,37 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _committed(out_dir: Path, folder: str) -> list[tuple[Path, float]]:
-    return [(out_dir / r[folder], r.get("time", 0.0)) for _, r in mf.read_all(out_dir) if r.get(folder)]
+def _committed(ledger: Ledger, folder: str) -> list[tuple[pa.Table, float]]:
+    """Every committed shard of `folder`, read and checked against its record, with its commit time."""
+    return [(read_checked(ledger.out_dir, e, i, folder), e.record.get("time", 0.0))
+            for i, e in enumerate(ledger.entries) if e.record.get(folder)]
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float (nested in lists and dicts too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def _json(obj: Any) -> str:
+    """One line of valid JSON: NaN and +-Infinity become null (JSON has neither)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError:  # only when a non-finite float is in there: the cost is paid by those rows alone
+        return json.dumps(_finite(obj), ensure_ascii=False, default=str, allow_nan=False)
 
 
 def _spec(out_dir: Path):
     from batchgen.job.spec import JobSpec
 
-    path = out_dir / "job.yaml"
+    path = resolved_job_path(out_dir)
     if not path.is_file():
-        raise JobError(f"{out_dir} has no job.yaml: not a batchgen output directory, or never run")
+        raise JobError(f"{out_dir} has no job.resolved.yaml: not a batchgen output directory, or never run")
     return JobSpec.model_validate(yaml.safe_load(path.read_text()))
 
 
@@ -73,14 +103,13 @@ def _positions(spec, key_name: str, keys: set, result: ExportResult) -> dict | N
     return positions
 
 
-def _sorted_data(out_dir: Path, spec, result: ExportResult) -> tuple[pa.Table | None, str, np.ndarray]:
+def _sorted_data(ledger: Ledger, spec, result: ExportResult) -> tuple[pa.Table | None, str, np.ndarray]:
     """All committed data rows in source order, the key column's name, and each row's commit time."""
-    shards = _committed(out_dir, "data")
+    shards = _committed(ledger, "data")
     if not shards:
         return None, "", np.zeros(0)
-    tables = [pq.read_table(p) for p, _ in shards]
-    table = pa.concat_tables(tables, promote_options="permissive")
-    times = np.concatenate([np.full(t.num_rows, when) for t, (_, when) in zip(tables, shards)])
+    table = pa.concat_tables([t for t, _ in shards], promote_options="permissive")
+    times = np.concatenate([np.full(t.num_rows, when) for t, when in shards])
     key_name = table.schema.names[0]
     keys = table[key_name].to_pylist()
     positions = _positions(spec, key_name, set(keys), result)
@@ -98,11 +127,10 @@ def _sorted_data(out_dir: Path, spec, result: ExportResult) -> tuple[pa.Table | 
     return table.take(order), key_name, times[order]
 
 
-def _rejects(out_dir: Path) -> list[tuple[str, dict]]:
+def _rejects(ledger: Ledger) -> list[tuple[str, dict]]:
     """(key as text, reject row) of every committed reject, in source order."""
     rows = []
-    for path, _ in _committed(out_dir, "rejects"):
-        table = pq.read_table(path)
+    for table, _ in _committed(ledger, "rejects"):
         key_name = table.schema.names[0]  # the key column, stored as text in rejects
         rows += [(r[key_name], r) for r in table.to_pylist()]
     return sorted(rows, key=lambda kr: kr[1]["row_position"])
@@ -132,8 +160,8 @@ def _openai_lines(table: pa.Table, key_name: str, times: np.ndarray, spec) -> li
                 "text_completion", "created": int(times[i]), "model": model, "choices": choices,
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion}}
-        lines.append(json.dumps({"id": f"batch_req_{h}", "custom_id": str(key), "response": {
-            "status_code": 200, "request_id": f"req_{h}", "body": body}, "error": None}, ensure_ascii=False))
+        lines.append(_json({"id": f"batch_req_{h}", "custom_id": str(key), "response": {
+            "status_code": 200, "request_id": f"req_{h}", "body": body}, "error": None}))
         i = j
     return lines
 
@@ -156,7 +184,8 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None) -> Exp
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
     spec = _spec(out_dir)
     result = ExportResult()
-    table, key_name, times = _sorted_data(out_dir, spec, result)
+    ledger = mf.checked_ledger(out_dir)  # every record checked, no key in two records: each row exported once
+    table, key_name, times = _sorted_data(ledger, spec, result)
     if fmt == "parquet":
         if table is None:
             raise JobError(f"{out_dir} has no committed completion rows to export")
@@ -167,13 +196,13 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None) -> Exp
         return result
     if fmt == "jsonl":
         rows = table.to_pylist() if table is not None else []
-        _write_lines(to, [json.dumps(r, ensure_ascii=False, default=str) for r in rows])
+        _write_lines(to, [_json(r) for r in rows])
         result.num_rows = len(rows)
         return result
     lines = _openai_lines(table, key_name, times, spec) if table is not None else []
-    error_lines = [json.dumps({"id": f"batch_req_{_digest(key)}", "custom_id": str(key), "response": None,
-                               "error": {"code": r["error_class"], "message": r["message"]}}, ensure_ascii=False)
-                   for key, r in _rejects(out_dir)]
+    error_lines = [_json({"id": f"batch_req_{_digest(key)}", "custom_id": str(key), "response": None,
+                          "error": {"code": r["error_class"], "message": r["message"]}})
+                   for key, r in _rejects(ledger)]
     result.num_rows, result.num_errors = len(lines), len(error_lines)
     if errors is None:
         _write_lines(to, lines + error_lines)

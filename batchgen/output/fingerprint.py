@@ -16,6 +16,7 @@ from typing import Any
 
 from batchgen.errors import JobError
 from batchgen.job.spec import JobSpec
+from batchgen.output.damage import FINGERPRINT_FIX, load_json
 
 FILE = "fingerprint.json"
 
@@ -68,7 +69,15 @@ def upstream_fingerprint(source_path: str | list[str]) -> str | None:
     path = Path(source_path) / FILE
     if not (Path(source_path) / "manifest").is_dir() or not path.is_file():
         return None
-    return _digest(json.loads(path.read_text())["components"])
+    return _digest(stored_components(path))
+
+
+def stored_components(path: Path) -> dict[str, Any]:
+    """The components recorded in a fingerprint.json; JobError naming it when it is damaged."""
+    stored = load_json(path, FINGERPRINT_FIX)
+    if not isinstance(stored, dict) or not isinstance(stored.get("components"), dict):
+        raise JobError(f"{path} is damaged (it holds no `components` object); {FINGERPRINT_FIX}")
+    return stored["components"]
 
 
 # components added after 0.1.0's first outputs, with the value that means "off" (an output begun before them was)
@@ -91,7 +100,7 @@ def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
     path = out_dir / FILE
     if not path.exists():
         return None
-    stored = json.loads(path.read_text())["components"]
+    stored = stored_components(path)
     current = json.loads(json.dumps(current, default=str))
     # A component the stored fingerprint predates was off then: it compares as off, so an upgrade alone
     # never blocks a resume, and turning the new setting on does.

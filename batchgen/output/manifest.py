@@ -1,23 +1,25 @@
 """The commit protocol's ledger: one append-only JSONL manifest per worker.
 
-A row is done iff its key is in a manifest line. A shard becomes visible as `data/*.parquet` by an
-atomic rename after fsync, and is recorded here afterwards; a crash between the two leaves an orphan
-shard that no manifest names, which `remove_orphans` deletes before the next run generates its rows
-again. A crash during the append leaves a torn last line, which is ignored and cut off on reopen.
+A row is done iff its key is in a committed manifest record. A shard becomes visible as `data/*.parquet` by an
+atomic rename after fsync, and is recorded here afterwards, with its size and SHA-256 (manifest_line.py: each line
+also carries a checksum of itself). A crash between the two leaves an orphan shard that no manifest names, which
+the worker's next run deletes before it generates those rows again. A crash during the append leaves a torn last
+line, which is not committed and is cut off on reopen. Anything else that does not check out is damage: every
+reader stops (OutputDamaged, exit 2) and nothing is deleted (ledger.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from batchgen.output import faults
-
-MANIFEST_DIR = "manifest"
-SHARD_DIRS = ("data", "rejects")
+from batchgen.output.damage import OutputDamaged
+from batchgen.output.keyset import KeySet
+from batchgen.output.ledger import MANIFEST_DIR, SHARD_DIRS, Ledger, read_ledger  # noqa: F401 (SHARD_DIRS: re-exported)
+from batchgen.output.manifest_line import encode, read_file
 
 
 def worker_tag(worker_index: int) -> str:
@@ -32,30 +34,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_lines(path: Path) -> tuple[list[dict], int]:
-    """Complete records and the byte length of the good prefix (a torn tail is not part of it)."""
-    data = path.read_bytes()
-    records, good = [], 0
-    for raw in data.splitlines(keepends=True):
-        if not raw.endswith(b"\n"):
-            break  # torn append: the commit did not happen
-        try:
-            records.append(json.loads(raw))
-        except json.JSONDecodeError:
-            break
-        good += len(raw)
-    return records, good
-
-
 def read_all(out_dir: Path) -> Iterator[tuple[str, dict]]:
-    """(worker tag, commit record) for every committed shard of every worker."""
-    mdir = out_dir / MANIFEST_DIR
-    if not mdir.is_dir():
-        return
-    for path in sorted(mdir.glob("w*.jsonl")):
-        records, _ = _read_lines(path)
-        for r in records:
-            yield path.stem, r
+    """(worker tag, commit record) for every committed shard of every worker; OutputDamaged if anything named
+    does not check out (ledger.py)."""
+    ledger = read_ledger(out_dir)
+    ledger.raise_if_damaged()
+    for e in ledger.entries:
+        yield e.tag, e.record
 
 
 class Manifest:
@@ -66,18 +51,24 @@ class Manifest:
         self.tag = worker_tag(worker_index)
         self.path = out_dir / MANIFEST_DIR / f"{self.tag}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        records: list[dict] = []
+        self.next_commit = 0
         if self.path.exists():
-            records, good = _read_lines(self.path)
-            if good != self.path.stat().st_size:
-                with open(self.path, "r+b") as f:  # cut the torn tail so appends start on a line boundary
-                    f.truncate(good)
+            mfile = read_file(self.path, f"{MANIFEST_DIR}/{self.path.name}")
+            if mfile.problems:  # never append after damage: `repair` decides what it was
+                raise OutputDamaged(out_dir, mfile.problems)
+            if mfile.tail:
+                with open(self.path, "r+b") as f:
+                    if mfile.tail == "torn":  # cut it so appends start on a line boundary
+                        f.truncate(mfile.good_bytes)
+                    else:  # a whole record that lost only its newline: it is committed, end its line
+                        f.seek(0, 2)
+                        f.write(b"\n")
                     os.fsync(f.fileno())
-        self.next_commit = 1 + max((r["commit"] for r in records), default=-1)
+            self.next_commit = mfile.max_commit + 1
 
     def append(self, record: dict[str, Any]) -> None:
         """Durably record a commit. Only after this returns are the record's rows done."""
-        line = (json.dumps({"commit": self.next_commit, **record}, separators=(",", ":")) + "\n").encode()
+        line = encode({"commit": self.next_commit, **record})
         with open(self.path, "ab") as f:
             if faults.armed("manifest_torn"):  # crash test: half a line reaches the disk
                 f.write(line[: len(line) // 2])
@@ -92,32 +83,38 @@ class Manifest:
 
 def committed_shards(out_dir: Path, folder: str) -> list[Path]:
     """The shards of `folder` ("data" or "rejects") that manifests record: worker by worker, in commit order."""
-    return [out_dir / r[folder] for _, r in read_all(out_dir) if r.get(folder)]
+    return [path for path, _ in checked_ledger(out_dir).shards(folder)]
 
 
 def committed_files(out_dir: Path) -> set[str]:
-    names = set()
-    for _, r in read_all(out_dir):
-        for d in SHARD_DIRS:
-            if r.get(d):
-                names.add(r[d])
-    return names
+    return checked_ledger(out_dir).named()
 
 
-def remove_orphans(out_dir: Path, owned_tags: set[str] | None) -> list[str]:
-    """Delete shards (and temp files) no manifest records. `owned_tags`: only those workers' files
-    (None: every worker's). Returns the relative paths removed."""
-    committed = committed_files(out_dir)
+def checked_ledger(out_dir: Path) -> Ledger:
+    """The ledger (ledger.py), or OutputDamaged naming what does not check out."""
+    ledger = read_ledger(out_dir)
+    ledger.raise_if_damaged()
+    return ledger
+
+
+def remove_orphans(out_dir: Path, owned_tags: set[str] | None, ledger: Ledger | None = None) -> list[str]:
+    """Delete what a crash of the `owned_tags` workers (None: every worker) left: their temporary shard files and
+    the shard one past their last commit, which no record names (ledger.py). Nothing else: a foreign file, or a
+    shard whose record was lost (then the ledger is damaged and this raises before deleting anything). Returns
+    the relative paths removed."""
+    ledger = ledger if ledger is not None else checked_ledger(out_dir)
+    ledger.raise_if_damaged()
     removed = []
-    for d in SHARD_DIRS:
-        folder = out_dir / d
-        if not folder.is_dir():
-            continue
-        for f in folder.iterdir():
-            rel = f"{d}/{f.name}"
-            tag = f.name.lstrip(".").split("-")[1] if f.name.lstrip(".").startswith("part-") else None
-            if rel in committed or (owned_tags is not None and tag not in owned_tags):
-                continue
-            f.unlink()
-            removed.append(rel)
+    for orphan in ledger.orphans:
+        if orphan.kind in ("tmp", "leftover") and (owned_tags is None or orphan.tag in owned_tags):
+            (out_dir / orphan.rel).unlink(missing_ok=True)
+            removed.append(orphan.rel)
     return removed
+
+
+def prepare_resume(out_dir: Path, owned_tags: set[str]) -> KeySet:
+    """Before a worker generates: check every worker's records, delete what a crash of the owned workers left,
+    and return every committed row key (the rows to skip). OutputDamaged, with nothing deleted, if damaged."""
+    ledger = checked_ledger(out_dir)
+    remove_orphans(out_dir, owned_tags, ledger)
+    return ledger.keys

@@ -15,18 +15,44 @@ import pyarrow.parquet as pq
 from batchgen.output.manifest import committed_shards
 
 
+def _read_log(path: Path) -> tuple[list[dict], int]:
+    """A throughput log's records, and how many complete lines are not records (damaged: skipped). Read as bytes
+    line by line: a damaged line (NUL bytes, an edit) costs its own point only. The text after the last newline
+    is a line cut by a crash, or empty."""
+    records, damaged = [], 0
+    *lines, tail = path.read_bytes().split(b"\n")
+    for line in [*lines, tail]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            damaged += line is not tail
+            continue
+        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)) \
+                and isinstance(record.get("elapsed_s"), (int, float)):
+            records.append(record)
+        else:
+            damaged += 1
+    return records, damaged
+
+
 def _records(out_dir: Path) -> dict[str, list[dict]]:
     logs = {}
     for path in sorted((out_dir / "logs").glob("throughput-w*.jsonl")):
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash
-                continue
+        records, _ = _read_log(path)
         if records:
             logs[path.stem.removeprefix("throughput-")] = records
     return logs
+
+
+def log_notes(out_dir: Path) -> list[str]:
+    """One note per throughput log with damaged lines (the plot skips them)."""
+    notes = []
+    for path in sorted((out_dir / "logs").glob("throughput-w*.jsonl")):
+        _, damaged = _read_log(path)
+        if damaged:
+            notes.append(f"logs/{path.name}: {damaged} damaged lines (not JSON records) left out of the throughput "
+                         f"plot; the log is diagnostics only, the committed rows are not affected")
+    return notes
 
 
 def throughput_png(out_dir: Path, path: Path) -> Path | None:

@@ -13,9 +13,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+
 from batchgen.errors import JobError
 from batchgen.output.card import CARD_FILE, collect, write_card
-from batchgen.output.plots import lengths_png, throughput_png
+from batchgen.output.damage import what_to_do
+from batchgen.output.plots import lengths_png, log_notes, throughput_png
 
 
 def _replace(path: Path, write) -> Path | None:
@@ -66,8 +69,13 @@ def write_report(out_dir: Path) -> Report:
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
     reports = out_dir / "reports"
     reports.mkdir(parents=True, exist_ok=True)
-    stats = collect(out_dir)
+    try:
+        stats = collect(out_dir)  # every record checked first (OutputDamaged names what does not check out)
+    except (pa.ArrowException, OSError) as e:  # a shard of the recorded size whose bytes were damaged
+        raise JobError(f"a committed shard of {out_dir} cannot be read ({str(e).splitlines()[0][:200]}); "
+                       f"{what_to_do(out_dir)}") from None
     report = Report()
+    report.notes += log_notes(out_dir)
     card = write_card(out_dir, stats)
     if card is None:
         report.notes.append(f"{out_dir / CARD_FILE} exists and was not written by batchgen: left as is, no "

@@ -17,6 +17,7 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
+from batchgen.output.layout import resolved_job_path
 from batchgen.output.lock import is_held
 
 STALLED_AFTER_S = 600  # a running worker without a commit for this long is flagged
@@ -35,6 +36,7 @@ class _Worker:
     started: float | None = None  # unix time the latest run took the lock (the lock file's mtime)
     log: dict | None = None  # the last throughput record
     report: dict | None = None  # reports/wNNNNN.json: written when a run ends normally (done or signalled)
+    report_damaged: str | None = None  # the report's path when it is not a JSON object
 
     @property
     def latest_log(self) -> dict | None:
@@ -72,9 +74,12 @@ def _last_record(path: Path) -> dict | None:
         lines = f.read().split(b"\n")[:-1]  # text after the last newline is torn or empty
     for line in reversed(lines):
         try:
-            return json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # not JSON, or not text (NUL bytes): a damaged line is skipped like a torn one
             continue
+        if isinstance(record, dict) and all(isinstance(record.get(k), (int, float))
+                                            for k in ("time", "elapsed_s", "rows_done", "rows_committed")):
+            return record
     return None
 
 
@@ -102,14 +107,17 @@ def _read_workers(out_dir: Path) -> dict[str, _Worker]:
     for report in (out_dir / "reports").glob("w*.json"):
         if (w := worker(report.stem)) is not None:
             try:
-                w.report = json.loads(report.read_text())
-            except (OSError, json.JSONDecodeError):
-                pass
+                w.report = json.loads(report.read_bytes())
+            except (OSError, ValueError):  # status reads it for how a run ended only: say so, go on
+                w.report_damaged = f"reports/{report.name}"
+                continue
+            if not isinstance(w.report, dict):
+                w.report, w.report_damaged = None, f"reports/{report.name}"
     return workers
 
 
 def _expected_rows(out_dir: Path) -> int | None:
-    job = out_dir / "job.yaml"
+    job = resolved_job_path(out_dir)
     if not job.exists():
         return None
     try:
@@ -149,7 +157,11 @@ def _worker_line(w: _Worker, now: float, rows_remain: bool) -> str:
     elif w.started is not None:
         line += (f"; its last run (started {_ago(now - w.started)} ago) ended without a report: killed, or it "
                  f"failed (its error message says why)")
-    return line + (f"; {rate:.2f} rows/s in that run" if rate is not None else "")
+    line += f"; {rate:.2f} rows/s in that run" if rate is not None else ""
+    if w.report_damaged:
+        line += (f"; its run report {w.report_damaged} is damaged (not JSON): its next run rewrites it, or delete "
+                 f"it")
+    return line
 
 
 def _what_is_there(out_dir: Path) -> str:

@@ -7,6 +7,10 @@ worker, commit by commit. Columns: every data column (the upstream key, `sample_
 never are. The upstream's fingerprint is part of the downstream's (output/fingerprint.py), so a downstream
 resume after the upstream was re-run with other settings is refused.
 
+Damage stops the job (exit 2, naming the file): every upstream record is checked when the source opens (checksums,
+shard sizes, no key in two records; output/ledger.py), each shard's row count against its footer, and each shard's
+SHA-256 as it is read (the bytes are read once, hashed and parsed from memory).
+
 Positions grow only at the end while one upstream worker commits; with several upstream workers still running,
 a later commit of an earlier worker shifts positions: key the downstream job (`source.key_column`) or chain on
 a finished upstream.
@@ -22,7 +26,9 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
 from batchgen.job.spec import SourceSpec
-from batchgen.output.manifest import committed_shards
+from batchgen.output.damage import OutputDamaged, Problem
+from batchgen.output.manifest import checked_ledger
+from batchgen.output.shard_check import read_checked
 from batchgen.sources.base import Source, SourceRow
 
 BATCH_ROWS = 1024
@@ -34,23 +40,32 @@ class OutputDirSource(Source):
         if not isinstance(spec.path, str):
             raise JobError("source.path: a batchgen output directory is one path, not a list")
         self.out_dir = Path(spec.path)
-        self.files = committed_shards(self.out_dir, "data")
+        ledger = checked_ledger(self.out_dir)
+        self.shards = [(i, e) for i, e in enumerate(ledger.entries) if e.record.get("data")]
+        self.files = [self.out_dir / e.record["data"] for _, e in self.shards]
         self.description = f"batchgen output {self.out_dir}"
         if not self.files:
             raise JobError(f"source.path {self.out_dir} is a batchgen output directory with no committed "
                            f"completions yet (run its job first)")
-        try:
-            metas = [pq.ParquetFile(f) for f in self.files]
-        except (pa.ArrowException, OSError) as e:
-            raise JobError(f"cannot read a committed shard of {self.out_dir}: {e}") from None
+        metas = []
+        for path, (i, e) in zip(self.files, self.shards):
+            try:
+                metas.append(pq.ParquetFile(path))
+            except (pa.ArrowException, OSError) as err:
+                raise OutputDamaged(self.out_dir, [Problem(e.record["data"], None, f"not a readable Parquet file "
+                                                           f"({err}; {e.where} committed it)", "unreadable", i)])
+            expected = e.record.get("num_samples")
+            if isinstance(expected, int) and metas[-1].metadata.num_rows != expected:
+                raise OutputDamaged(self.out_dir, [Problem(e.record["data"], None, f"{metas[-1].metadata.num_rows} "
+                                                           f"rows, its record says {expected}", "rows", i)])
         self.schema = metas[0].schema_arrow
         self.num_rows = sum(m.metadata.num_rows for m in metas)
         self.check_key_column()
 
     def _iter_all(self) -> Iterator[SourceRow]:
         position = 0
-        for path in self.files:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+        for i, entry in self.shards:
+            for batch in read_checked(self.out_dir, entry, i, "data").to_batches(max_chunksize=BATCH_ROWS):
                 for columns in batch.to_pylist():
                     yield SourceRow(position, columns)
                     position += 1
