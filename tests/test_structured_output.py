@@ -170,3 +170,32 @@ def test_torch_bitmask_apply_equals_xgrammars_and_keeps_raw_logits():
     xgrammar.apply_token_bitmask_inplace(expected, full, vocab_size=70, indices=rows.tolist())
     assert torch.equal(out, expected) and torch.equal(logits, raw)
     assert torch.equal(allowed_tokens(bitmask, 70), torch.isfinite(out[rows]))
+
+
+def test_a_stop_token_id_that_is_text_ends_a_constrained_row_only_where_the_format_may_end(model):
+    """'7' is a stop id and biased up: it is masked while the format needs more digits, then ends the row; the
+    text holds the format's match, without the stop token (as EOS and stop strings are never text)."""
+    tok = make_tokenizer()
+    seven = tok.convert_tokens_to_ids("7")
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, n=3, seed=1, stop_token_ids=[seven],
+                            logit_bias={seven: 100.0}, response_format=ResponseFormat(type="regex", regex="[0-9]{3}"))
+    for async_pipeline in (False, True):
+        for s in _engine(model, async_pipeline, num_kv_blocks=64, block_size=8).generate(PROMPTS, params)[0].samples:
+            assert s.finish_reason == "stop" and s.token_ids[-1] == seven, s
+            assert re.fullmatch("[0-9]{3}", s.text) and s.text == tok.decode(s.token_ids[:-1]), s.text
+
+
+def test_a_format_whose_next_tokens_are_all_stop_ids_fails_that_row_alone_with_a_clear_message(model):
+    tok = make_tokenizer()
+    y_tokens = sorted(i for t, i in tok.get_vocab().items() if t.startswith("y"))  # every way to start "yes"
+    stuck = SamplingParams(max_new_tokens=8, temperature=0.8, stop_token_ids=y_tokens,
+                           response_format=ResponseFormat(type="choice", choices=("yes",)))
+    fine = SamplingParams(max_new_tokens=8, temperature=0.8, response_format=ResponseFormat(type="choice",
+                                                                                          choices=("yes",)))
+    for async_pipeline in (False, True):
+        bad, good = _engine(model, async_pipeline, num_kv_blocks=64, block_size=8).generate(
+            PROMPTS[:2], [stuck, fine])
+        assert bad.samples[0].finish_reason == "error" and bad.samples[0].error_class == "grammar_error"
+        assert "allows no next token after 0 tokens" in bad.samples[0].error and "stop_token_ids" in \
+            bad.samples[0].error
+        assert good.samples[0].finish_reason == "stop" and good.samples[0].text == "yes"

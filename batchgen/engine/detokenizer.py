@@ -32,6 +32,14 @@ class StopStringWatcher:
         return any(s in self.text[search_from:] for s in self.stop)
 
 
+def text_token_ids(token_ids: list[int], finish_reason: str, stop_token_ids: tuple[int, ...]) -> list[int]:
+    """The ids a completion's text is made of: all but a stop token id that ended it. What stopped a completion
+    is never its text: EOS (a special token), stop strings (cut) and stop token ids alike; `token_ids` keep it."""
+    if finish_reason == "stop" and token_ids and token_ids[-1] in stop_token_ids:
+        return token_ids[:-1]
+    return token_ids
+
+
 def final_text(tokenizer, token_ids: list[int], stop: tuple[str, ...], cut_at_stop: bool) -> str:
     """The sample's text without special tokens; cut before the first stop string when one ended it."""
     text = tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -11,7 +11,9 @@ pool, and the staging buffers back at once; an engine built by `from_pretrained`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -22,8 +24,9 @@ from batchgen.attention.kv_cache import KVCache, KVGeometry, cache_dtype, plan_n
 from batchgen.distributed.groups import for_engine, local_kv_geometry
 from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.detokenizer import StopStringWatcher, final_text
+from batchgen.engine import sizing
+from batchgen.engine.config import Auto, EngineConfig
+from batchgen.engine.detokenizer import StopStringWatcher, final_text, text_token_ids
 from batchgen.engine.reasoning import ReasoningMarkers, ThinkingBudget
 from batchgen.engine.request import FinishReason, Request
 from batchgen.engine.results import PromptResult, Sample, top_logprob_arrays
@@ -47,9 +50,14 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 # over several steps instead of one host stall the device waits out (issue 18)
 MIN_RESULTS_PER_STEP = 16
 
-# Decode steps of up to this many sequences replay CUDA graphs (buckets of 16 above 16): 512 covers the
-# throughput regime (bench --workload job); each bucket costs ~0.1 s of capture and shares one memory pool.
-MAX_GRAPH_BATCH = 512
+# Decode steps of up to this many sequences replay CUDA graphs (engine/sizing.graph_buckets): auto's largest
+# batch; each bucket costs a capture at start-up, and all share one memory pool (counted in sizing.row_costs).
+MAX_GRAPH_BATCH = sizing.MAX_AUTO_SEQS
+
+
+def _setting(value: int) -> int | None:
+    """A size the user set, or None for auto."""
+    return None if isinstance(value, Auto) else int(value)
 
 
 class Engine:
@@ -72,26 +80,39 @@ class Engine:
         self.tensor_parallel = tp = for_engine(model, config, tensor_parallel)
         geometry = local_kv_geometry(KVGeometry.from_config(model.config), tp)
         kv_dtype = cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, self.device)
-        # Reserved beside the KV cache: activations of the largest step, and the sampler's [S, V] buffers (the
-        # penalty table, allocated by the first penalised step, and up to three 4-byte temporaries of it)
-        sampler_bytes = (config.max_num_seqs + 1) * text_config.vocab_size * 4 * 4
+        # Reserved beside the KV cache: activations of the largest step, and per sequence slot the sampler's [S, V]
+        # buffers and the decode graphs' pool; the slots are as many as sizing.capacity allows (auto) or set
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        costs = sizing.row_costs(text_config, (geometry.num_heads + 2 * geometry.num_kv_heads) * geometry.head_dim,
+                                 next(model.parameters()).element_size(), -(-self.max_model_len // config.block_size),
+                                 graphs)
+        sized = isinstance(config.max_num_seqs, Auto) and self.device.type == "cuda"  # by the memory left
+        budget = geometry.bytes_per_block(config.block_size, kv_dtype) * plan_num_blocks(
+            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization, reserve_bytes=0,
+            cpu_max_bytes=config.cpu_kv_cache_bytes) if sized else 0
+        cap = sizing.capacity(self.device.type == "cuda", _setting(config.max_num_seqs),
+                              _setting(config.max_num_batched_tokens), budget, costs)
+        if tp is not None and cap.auto_seqs:  # every rank builds the same graph buckets and tables
+            cap = dataclasses.replace(cap, max_num_seqs=tp.agree_min(cap.max_num_seqs))
+        self.capacity = cap
+        self.batch_size: sizing.BatchSize | None = None  # chosen at the first step with queued prompts
         num_blocks = config.num_kv_blocks or plan_num_blocks(
             geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
-            reserve_bytes=config.max_num_batched_tokens * text_config.hidden_size * 4 * 16 + sampler_bytes,
+            reserve_bytes=costs.reserve_bytes(cap.max_num_seqs, cap.max_num_batched_tokens),
             cpu_max_bytes=config.cpu_kv_cache_bytes)
         if tp is not None:  # one block table serves every rank: the blocks that fit on all of them
             num_blocks = tp.agree_min(num_blocks)
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, cap.max_num_seqs, cap.max_num_batched_tokens,
                                    config.admission_group)
         self.async_pipeline = config.async_on(self.device.type)
         try:
             self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                      max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                      max_graph_batch=min(cap.max_num_seqs, MAX_GRAPH_BATCH),
                                       max_model_len=self.max_model_len,
                                       compile=config.compile, fused_decoder=config.fused_decoder,
-                                      blas_library=config.graph_blas_library, max_num_seqs=config.max_num_seqs,
+                                      blas_library=config.graph_blas_library, max_num_seqs=cap.max_num_seqs,
                                       tensor_parallel=tp, deterministic=config.deterministic,
                                       fp8_gemm=config.fp8_gemm)
         except BaseException:
@@ -214,7 +235,9 @@ class Engine:
         if self._grammars is None:
             self._grammars = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         stops = (() if params.ignore_eos else tuple(self.eos_token_ids)) + params.stop_token_ids
-        return [self._grammars.state(rf, stops) for _ in range(params.n)]
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        text_stops = [t for t in params.stop_token_ids if t not in special]
+        return [self._grammars.state(rf, stops, text_stops) for _ in range(params.n)]
 
     def _bitmask(self, batch: ScheduledBatch):
         """The step's constrained rows' bitmasks (runner.bitmask_buffer), filled from their matchers now.
@@ -248,6 +271,7 @@ class Engine:
                 "kv_cache_usage": round(self.block_manager.usage, 4), "num_kv_blocks": self.block_manager.num_blocks,
                 "num_preemptions": s.num_preemptions, "prefix_hit_tokens": self.block_manager.num_prefix_hit_tokens,
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
+                "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
                 "schedule_cpu_s": round(self.schedule_s, 3), "grammar_cpu_s": round(self.grammar_s, 3),
                 "prepare_cpu_s": round(self.runner.prepare_s, 3),
                 # device time of the steps (CUDA), and by kind of step with the device's idle time before them
@@ -256,6 +280,8 @@ class Engine:
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""
         self._check_open()
+        if self.batch_size is None and self.scheduler.waiting:
+            self._choose_batch_size()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.schedule_s += time.perf_counter() - t0
@@ -281,6 +307,28 @@ class Engine:
         self._in_flight = (batch, step) if batch else None
         return self._collect(self.scheduler.take_finished())
 
+    def _choose_batch_size(self) -> None:
+        """The run's batch within `capacity`, from the queued sequences' lengths (up to 4,096 requests' worth);
+        an auto choice is said on stderr."""
+        seq_tokens = [r.max_num_tokens for r in itertools.islice(self.scheduler.waiting, 4096)
+                      for _ in range(1 + len(r.followers))]
+        graphs = self.runner.graphs
+        self.batch_size = size = sizing.choose(self.capacity, self.block_manager.num_blocks * self.config.block_size,
+                                               seq_tokens, self.max_model_len, graphs.max_batch if graphs else None)
+        self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens = size.max_num_seqs, \
+            size.max_num_batched_tokens
+        if self.capacity.auto_seqs or self.capacity.auto_tokens:
+            print(f"batchgen: {size.describe()}", file=sys.stderr)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences a step may hold: the choice once made, else the capacity."""
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
     def _apply(self, batch: ScheduledBatch, output: StepOutput) -> None:
         t0 = time.perf_counter()
         self.scheduler.update(batch, output)
@@ -300,7 +348,8 @@ class Engine:
             prompt_id = req.prompt_id
             result, params, remaining = self._pending[prompt_id]
             try:
-                text = (final_text(self.tokenizer, req.output_token_ids, params.stop,
+                ids = text_token_ids(req.output_token_ids, req.finish_reason, params.stop_token_ids)
+                text = (final_text(self.tokenizer, ids, params.stop,
                                    cut_at_stop=req.finish_reason is FinishReason.STOP_STRING)
                         if self.tokenizer is not None else None)
             except Exception as e:  # the tokenizer refused this sample's ids: it alone fails

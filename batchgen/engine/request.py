@@ -152,6 +152,12 @@ class Request:
             self.thinking.append(token_id)
         # issue 14: structured output: the mask allowed only tokens the grammar accepts here
         if self.grammar is not None:
+            if self.grammar.dead_end:
+                stops = list(self.params.stop_token_ids)
+                raise RequestFault("grammar_error", f"the response_format allows no next token after "
+                                   f"{len(self.output_token_ids) - 1} tokens" + (
+                                       f": every token it allows here is one of stop_token_ids {stops}, which "
+                                       f"end a completion only where the format may end" if stops else ""))
             if not self.grammar.accept(token_id):
                 raise RequestFault("grammar_error", f"token {token_id} was sampled under a grammar that does "
                                    f"not accept it (after {len(self.output_token_ids) - 1} tokens)")

@@ -173,9 +173,10 @@ class JobLoop:
             raise JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
                            f"Lower {knobs}, or use a smaller model.dtype") from None
         # Say what actually runs, so no engine key is silently without effect.
-        graphs = self.engine.runner.graphs is not None
+        graphs = self.engine.runner.graphs
+        graph_note = f"on to {graphs.max_batch} seqs (pool {graphs.pool_bytes / 2**30:.2f} GiB)" if graphs else "off"
         print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
-              f"{spec.engine.block_size}; CUDA graphs {'on' if graphs else 'off'}"
+              f"{spec.engine.block_size}; {self.engine.capacity.describe()}; CUDA graphs {graph_note}"
               f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
               f"{', compiled' if graphs and spec.engine.compile else ''}; "
               f"decode forward {self.engine.runner.decode_forward.name}; "
@@ -280,7 +281,7 @@ class JobLoop:
         # rows rendered and queued per loop pass once the engine holds a step's worth (_wants_rows): rows finishing
         # together (a wave: equal lengths) are replaced over several steps, not in one host stall the device waits out
         refill = max(4, self.spec.engine.max_num_seqs // 16)
-        # request id -> (key, position, kept values, prompt, num prompt tokens, stop strings)
+        # request id -> (key, position, kept values, prompt, num prompt tokens, SamplingParams)
         pending: dict[str, tuple] = {}
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
         skipped = 0
@@ -351,7 +352,7 @@ class JobLoop:
         except ValueError as e:  # a row's own thinking_budget without usable think markers, or logit_bias ids
             self._reject(key, row.position, "bad_sampling", str(e))
             return
-        pending[rid] = (key, row.position, kept, text, len(ids), params.stop)
+        pending[rid] = (key, row.position, kept, text, len(ids), params)
         self.meter.totals.prompt_tokens += len(ids)
 
     def _reject_held_engine_errors(self) -> None:
@@ -368,7 +369,7 @@ class JobLoop:
         self.meter.row_finished(0)
 
     def _finish(self, result, entry) -> None:
-        key, position, kept, prompt, num_prompt, stop = entry
+        key, position, kept, prompt, num_prompt, params = entry
         errors = [s for s in result.samples if s.error is not None]
         if errors:  # one sample's fault rejects the row: rows are committed whole, all n samples or none
             error_class = errors[0].error_class or "engine_error"
@@ -391,7 +392,8 @@ class JobLoop:
                 r["prompt"] = prompt
             r["completion"] = s.text
             if self.reasoning is not None:
-                r.update(gen.split_text(self.tokenizer, self.reasoning, result.prompt_token_ids, s, stop))
+                r.update(gen.split_text(self.tokenizer, self.reasoning, result.prompt_token_ids, s, params.stop,
+                                        params.stop_token_ids))
             if self.spec.output.keep_token_ids:
                 r["completion_token_ids"] = list(s.token_ids)
             r.update(finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,

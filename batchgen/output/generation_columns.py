@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchgen.engine.detokenizer import final_text
+from batchgen.engine.detokenizer import final_text, text_token_ids
 from batchgen.engine.reasoning import ReasoningMarkers
 from batchgen.output.arrow_columns import GridCell
 from batchgen.errors import JobError
@@ -71,10 +71,10 @@ def logprob_fields(spec: JobSpec) -> list[pa.Field]:
     return fields
 
 
-def split_text(tokenizer, markers: ReasoningMarkers, prompt_ids: list[int], sample, stop: tuple[str, ...]
-               ) -> dict[str, Any]:
+def split_text(tokenizer, markers: ReasoningMarkers, prompt_ids: list[int], sample, stop: tuple[str, ...],
+               stop_token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """completion (the answer only), reasoning (None without a think block) and num_reasoning_tokens."""
-    ids = sample.token_ids
+    ids = text_token_ids(sample.token_ids, sample.finish_reason, stop_token_ids)
     cut = sample.finish_reason == "stop_string"
     span = markers.split(prompt_ids, ids)
     if span is None:

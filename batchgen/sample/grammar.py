@@ -35,6 +35,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from batchgen.sample.grammar_mask import apply_token_bitmask, bitmask_words
@@ -69,12 +70,20 @@ def _grammar(kind: str, text: str):
 
 
 def grammar_error(rf) -> str | None:
-    """xgrammar's reason for refusing a ResponseFormat's schema / regex / grammar, or None when it is usable."""
+    """xgrammar's reason for refusing a ResponseFormat's schema / regex / grammar, or None when it is usable.
+    Also refused: a schema nested too deeply, a format that admits no completion (sample/grammar_checks.py)."""
+    from batchgen.sample.grammar_checks import depth_error, empty_language_error
+
+    reason = depth_error(rf)
+    if reason is not None:
+        return reason
     try:
-        _grammar(*rf.source())
+        grammar = _grammar(*rf.source())
+    except RecursionError:
+        return "the format nests too deeply to parse; flatten it"
     except Exception as e:  # xgrammar raises RuntimeError (and InvalidJSONError) with its reason
         return _reason(e)
-    return None
+    return empty_language_error(grammar)
 
 
 def check_response_format(rf, key: str = "sampling.response_format") -> None:
@@ -86,10 +95,17 @@ def check_response_format(rf, key: str = "sampling.response_format") -> None:
 
 
 class GrammarState:
-    """One sequence's matcher. Not thread-safe; advanced only by its Request, read by `fill_bitmasks`."""
+    """One sequence's matcher. Not thread-safe; advanced only by its Request, read by `fill_bitmasks`.
 
-    def __init__(self, matcher) -> None:
+    `stop_token_ids` (the row's own, beside EOS) end the row, and only where the grammar may end: xgrammar would
+    also take such a token as text where the grammar allows its characters, so `fill_bitmasks` clears their bits
+    until the matcher is complete. `dead_end`: the latest mask allowed no token (a format whose every next token
+    is one of those stop ids): the row cannot go on."""
+
+    def __init__(self, matcher, stop_token_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.dead_end = False
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar does not allow it here."""
@@ -135,13 +151,14 @@ class GrammarCache:
             self._compiled.popitem(last=False)
         return compiled
 
-    def state(self, rf, stop_token_ids: Sequence[int]) -> GrammarState:
+    def state(self, rf, stop_token_ids: Sequence[int], text_stop_token_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher at the start of `rf`; `stop_token_ids` end the row where the grammar may end (empty: the
-        matcher terminates once the grammar is complete)."""
+        matcher terminates once the grammar is complete); `text_stop_token_ids`, those of them that are not
+        special tokens, are masked out until then (GrammarState says why)."""
         stops = sorted(set(stop_token_ids))
         matcher = self._xgr.GrammarMatcher(self.compiled(rf), override_stop_tokens=stops or None,
                                            terminate_without_stop_token=not stops)
-        return GrammarState(matcher)
+        return GrammarState(matcher, text_stop_token_ids)
 
     def fill(self, states: Sequence[GrammarState], out: torch.Tensor) -> None:
         fill_bitmasks(states, out, self._xgr)
@@ -152,7 +169,7 @@ _BATCH_MATCHER = None  # xgrammar's thread pool, made on first large fill
 
 def fill_bitmasks(states: Sequence[GrammarState], out: torch.Tensor, xgr=None) -> None:
     """out [>= G, W] int32 on the CPU: row i = the next-token bitmask of states[i]; all ones for a terminated
-    matcher (its row finished; the token it draws is dropped)."""
+    matcher (its row finished; the token it draws is dropped). Sets each live state's `dead_end`."""
     global _BATCH_MATCHER
     live = [i for i, s in enumerate(states) if not s.terminated]
     if len(live) < len(states):
@@ -163,7 +180,18 @@ def fill_bitmasks(states: Sequence[GrammarState], out: torch.Tensor, xgr=None) -
 
             _BATCH_MATCHER = (xgr or xgrammar).BatchGrammarMatcher("auto")
         _BATCH_MATCHER.batch_fill_next_token_bitmask([states[i].matcher for i in live], out, indices=live)
-        return
+    else:
+        for i in live:
+            states[i].matcher.fill_next_token_bitmask(out, i)
+    words = None
     for i in live:
-        states[i].matcher.fill_next_token_bitmask(out, i)
+        s = states[i]
+        if s.stop_token_ids and not s.matcher.is_completed():  # a stop id is never text: not yet allowed
+            words = out.numpy().view(np.uint32) if words is None else words
+            for t in s.stop_token_ids:
+                words[i, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    if live:
+        dead = (out[live] == 0).all(dim=1).tolist()
+        for i, d in zip(live, dead):
+            states[i].dead_end = d
 
