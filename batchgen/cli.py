@@ -1,4 +1,4 @@
-"""The `batchgen` command: run, validate, status. Heavy imports happen inside the commands.
+"""The `batchgen` command: run, validate, status, report, export, verify, repair. Heavy imports happen inside the commands.
 
 User errors print one actionable paragraph and exit 2 (no traceback unless BATCHGEN_DEBUG=1)."""
 
@@ -128,7 +128,7 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         if count is None or count < 1:
             raise JobError("--workers must be >= 1")
         if fresh:
-            fresh_start(spec)
+            fresh_start(spec, job_file=job)
         raise typer.Exit(launch(job, overrides, output, count, gpu_ids, size, progress))
     if identity is not None and identity.source == "torchrun":
         from batchgen.job.ranks import torchrun_worker
@@ -142,11 +142,11 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
     if identity is not None:
         from batchgen.job.ranks import run_rank
 
-        result = run_rank(spec, identity, worker, fresh, progress)
+        result = run_rank(spec, identity, worker, fresh, progress, job_file=job)
         if result is None:  # a rank > 0: rank 0 reports
             return
     else:
-        result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
+        result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress, job_file=job)
     r = result.report
     summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
                f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "
@@ -206,7 +206,8 @@ def export(out_dir: Annotated[Path, typer.Argument(help="A job's output director
                                                                  "line) or parquet (one file).")] = "jsonl",
            errors: Annotated[Optional[Path], typer.Option(
                help="openai: write rejected rows' error lines here (default: into --to).")] = None) -> None:
-    """Write a job's committed output as one file, rows in source order."""
+    """Write a job's committed output as one file, rows in source order; each shard checked against its record
+    first. jsonl/openai: NaN and +-Infinity (not JSON) are written as null."""
     from batchgen.output.export import export as export_output
 
     result = export_output(out_dir, format_, to, errors)
@@ -214,6 +215,37 @@ def export(out_dir: Annotated[Path, typer.Argument(help="A job's output director
         typer.echo(f"batchgen: {note}", err=True)
     extra = f" and {result.num_errors} error lines" + (f" to {errors}" if errors else "") if format_ == "openai" else ""
     typer.echo(f"batchgen: {result.num_rows} {'lines' if format_ == 'openai' else 'rows'}{extra} -> {to}")
+
+
+@app.command()
+@_user_errors
+def verify(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
+    """Check every record, shard (size, SHA-256, rows, keys) and leftover of an output; exit 0 intact, 2 damaged."""
+    from batchgen.output.verify import verify as verify_output
+
+    result = verify_output(out_dir)
+    typer.echo(result.summary())
+    if not result.intact:
+        raise typer.Exit(EXIT_USER_ERROR)
+
+
+@app.command()
+@_user_errors
+def repair(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
+    """Rebuild damaged records from intact shards; move damaged files to OUT/quarantine/ (deletes nothing); rows
+    that cannot be recovered are generated again by the next `batchgen run`."""
+    from batchgen.output.repair import repair as repair_output
+
+    result = repair_output(out_dir)
+    for action in result.actions:
+        typer.echo(f"batchgen: {action}")
+    if result.quarantine is not None:
+        typer.echo(f"batchgen: damaged and replaced files are in {result.quarantine}")
+    typer.echo(result.summary_after)
+    if not result.intact_after:
+        raise typer.Exit(EXIT_USER_ERROR)
+    if result.quarantine is not None:
+        typer.echo(f"batchgen: now run the job again (`batchgen run JOB.yaml`) to generate the rows that were dropped")
 
 
 @app.command()

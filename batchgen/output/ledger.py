@@ -45,6 +45,7 @@ class Entry:
     line: int
     record: dict[str, Any]
     checked: bool  # it carries checksums (written by a batchgen that records them)
+    raw: bytes = b""  # the line as on disk, newline excluded
 
     def files(self) -> list[tuple[str, str, dict | None]]:
         """(folder, relative path, {"bytes", "sha256"} or None for a legacy record) of each shard it names."""
@@ -172,7 +173,7 @@ def read_ledger(out_dir: Path) -> Ledger:
         mfile = read_file(path, f"{MANIFEST_DIR}/{path.name}")
         ledger.manifests[path.stem] = mfile
         ledger.problems += mfile.problems
-        ledger.entries += [Entry(path.stem, mfile.rel, ln.number, ln.record, ln.checked) for ln in mfile.lines]
+        ledger.entries += [Entry(path.stem, mfile.rel, ln.number, ln.record, ln.checked, ln.raw) for ln in mfile.lines]
     _check_duplicates(ledger)
     _check_sizes(ledger)
     _classify_orphans(ledger, listing)
