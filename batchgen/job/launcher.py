@@ -20,6 +20,14 @@ from batchgen.errors import JobError
 from batchgen.job.run import write_report_or_say_why
 from batchgen.job.spec import load_spec
 
+# A worker is started as `python -c CHILD_MAIN`, not `python -m batchgen.cli`: -m (and -c) put the current folder
+# first on sys.path, so a `batchgen/` folder there (a checkout, a job's own folder named so) would be imported
+# instead. CHILD_MAIN replaces that entry with the folder this process imported batchgen from, so every child
+# runs the same package as the launcher, whatever the current folder.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+CHILD_MAIN = ("import sys; sys.path[0] = sys.argv.pop(1); sys.argv[0] = 'batchgen'; "
+              "from batchgen.cli import main; main()")
+
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
                   "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX", "BATCHGEN_NUM_WORKERS")
@@ -86,7 +94,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
         env["BATCHGEN_WORKER_INDEX"] = str(i)  # informational (logs, user hooks, fault tests)
         if gpus is not None:  # the group's GPUs; rank r takes cuda:r of them
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[i * size:(i + 1) * size])
-        cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--worker-index", str(i),
+        cmd = [sys.executable, "-c", CHILD_MAIN, PACKAGE_ROOT, "run", str(job), "--worker-index", str(i),
                "--num-workers", str(num_workers)]
         for o in overrides:
             cmd += ["--set", o]

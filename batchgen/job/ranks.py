@@ -66,7 +66,7 @@ def torchrun_worker(identity) -> WorkerInfo:
     return WorkerInfo(identity.group_index, identity.num_groups, source="torchrun (tensor-parallel groups)")
 
 
-def run_rank(spec: JobSpec, identity, worker: WorkerInfo, fresh: bool, show_progress: bool):
+def run_rank(spec: JobSpec, identity, worker: WorkerInfo, fresh: bool, show_progress: bool, job_file=None):
     """This process's part of the job: rank 0 returns the worker's RunResult, the other ranks None."""
     from batchgen.distributed import groups
     from batchgen.job.run import run_job
@@ -81,7 +81,8 @@ def run_rank(spec: JobSpec, identity, worker: WorkerInfo, fresh: bool, show_prog
             follow_job(spec, tp)
             return None
         try:
-            return run_job(spec, fresh=fresh, worker=worker, show_progress=show_progress, tensor_parallel=tp)
+            return run_job(spec, fresh=fresh, worker=worker, show_progress=show_progress, tensor_parallel=tp,
+                           job_file=job_file)
         finally:
             if not tp.plans.stopped:  # no engine was built (a refused or finished job), or it failed mid-build
                 try:

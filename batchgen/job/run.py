@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -20,15 +19,13 @@ import yaml
 from batchgen.errors import JobError
 from batchgen.job.loop import JobLoop
 from batchgen.job.result import RunResult
+from batchgen.job import placement
+from batchgen.output import fresh as fresh_mod
+from batchgen.output import layout
 from batchgen.output import manifest as mf
-from batchgen.output.card import CARD_FILE, MARKER as CARD_MARKER
-from batchgen.output.fingerprint import FILE as FINGERPRINT_FILE
-from batchgen.output.lock import WorkerLock
-from batchgen.output.numerics import FILE as NUMERICS_FILE
+from batchgen.output.lock import AllWorkersLock, DirectoryLock, WorkerLock, check_partition
 from batchgen.job.spec import JobSpec
 from batchgen.job.workers import WorkerInfo
-
-OWNED_PATHS = ("data", "rejects", "manifest", "logs", "reports", FINGERPRINT_FILE, NUMERICS_FILE, "job.yaml")
 
 
 def write_report_or_say_why(out_dir: Path) -> None:
@@ -68,16 +65,21 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _fresh(out_dir: Path) -> None:
-    for name in OWNED_PATHS:
-        p = out_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-    card = out_dir / CARD_FILE
-    if card.is_file() and CARD_MARKER in card.read_text(errors="replace"):  # batchgen's, not a user's README
-        card.unlink()
+def _start_over(out_dir: Path, where: placement.Placement, own_lock: WorkerLock | None) -> None:
+    """--fresh: every other worker's lock taken (refused while one runs), then batchgen's files out, manifest
+    first (output/fresh.py). The caller holds the DirectoryLock."""
+    with AllWorkersLock(out_dir, own_lock.path if own_lock is not None else None):
+        fresh_mod.start_over(out_dir, [f"it holds {what}" for what in where.inside])
+
+
+def _write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
+    """OUT/job.resolved.yaml, never over a file batchgen did not write (it starts with the header)."""
+    path = out_dir / layout.RESOLVED_JOB_FILE
+    if path.exists() and not path.read_text(errors="replace").startswith(layout.RESOLVED_JOB_HEADER):
+        raise JobError(f"{path} exists and was not written by batchgen (it lacks batchgen's first line); batchgen "
+                       f"writes the resolved job there and will not overwrite it: move that file, or give the job "
+                       f"an output folder of its own")
+    _write_atomic(path, layout.RESOLVED_JOB_HEADER + yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -86,16 +88,15 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def fresh_start(spec: JobSpec) -> None:
-    """Delete what batchgen wrote in the output directory (nothing else), holding worker 0's lock."""
+def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:
+    """Delete what batchgen wrote in the output directory, once for all workers (`--workers N --fresh`);
+    refused while any worker runs, or when the folder holds anything else."""
     out_dir = Path(spec.output.dir).resolve()
+    where = placement.check(out_dir, spec.source.path, job_file)
     if not out_dir.exists():
         return
-    lock = WorkerLock(out_dir, mf.worker_tag(0))
-    try:
-        _fresh(out_dir)
-    finally:
-        lock.release()
+    with DirectoryLock(out_dir):
+        _start_over(out_dir, where, None)
 
 
 def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str], created: list[Path]) -> None:
@@ -105,8 +106,11 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
     if lock.path.name in entries_before:
         return  # the lock file was there before this run
     try:
-        if set(os.listdir(out_dir)) - entries_before != {lock.path.name}:
+        new = set(os.listdir(out_dir)) - entries_before
+        if not new <= {lock.path.name, layout.MARKER_FILE}:
             return  # the run (or another worker) wrote something: leave the directory as it is
+        if layout.MARKER_FILE in new:
+            (out_dir / layout.MARKER_FILE).unlink()
         lock.remove()
         for folder in created:
             if any(folder.iterdir()):
@@ -117,14 +121,16 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
 
 
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
-            show_progress: bool = True, tensor_parallel=None) -> RunResult:
-    """One worker's run; `tensor_parallel`: the group this process leads (job/ranks.py), None without."""
+            show_progress: bool = True, tensor_parallel=None, job_file: Path | None = None) -> RunResult:
+    """One worker's run; `tensor_parallel`: the group this process leads (job/ranks.py), None without;
+    `job_file`: the job's YAML (checked not to lie in the output folder's batchgen files)."""
     if worker.local_rank is not None and spec.model.device == "auto":
         import torch
 
         if torch.cuda.is_available():  # torchrun: LOCAL_RANK picks this worker's GPU
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": f"cuda:{worker.local_rank}"})})
     out_dir = Path(spec.output.dir).resolve()
+    where = placement.check(out_dir, spec.source.path, job_file)  # before anything is created
     created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # what mkdir creates, deepest first
     entries_before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
     try:
@@ -132,12 +138,24 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
     except OSError as e:
         raise JobError(f"cannot create output.dir {out_dir}: {e.strerror}") from None
     tag = mf.worker_tag(worker.index)
-    lock = WorkerLock(out_dir, tag)
+    lock = None
     try:
-        if fresh:
-            _fresh(out_dir)
+        # One start at a time: this worker's lock and its count recorded, checked against the running workers'
+        # partitions, an interrupted --fresh finished, this one's done, before anything is read.
+        with DirectoryLock(out_dir):
+            lock = WorkerLock(out_dir, tag, count=worker.count)
+            if fresh:  # refused while any other worker runs (naming it): then no partition can differ
+                _start_over(out_dir, where, lock)
+            check_partition(out_dir, lock)
+            fresh_mod.finish_interrupted(out_dir)
+            layout.write_marker(out_dir)
+        if not fresh and where.warning() is not None:
+            print(where.warning(), file=sys.stderr)
         loop = JobLoop(spec, out_dir, worker, show_progress, tensor_parallel)
-        _write_atomic(out_dir / "job.yaml", yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
+        lock.record_partition(loop.worker.count, loop.worker.unit_rows)  # sized from the source: now known
+        with DirectoryLock(out_dir):
+            check_partition(out_dir, lock)
+        _write_resolved_job(out_dir, spec)
         with _StopFlag() as stop:
             result = loop.run(stop)
         # the partition this worker used (sized from the source unless the job set worker_unit_rows)
@@ -152,7 +170,9 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
             write_report_or_say_why(out_dir)
         return result
     except BaseException:
-        _clean_failed_start(out_dir, lock, entries_before, created)
+        if lock is not None:
+            _clean_failed_start(out_dir, lock, entries_before, created)
         raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()

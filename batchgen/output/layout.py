@@ -1,0 +1,136 @@
+"""The output directory's layout: what batchgen writes there, how each of its files is recognised, and where
+its resolved job lives. Only what `is_batchgen_entry` recognises is ever deleted by batchgen (`--fresh`).
+
+Recognition is by name: a fixed set of top-level names, and inside batchgen's folders names that carry a worker
+tag (`part-w00000-000003.parquet`, `w00000.jsonl`, `throughput-w00000.jsonl`) or one of the report's fixed
+names, each also as its hidden temporary (`.NAME...tmp...`). A folder inside batchgen's folders is never
+batchgen's. Two files need their content: the dataset card (card.MARKER) and the `job.yaml` of an output begun
+before `job.resolved.yaml` existed (`is_legacy_job_file`).
+
+The marker file `.batchgen` says the folder was first used as an output by a batchgen that writes the resolved
+job to `job.resolved.yaml`: in a marked folder `job.yaml` is a user's file, never read as the output's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import yaml
+
+MARKER_FILE = ".batchgen"
+FORMAT_VERSION = 1
+RESOLVED_JOB_FILE = "job.resolved.yaml"
+LEGACY_JOB_FILE = "job.yaml"  # where batchgen before FORMAT_VERSION 1 wrote the resolved job
+RESOLVED_JOB_HEADER = "# batchgen: the resolved job this output was generated with; editing it changes nothing\n"
+FRESH_PENDING_DIR = ".batchgen-fresh"  # a --fresh in progress (output/fresh.py)
+FRESH_DELETING_PREFIX = ".batchgen-deleted-"  # a finished --fresh's old output, being deleted
+
+# batchgen's folders and what may lie in them; top-level files it writes (card and legacy job.yaml: by content)
+SHARD_DIRS = ("data", "rejects")
+OWNED_DIRS = (*SHARD_DIRS, "manifest", "logs", "reports")
+TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json")
+REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
+CARD_FILE = "README.md"
+_TAGGED = re.compile(r"^\.?(part-|throughput-)?w\d{5}[-.]")  # a worker tag at the start of the name
+_LOCK = re.compile(r"^\.lock-w\d{5}$")
+_SECTIONS = ("model", "source", "prompt", "sampling", "engine", "output")
+
+
+def _is_temp_of(name: str, known: tuple[str, ...]) -> bool:
+    """`.NAME.<anything>tmp<anything>` (or `.STEM.<pid>.tmp.SUFFIX`) for a NAME in `known`."""
+    if not name.startswith(".") or "tmp" not in name:
+        return False
+    return any(name.startswith(f".{k}.") or name.startswith(f".{Path(k).stem}.") for k in known)
+
+
+def is_legacy_job_file(path: Path, out_dir: Path) -> bool:
+    """Whether `path` (OUT/job.yaml) is the resolved job an earlier batchgen wrote: a plain YAML dump (no
+    comment) of every section, whose output.dir is this folder's absolute path. A user's job file says
+    `dir: .` (or another relative path) or carries comments, so it is never taken for one."""
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    if not isinstance(data, dict) or any(line.lstrip().startswith("#") for line in text.splitlines()):
+        return False
+    output = data.get("output")
+    return all(isinstance(data.get(s), dict) for s in _SECTIONS) and isinstance(output, dict) and \
+        str(output.get("dir")) == str(out_dir.resolve())
+
+
+def is_batchgen_card(path: Path) -> bool:
+    from batchgen.output.card import MARKER as CARD_MARKER
+
+    try:
+        return CARD_MARKER in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def is_batchgen_entry(out_dir: Path, rel: str) -> bool:
+    """Whether OUT/`rel` (a top-level entry, or a file directly inside one of OWNED_DIRS) is batchgen's."""
+    parts = Path(rel).parts
+    path = out_dir / rel
+    if len(parts) == 1:
+        name = parts[0]
+        if name in OWNED_DIRS:
+            return path.is_dir() and not path.is_symlink()
+        if path.is_dir() and not path.is_symlink():
+            return name == FRESH_PENDING_DIR or name.startswith(FRESH_DELETING_PREFIX)
+        if name in TOP_FILES or _LOCK.match(name) or _is_temp_of(name, (*TOP_FILES, CARD_FILE)):
+            return True
+        if name == CARD_FILE:
+            return is_batchgen_card(path)
+        return name == LEGACY_JOB_FILE and is_legacy_job_file(path, out_dir)
+    if len(parts) != 2 or parts[0] not in OWNED_DIRS or not path.is_file() or path.is_symlink():
+        return False
+    name = parts[1]
+    return bool(_TAGGED.match(name)) or (parts[0] == "reports" and (name in REPORT_FILES or
+                                                                       _is_temp_of(name, REPORT_FILES)))
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """What lies in `out_dir` that batchgen did not write, as relative paths, sorted (a foreign folder is named
+    once, not walked). A user's README.md is not listed: the card leaves it alone, so does --fresh."""
+    foreign = []
+    for name in sorted(os.listdir(out_dir)):
+        if name == CARD_FILE and not is_batchgen_card(out_dir / name):
+            continue
+        if not is_batchgen_entry(out_dir, name):
+            foreign.append(name + ("/" if (out_dir / name).is_dir() else ""))
+        elif name in OWNED_DIRS:
+            for inner in sorted(os.listdir(out_dir / name)):
+                rel = f"{name}/{inner}"
+                if not is_batchgen_entry(out_dir, rel):
+                    foreign.append(rel + ("/" if (out_dir / rel).is_dir() else ""))
+    return foreign
+
+
+def write_marker(out_dir: Path) -> None:
+    """Mark the folder as a batchgen output (written once, whole: a temporary name hard-linked into place)."""
+    path = out_dir / MARKER_FILE
+    if path.exists():
+        return
+    tmp = out_dir / f".{MARKER_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"format": "batchgen-output", "version": FORMAT_VERSION}) + "\n")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another worker marked it first: same content
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def resolved_job_path(out_dir: Path) -> Path:
+    """The output's resolved job: job.resolved.yaml; in an unmarked folder without one (an output of an earlier
+    batchgen) its job.yaml. May not exist."""
+    out_dir = Path(out_dir)
+    path = out_dir / RESOLVED_JOB_FILE
+    legacy = out_dir / LEGACY_JOB_FILE
+    if not path.exists() and legacy.is_file() and not (out_dir / MARKER_FILE).exists():
+        return legacy
+    return path

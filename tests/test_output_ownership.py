@@ -1,0 +1,139 @@
+"""The output folder is batchgen's only where batchgen wrote: `--fresh` deletes nothing else and refuses a folder
+shared with the user's files, naming them; the resolved job goes to job.resolved.yaml, never over a user's file;
+an output of an earlier batchgen (its resolved job in job.yaml) is still read."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from jobutil import read_rows, run_cli, seed_rows, write_job, write_jsonl
+
+NUM_ROWS = 6
+USER_JOB_HEAD = "# my job: keep these comments\n"
+
+
+def _project(tmp_path, model_dir, source: str, out: str = "."):
+    """A user's folder: the job (with comments), its source, notes; output.dir `out`."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    src = tmp_path / source
+    src.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(src, seed_rows(NUM_ROWS))
+    job = write_job(tmp_path, model_dir, {"path": source, "key_column": "id"}, output={"dir": out},
+                    sampling={"max_new_tokens": 4})
+    job.write_text(USER_JOB_HEAD + job.read_text())
+    return job
+
+
+def _tree(folder):
+    return sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def test_fresh_refuses_a_folder_holding_the_users_files_and_names_them(tmp_path, tiny_model_dir):
+    job = _project(tmp_path, tiny_model_dir, "inputs/rows.jsonl")
+    done = run_cli("run", str(job))
+    assert done.returncode == 0, done.stderr
+    user_files = {"job.yaml", "inputs/rows.jsonl", "notes/todo.txt"}
+    before = {f: (tmp_path / f).read_bytes() for f in user_files}
+    result = run_cli("run", str(job), "--fresh")
+    assert result.returncode == 2, result.stderr
+    assert "--fresh refused" in result.stderr and "inputs/, job.yaml, notes/" in result.stderr
+    assert "it holds the job file" in result.stderr and "Traceback" not in result.stderr
+    assert {f: (tmp_path / f).read_bytes() for f in user_files} == before
+    assert len(read_rows(tmp_path)) == NUM_ROWS  # batchgen's results are untouched too: nothing was deleted
+
+
+def test_fresh_refusal_names_the_first_entries_and_counts_the_rest(tmp_path):
+    from batchgen.output.fresh import refusal
+
+    for i in range(12):
+        (tmp_path / f"user-{i:02d}.txt").write_text("x")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "part-w00000-000000.parquet").write_text("batchgen's")
+    (tmp_path / "data" / "holiday.jpg").write_text("not batchgen's")
+    why = refusal(tmp_path)
+    assert "13 entries batchgen did not write: data/holiday.jpg, user-00.txt" in why and "and 5 more" in why
+    assert "part-w00000" not in why
+
+
+def test_a_source_in_the_outputs_data_folder_is_refused_and_fresh_deletes_nothing(tmp_path, tiny_model_dir):
+    job = _project(tmp_path, tiny_model_dir, "data/rows.jsonl")  # output.dir: . -- the issue's layout
+    before = _tree(tmp_path)
+    for extra in ((), ("--fresh",)):
+        result = run_cli("run", str(job), *extra)
+        assert result.returncode == 2, result.stderr
+        assert "lies in" in result.stderr and "data" in result.stderr and "output folder of its own" in result.stderr
+        assert _tree(tmp_path) == before
+    assert (tmp_path / "job.yaml").read_text().startswith(USER_JOB_HEAD)
+
+
+def test_a_run_in_the_jobs_folder_keeps_the_users_job_file_and_writes_job_resolved_yaml(tmp_path, tiny_model_dir):
+    job = _project(tmp_path, tiny_model_dir, "inputs/rows.jsonl")
+    text = job.read_text()
+    result = run_cli("run", str(job))
+    assert result.returncode == 0, result.stderr
+    assert job.read_text() == text  # comments and all
+    assert "also holds the job file" in result.stderr  # a warning, once: the folder is shared
+    resolved = tmp_path / "job.resolved.yaml"
+    assert resolved.read_text().startswith("# batchgen:")
+    assert yaml.safe_load(resolved.read_text())["output"]["dir"] == str(tmp_path)
+    assert (tmp_path / ".batchgen").is_file()
+
+
+def test_a_resolved_job_file_batchgen_did_not_write_is_never_overwritten(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"max_new_tokens": 4})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "job.resolved.yaml").write_text("mine: true\n")
+    result = run_cli("run", str(job))
+    assert result.returncode == 2 and "was not written by batchgen" in result.stderr
+    assert (tmp_path / "out" / "job.resolved.yaml").read_text() == "mine: true\n"
+
+
+@pytest.fixture
+def finished(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"max_new_tokens": 4}, output={"dir": "out", "rows_per_shard": 2})
+    result = run_cli("run", str(job))
+    assert result.returncode == 0, result.stderr
+    return job, tmp_path / "out"
+
+
+def test_readers_use_job_resolved_yaml_and_an_earlier_outputs_job_yaml(finished, tmp_path):
+    job, out = finished
+    assert not (out / "job.yaml").exists()
+    status = run_cli("status", str(out))
+    assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout, status.stdout + status.stderr
+    assert run_cli("export", str(out), "--to", str(tmp_path / "a.jsonl")).returncode == 0
+    # an output of an earlier batchgen: no marker, the resolved job (a plain dump) in job.yaml
+    resolved = (out / "job.resolved.yaml").read_text()
+    (out / "job.yaml").write_text(resolved.split("\n", 1)[1])
+    (out / "job.resolved.yaml").unlink()
+    (out / ".batchgen").unlink()
+    status = run_cli("status", str(out))
+    assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout, status.stdout + status.stderr
+    assert run_cli("export", str(out), "--to", str(tmp_path / "b.jsonl")).returncode == 0
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    again = run_cli("run", str(job), "--fresh")  # the old job.yaml is batchgen's: --fresh may delete it
+    assert again.returncode == 0, again.stderr
+    assert not (out / "job.yaml").exists() and (out / "job.resolved.yaml").exists()
+    assert len(read_rows(out)) == NUM_ROWS
+
+
+def test_fresh_is_refused_while_another_worker_of_the_output_is_running_and_names_it(finished):
+    from batchgen.output.lock import WorkerLock
+
+    job, out = finished
+    running = WorkerLock(out, "w00001", count=2)
+    try:
+        result = run_cli("run", str(job), "--fresh")
+    finally:
+        running.release()
+    assert result.returncode == 2, result.stderr
+    assert f"worker 1 of 2 (pid {os.getpid()}) is running" in result.stderr and "nothing was deleted" in result.stderr
+    assert len(read_rows(out)) == NUM_ROWS
