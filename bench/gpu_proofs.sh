@@ -54,6 +54,9 @@
 #   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
 #   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
 #   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
+#   bash bench/gpu_proofs.sh autotests  # engine.max_num_seqs auto: the GPU tests of decode graphs (to 1,024 rows), W1
+#   bash bench/gpu_proofs.sh autojob    # the job at default settings (auto) against 256 and 512 sequences, 4,000 rows,
+#                                       # in the order auto 256 512 auto (~9.5 min)
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
 # (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and
 # .devrun/setup.sh, to source first in every device command.
@@ -78,6 +81,11 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((DEADLINE - S
 sections=("$@")
 for section in "${sections[@]}"; do
   case $section in
+    autotests) step graph_tests 300 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
+                 tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider
+               step w1 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json" ;;
+    autojob) step job_auto 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+               --profile-steps 0 --seqs auto,256,512,auto --penalties 1.0 --rows 4000 --json "$LOGS/job_auto.json" ;;
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
              --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
     newtests) step new_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_fp8_kernels.py \

@@ -149,9 +149,10 @@ def steady_tok_s(log_path: Path, rows: int) -> float | None:
     return window_tok_s(log_path, rows, 0.1, 0.9)
 
 
-def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: int, config, c: Ceilings,
+def run_job(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, rows: int, config, c: Ceilings,
             batchgen_dir: str | None = None, extra_sets: list[str] = ()) -> dict:
-    """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout)."""
+    """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout).
+    max_num_seqs "auto": no engine.max_num_seqs set (the job's default); the report gives the engine's choice."""
     import os
 
     import pyarrow.parquet as pq
@@ -160,7 +161,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     if batchgen_dir:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(batchgen_dir).resolve()), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out_dir), "--fresh", "--no-progress",
-           "--set", f"engine.max_num_seqs={max_num_seqs}", "--set", f"sampling.repetition_penalty={penalty}",
+           *(["--set", f"engine.max_num_seqs={max_num_seqs}"] if max_num_seqs != "auto" else []),
+           "--set", f"sampling.repetition_penalty={penalty}",
            *[arg for kv in extra_sets for arg in ("--set", kv)]]
     t0 = time.perf_counter()
     # `python -m` puts the working folder first on sys.path: run the other checkout from its own folder
@@ -178,6 +180,8 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int, penalty: float, rows: i
     tokens = report["generated_tokens"]
     return {
         "code": batchgen_dir or "this", "max_num_seqs": max_num_seqs, "repetition_penalty": penalty,
+        # what the engine ran (auto: its choice); None: a checkout whose report does not say
+        "engine_max_num_seqs": e.get("max_num_seqs"), "engine_max_num_batched_tokens": e.get("max_num_batched_tokens"),
         "rows": len(outputs),
         "generated_tokens": tokens, "process_s": round(process_s, 2), "setup_s": report["setup_s"],
         "loop_s": report["wall_s"], "tok_s_end_to_end": round(tokens / report["wall_s"], 1),
@@ -273,8 +277,9 @@ def kernel_kinds(events) -> tuple[dict[str, float], int]:
     return kernel_us, num_kernels
 
 
-def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens: int, penalty: float) -> dict:
-    """GPU ms per steady-state decode step by kernel kind, through the engine (graphs, async pipeline)."""
+def profile_steps(model_dir: Path, max_num_seqs: int | str, num_steps: int, new_tokens: int, penalty: float) -> dict:
+    """GPU ms per steady-state decode step by kernel kind, through the engine (graphs, async pipeline); "auto":
+    the default EngineConfig over 1,024 prompts."""
     from torch.profiler import ProfilerActivity, profile
     from batchgen import Engine, EngineConfig, SamplingParams
     from batchgen.runner.loader import load_model_and_tokenizer
@@ -285,10 +290,11 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
     rng = random.Random(1)
     prompts = [tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": f"Write a {rng.choice(STYLES)} about {rng.choice(TOPICS)}."}], tokenize=False,
-        add_generation_prompt=True), add_special_tokens=False) for _ in range(max_num_seqs)]
+        add_generation_prompt=True), add_special_tokens=False) for _ in range(_num_rows(max_num_seqs))]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.9, repetition_penalty=penalty,
                             ignore_eos=True)
-    with Engine(model, tok, EngineConfig(max_num_seqs=max_num_seqs)) as engine:
+    config = EngineConfig() if max_num_seqs == "auto" else EngineConfig(max_num_seqs=max_num_seqs)
+    with Engine(model, tok, config) as engine:
         for p in prompts:
             engine.add_request(p, params)
         for _ in range(20):  # admission and prefill, then decode steps only
@@ -308,6 +314,19 @@ def profile_steps(model_dir: Path, max_num_seqs: int, num_steps: int, new_tokens
             round(1e3 * wall_s / num_steps, 3), "kernel_ms_per_step": ms,
             "kernel_total_ms_per_step": round(sum(kernel_us.values()) / 1e3 / num_steps, 3),
             "kernels_per_step": num_kernels // num_steps}
+
+
+def _num_rows(max_num_seqs: int | str) -> int:
+    """Rows that fill one batch: auto's largest for "auto"."""
+    from batchgen.engine.sizing import MAX_AUTO_SEQS
+
+    return MAX_AUTO_SEQS if max_num_seqs == "auto" else max_num_seqs
+
+
+def _seqs_label(run: dict) -> str:
+    if run["max_num_seqs"] != "auto":
+        return str(run["max_num_seqs"])
+    return f"a{run.get('engine_max_num_seqs') or ''}"
 
 
 def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", new_tokens: int = 256,
@@ -349,12 +368,13 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     # tokens the first timed run was still 20-25 % slower end to end than the same run later (H200, session 9:
     # 15,993 vs 21,986 tok/s, its steady state unaffected): contexts grow to the prompt + new_tokens, past any the
     # warm-up reached, so the warm-up now generates the timed run's full new_tokens.)
-    for s in (int(x) for x in seqs.split(",")):
-        warm = write_job(work, model_dir, write_source(work, s + 64), new_tokens, name=f"warm-{s}")
+    seq_values = [x.strip() if x.strip() == "auto" else int(x) for x in seqs.split(",")]
+    for s in dict.fromkeys(seq_values):
+        warm = write_job(work, model_dir, write_source(work, _num_rows(s) + 64), new_tokens, name=f"warm-{s}")
         for p in (float(x) for x in penalties.split(",")):
             for _, code, sets in variants:
-                run_job(warm, work / "out-warm", s, p, s + 64, config, ceilings, code, sets)
-    for s in (int(x) for x in seqs.split(",")):
+                run_job(warm, work / "out-warm", s, p, _num_rows(s) + 64, config, ceilings, code, sets)
+    for s in seq_values:
         for p in (float(x) for x in penalties.split(",")):
             for name, code, sets in variants + variants[::-1] if len(variants) == 2 else variants:
                 r = run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets)
@@ -362,7 +382,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
                 report["runs"].append(r)
                 print("run", json.dumps(r), flush=True)
     if profile_steps_n:
-        for s in (int(x) for x in seqs.split(",")):
+        for s in dict.fromkeys(seq_values):
             r = profile_steps(model_dir, s, profile_steps_n, new_tokens, 1.0)
             report["profiles"].append(r)
             print("profile", json.dumps(r), flush=True)
@@ -371,7 +391,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     print(f"{'code':>8} {'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
           f"{'ms/step':>8} {'host ms':>8} {'busy':>6} {'builds s':>8}")
     for r in report["runs"]:
-        print(f"{r['code'][-8:]:>8} {r['max_num_seqs']:>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
+        print(f"{r['code'][-8:]:>8} {_seqs_label(r):>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
               f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f} "
               f"{r.get('triton_compile_s', 0.0):>8.2f}")

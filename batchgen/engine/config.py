@@ -10,16 +10,51 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema, WrapValidator, model_validator
+
+from batchgen.engine.sizing import MAX_AUTO_BATCHED_TOKENS, MAX_AUTO_SEQS
 
 PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class Auto(int):
+    """A size the engine chooses at start-up (`auto`, engine/sizing.py). As an int it is the most the engine may
+    choose, so that a reader needing a bound before the engine exists (how many rows a job renders ahead) gets one;
+    `isinstance(value, Auto)` tells it from a number the user set. Hazard: the engine's choice is
+    `Engine.max_num_seqs` / `Engine.max_num_batched_tokens`, not this value. Written back as "auto"."""
+
+    def __repr__(self) -> str:
+        return "'auto'"
+
+    def __str__(self) -> str:
+        return "auto"
+
+    def __format__(self, spec: str) -> str:
+        return "auto" if not spec else int.__format__(self, spec)
+
+
+def _auto_or_positive(cap: int):
+    def validate(value, handler):
+        if isinstance(value, Auto) or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return Auto(cap)
+        if isinstance(value, str) and not value.strip().lstrip("+").isdigit():
+            raise ValueError("expected a positive integer or auto")
+        return handler(value)
+
+    return Annotated[int, Field(gt=0), WrapValidator(validate),
+                     PlainSerializer(lambda v: "auto" if isinstance(v, Auto) else int(v)),
+                     WithJsonSchema({"anyOf": [{"type": "integer", "exclusiveMinimum": 0}, {"const": "auto"}],
+                                     "default": "auto"})]
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    max_num_seqs: PositiveInt = 256  # sequences in one step
-    max_num_batched_tokens: PositiveInt = 8192  # tokens in one step (prefill chunks + decodes)
+    # sequences in one step; auto: what the K/V cache holds to the end for the queued prompts' lengths, up to 1,024
+    # on CUDA (256 on CPU), never below 256 where the device allows it (engine/sizing.py)
+    max_num_seqs: _auto_or_positive(MAX_AUTO_SEQS) = Auto(MAX_AUTO_SEQS)
+    # tokens in one step (prefill chunks + decodes); auto: 16 a sequence, 8,192 to 16,384
+    max_num_batched_tokens: _auto_or_positive(MAX_AUTO_BATCHED_TOKENS) = Auto(MAX_AUTO_BATCHED_TOKENS)
     # waiting prompts start only once this many sequence slots are free (or nothing runs, or fewer wait): k prompts
     # in one prefill step instead of one per finished sequence (engine/scheduler.py); 1: as soon as a slot frees;
     # above max_num_seqs it acts as max_num_seqs (whole waves: a batch refills only once it has emptied)

@@ -1,5 +1,6 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured largest first, all sharing one
-memory pool (they never run at once). A decode step of n sequences replays the smallest bucket >= n;
+"""CUDA graphs for decode steps: one graph per batch-size bucket (engine/sizing.graph_buckets), captured largest
+first, all sharing one memory pool (they never run at once; its size, the largest bucket's live tensors, is
+reserved beside the K/V cache by sizing.row_costs). A decode step of n sequences replays the smallest bucket >= n;
 rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the cache's trash slot.
 
 Static inputs live here; `replay` copies a step's values into them. Captured region: the model's decode
@@ -27,14 +28,13 @@ import torch
 
 from batchgen.attention.interface import paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
+from batchgen.engine.sizing import graph_buckets
 from batchgen.kernels import argmax
 from batchgen.kernels.fixed_row_gemm import preferred_blas
 from batchgen.models.base import DecodeForward
 
 
-def bucket_sizes(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+bucket_sizes = graph_buckets  # 1, 2, 4, 8, by 16 to 512, by 32 above, and the largest (engine/sizing.py)
 
 
 BLAS_LIBRARIES = ("cublaslt", "cublas")
@@ -91,6 +91,7 @@ class DecodeGraphs:
         self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
         self.bucket_blas: dict[int, str | None] = {}  # the BLAS back end each bucket was captured with
         self.pool = None
+        self.pool_bytes = 0  # device memory the capture took (the pool, and the allocator's blocks it grew)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         for b in self.buckets:
@@ -111,6 +112,7 @@ class DecodeGraphs:
         if reason is not None:
             warnings.warn(f"batchgen: {reason}; decode graphs use torch.argmax", stacklevel=2)
         greedy = argmax.greedy_argmax if reason is None else argmax.argmax_ref
+        reserved_before = torch.cuda.memory_reserved(self.kv_cache.k_cache.device)
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -129,6 +131,7 @@ class DecodeGraphs:
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        self.pool_bytes = torch.cuda.memory_reserved(self.kv_cache.k_cache.device) - reserved_before
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                seq_lens: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
