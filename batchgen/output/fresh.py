@@ -27,8 +27,9 @@ from batchgen.output import layout
 MAX_NAMED = 8  # foreign entries named in a refusal (then a count)
 
 # manifest first: once it is out of place no row counts as done, whatever of the data is still there
-ORDER = ("manifest", *layout.SHARD_DIRS, "logs", "reports", *layout.TOP_FILES, layout.CARD_FILE,
-         layout.LEGACY_JOB_FILE)
+# (the marker stays: the folder is still batchgen's output)
+ORDER = ("manifest", *layout.SHARD_DIRS, "logs", "reports",
+         *(f for f in layout.TOP_FILES if f != layout.MARKER_FILE), layout.CARD_FILE, layout.LEGACY_JOB_FILE)
 
 
 def _step(op, *args) -> None:

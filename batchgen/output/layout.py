@@ -30,6 +30,9 @@ FRESH_DELETING_PREFIX = ".batchgen-deleted-"  # a finished --fresh's old output,
 
 # batchgen's folders and what may lie in them; top-level files it writes (card and legacy job.yaml: by content)
 SHARD_DIRS = ("data", "rejects")
+# `batchgen repair`'s damaged files moved aside (output/repair.py): batchgen's, but --fresh leaves it in place
+# (it may hold the only copy of rows someone wants to salvage)
+QUARANTINE_DIR = "quarantine"
 OWNED_DIRS = (*SHARD_DIRS, "manifest", "logs", "reports")
 TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json")
 REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
@@ -80,7 +83,7 @@ def is_batchgen_entry(out_dir: Path, rel: str) -> bool:
         if name in OWNED_DIRS:
             return path.is_dir() and not path.is_symlink()
         if path.is_dir() and not path.is_symlink():
-            return name == FRESH_PENDING_DIR or name.startswith(FRESH_DELETING_PREFIX)
+            return name in (FRESH_PENDING_DIR, QUARANTINE_DIR) or name.startswith(FRESH_DELETING_PREFIX)
         if name in TOP_FILES or _LOCK.match(name) or _is_temp_of(name, (*TOP_FILES, CARD_FILE)):
             return True
         if name == CARD_FILE:
