@@ -35,9 +35,10 @@ class Problem:
         return f"{where}: {self.what}"
 
 
-def what_to_do(out_dir: Path) -> str:
-    return (f"Nothing was deleted or regenerated. Run `batchgen verify {out_dir}` to list all damage, then "
-            f"`batchgen repair {out_dir}`: it rebuilds the records it can from intact shards, moves damaged "
+def what_to_do(out_dir: Path, stopped: bool = True) -> str:
+    first = (f"Nothing was deleted or regenerated. Run `batchgen verify {out_dir}` to list all damage, then "
+             if stopped else "Run ")
+    return (f"{first}`batchgen repair {out_dir}`: it rebuilds the records it can from intact shards, moves damaged "
             f"files into {out_dir}/quarantine/ (it deletes nothing) and leaves the rows it cannot recover for "
             f"the next `batchgen run` to generate again.")
 

@@ -139,6 +139,7 @@ def _check_sizes(ledger: Ledger) -> None:
 
 def _classify_orphans(ledger: Ledger, listing: list[tuple[str, str]]) -> None:
     named = ledger.named()
+    lost_manifests: set[str] = set()
     for folder, name in listing:
         rel = f"{folder}/{name}"
         if rel in named:
@@ -160,6 +161,11 @@ def _classify_orphans(ledger: Ledger, listing: list[tuple[str, str]]) -> None:
             ledger.problems.append(Problem(rel, None, f"a committed shard that no record names (worker {tag}'s "
                                                       f"records end at commit {next_commit - 1}): its record was "
                                                       f"lost", "lost_record"))
+            if mfile is None and tag not in lost_manifests:  # shards of several commits, and no manifest at all
+                lost_manifests.add(tag)
+                ledger.problems.append(Problem(f"{MANIFEST_DIR}/{tag}.jsonl", None, f"missing, while committed "
+                                                                               f"shards of worker {tag} are here",
+                                               "lost_record"))
 
 
 def read_ledger(out_dir: Path) -> Ledger:

@@ -41,12 +41,12 @@ class Verification:
         entries = ledger.entries
         unchecked = sum(not e.checked for e in entries)
         lines = [f"{out_dir}: {'intact' if self.intact else f'DAMAGED ({len(self.problems)} problems)'}",
-                 f"  records: {len(entries)} in {len(ledger.manifests)} manifests, {ledger.num_keys} input rows "
-                 f"committed"]
+                 f"  records: {len(entries)} in {len(ledger.manifests)} manifest file(s), {ledger.num_keys} input "
+                 f"rows committed"]
         if unchecked:
             lines.append(f"  {unchecked} records were written before manifests carried checksums: damage inside "
                          f"them cannot be detected (their shards' rows and keys were still checked)")
-        lines.append(f"  shards: {self.num_shards} checked in full ({self.num_bytes / 1e6:.1f} MB): size, SHA-256, "
+        lines.append(f"  shards: {self.num_shards} checked in full ({self.num_bytes / 1e3:,.0f} kB): size, SHA-256, "
                      f"Parquet pages, row count, keys")
         for tag, mfile in sorted(ledger.manifests.items()):
             if mfile.tail == "torn":
@@ -64,7 +64,7 @@ class Verification:
         if self.problems:
             lines.append("problems:")
             lines += [f"  {p}" for p in self.problems]
-            lines.append(what_to_do(out_dir))
+            lines.append(what_to_do(out_dir, stopped=False))
         return "\n".join(lines)
 
 
