@@ -18,6 +18,14 @@ EXIT_USER_ERROR = 2
 
 
 def _user_errors(fn):
+    """Exit codes by who can fix it: EXIT_USER_ERROR (2) for what the user must change first (JobError; a path
+    that is missing, not permitted or of the wrong kind; input nested too deeply to read), 1 only where running
+    the same command again can help (a full disk or another I/O fault, a fault inside the engine)."""
+    import errno
+
+    user_errnos = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EROFS,
+                   errno.ENAMETOOLONG, errno.ELOOP}
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from batchgen.errors import JobError
@@ -29,12 +37,23 @@ def _user_errors(fn):
                 raise
             typer.echo(f"batchgen: error: {e}", err=True)
             raise typer.Exit(EXIT_USER_ERROR) from None
-        except OSError as e:  # disk full, permissions: name the path and the cause
+        except OSError as e:  # name the path and the cause
             if os.environ.get("BATCHGEN_DEBUG") == "1":
                 raise
-            typer.echo(f"batchgen: error: {e} (committed rows are safe; fix the cause and run again to resume)",
-                       err=True)
+            if e.errno in user_errnos:  # the same command fails again until the path or permission is fixed
+                typer.echo(f"batchgen: error: {e}: fix the path or its permissions, then run the command again "
+                           f"(committed rows are safe)", err=True)
+                raise typer.Exit(EXIT_USER_ERROR) from None
+            cause = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the cause"
+            typer.echo(f"batchgen: error: {e} (committed rows are safe; {cause} and run the same command again to "
+                       f"resume)", err=True)
             raise typer.Exit(1) from None
+        except RecursionError:  # deeply nested input (a schema, a JSON value, a template): the same every time
+            if os.environ.get("BATCHGEN_DEBUG") == "1":
+                raise
+            typer.echo("batchgen: error: an input nests too deeply to process (a JSON schema, a source value, a "
+                       "template or the job file): flatten it (set BATCHGEN_DEBUG=1 for a traceback)", err=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
         except (typer.Exit, KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # a bug or a fault inside the engine: say what, keep the traceback on request

@@ -190,8 +190,10 @@ def test_null_non_string_and_non_utf8_prompt_values(job, tmp_path):
     result = _run(job)
     assert result.exit_code == 0, result.output
     rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
-    assert set(rejects) == {"a"} and rejects["a"]["error_class"] == "null_value"
-    assert {r["id"] for r in read_rows(tmp_path / "out")} == {"b", "c", "d"}  # 12345 rendered as text; bad bytes replaced
+    assert set(rejects) == {"a", "<unparsed row 2>"} and rejects["a"]["error_class"] == "null_value"
+    bad = rejects["<unparsed row 2>"]  # invalid UTF-8 is never guessed: the line is a reject naming itself
+    assert bad["error_class"] == "malformed_row" and "line 3 of" in bad["message"] and "not valid UTF-8" in bad["message"]
+    assert {r["id"] for r in read_rows(tmp_path / "out")} == {"b", "d"}  # 12345 rendered as text
 
 
 def test_chat_template_that_raises_for_a_row_rejects_only_that_row(job, tmp_path, tiny_model_dir):

@@ -3,6 +3,9 @@ sections are the Python API's SamplingParams and EngineConfig themselves (one de
 
 Unknown keys are errors that suggest the closest valid key; wrong types and values name the key and
 the value. Relative paths resolve against the job file's folder. `--set a.b=value` overrides any key.
+
+What a job may ask is bounded (`limits:`, LimitsSpec; the job file itself: MAX_JOB_FILE_BYTES, MAX_YAML_NODES),
+so a hostile or mistaken job file fails with a message naming the key instead of exhausting the machine.
 """
 
 from __future__ import annotations
@@ -13,13 +16,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from batchgen.engine.config import EngineConfig
 from batchgen.errors import JobError
 from batchgen.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Field(gt=0)]
+
+# The job file is read before any spec exists, so its own bounds are constants, not keys. A YAML alias expands
+# to a copy of its anchor wherever a mapping is validated or dumped: nine nested aliases of nine items are
+# 9**9 nodes from a few hundred bytes. Aliases stay allowed (`<<: *defaults`) while the expanded document is
+# at most MAX_YAML_NODES nodes.
+MAX_JOB_FILE_BYTES = 4 << 20
+MAX_YAML_NODES = 1_000_000
+# No model's context holds more tokens; the model's own context (engine.max_model_len or the config's
+# max_position_embeddings) bounds it further, checked where the config is read (validate, run).
+MAX_NEW_TOKENS = 1 << 24
 
 
 class _Strict(BaseModel):
@@ -48,6 +61,26 @@ class SourceSpec(_Strict):
     worker_unit_rows: PositiveInt | None = None
 
 
+class LimitsSpec(_Strict):
+    """Bounds on what a job (or one of its rows) may ask. Not part of the fingerprint: raising one does not
+    change a completion, only whether a row that hit it is generated.
+
+    max_samples_per_row bounds sampling.n; with the loop's lookahead of 2 x engine.max_num_seqs prompts, the
+    sequences in flight are at most 2 x max_num_seqs x max_samples_per_row. A row of an OpenAI batch file may
+    ask for at most 128 (OpenAI's own limit on n); a larger body.n rejects that line.
+    A template render (prompt.template) may take at most max_render_steps loop iterations and calls, build no
+    string or list longer than max_prompt_chars and output at most max_prompt_chars characters; the chat template
+    alike (its output; its steps are not counted). Every render (template and chat template) stops after
+    render_timeout_s seconds of wall time (SIGALRM; the main thread only). A row over a limit is rejected
+    (template_error / chat_template_error / prompt_too_long); a template over a limit on each of the first
+    rows it renders stops the job (prompts.py FAIL_FAST_ROWS)."""
+
+    max_samples_per_row: PositiveInt = 256
+    max_render_steps: PositiveInt = 1_000_000
+    max_prompt_chars: PositiveInt = 4_000_000
+    render_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+
+
 class PromptSpec(_Strict):
     template: str | None = None  # Jinja2 over the row's columns: "Summarize: {{ text }}"
     column: str | None = None  # the prompt is this column's text
@@ -57,6 +90,14 @@ class PromptSpec(_Strict):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     on_too_long: Literal["reject", "truncate_left", "truncate_right"] = "reject"
     max_prompt_tokens: PositiveInt | None = None  # default: model context - max_new_tokens
+    # the job's `limits:`, linked by JobSpec (a PromptSpec built alone has the defaults); private so that the
+    # prompt's fingerprint (its model_dump) does not change with a limit. Hazard: a PromptSpec made by
+    # model_copy keeps it, one made anew does not.
+    _limits: LimitsSpec = PrivateAttr(default_factory=LimitsSpec)
+
+    @property
+    def limits(self) -> LimitsSpec:
+        return self._limits
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> PromptSpec:
@@ -97,6 +138,15 @@ class JobSampling(SamplingParams):
     # a column holding a JSON Schema per row (JSON text): that row's response_format (type json_schema)
     response_format_column: str | None = None
 
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens_fits_a_context(cls, value: int) -> int:
+        if value > MAX_NEW_TOKENS:
+            raise ValueError(f"more than {MAX_NEW_TOKENS}, more tokens than any model's context holds; the "
+                             f"model's context (engine.max_model_len or its max_position_embeddings) bounds it "
+                             f"further, minus the prompt's tokens")
+        return value
+
     @model_validator(mode="after")
     def _column_rows_end_by_grammar(self) -> JobSampling:
         if self.response_format_column is not None and (self.min_new_tokens
@@ -114,6 +164,16 @@ class JobSpec(_Strict):
     sampling: JobSampling = Field(default_factory=JobSampling)  # SamplingParams (sampling_params.py) + job-only
     engine: EngineConfig = Field(default_factory=EngineConfig)  # the one definition: engine/config.py
     output: OutputSpec = Field(default_factory=OutputSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+
+    @model_validator(mode="after")
+    def _within_limits(self) -> JobSpec:
+        if self.sampling.n > self.limits.max_samples_per_row:
+            raise ValueError(f"'sampling.n' = {self.sampling.n}: more samples per row than "
+                             f"limits.max_samples_per_row ({self.limits.max_samples_per_row}); lower sampling.n "
+                             f"or raise limits.max_samples_per_row (each sample holds its own sequence)")
+        self.prompt._limits = self.limits
+        return self
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -150,6 +210,50 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
     return f"invalid job file {origin}:\n  - " + "\n  - ".join(lines)
 
 
+def _expanded_nodes(root: yaml.Node) -> int:
+    """How many nodes the document holds once every alias is expanded, up to MAX_YAML_NODES + 1. The composed
+    graph shares an aliased node between its uses, so each node's expanded size is computed once (memo by id),
+    without recursion (a deeply nested document is not a RecursionError here)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+            list(node.value) if isinstance(node, yaml.SequenceNode) else []
+        if not children_done and any(id(c) not in sizes for c in children):
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = min(1 + sum(sizes.get(id(c), 0) for c in children), MAX_YAML_NODES + 1)
+    return sizes[id(root)]
+
+
+def load_yaml(text: str, origin: str):
+    """YAML text as Python values, bounded: JobError naming `origin` when it is larger than MAX_JOB_FILE_BYTES,
+    expands (through aliases) to more than MAX_YAML_NODES nodes, nests too deeply to parse, or is not YAML."""
+    if len(text) > MAX_JOB_FILE_BYTES:
+        raise JobError(f"{origin} is {len(text)} characters long, more than the {MAX_JOB_FILE_BYTES} a job file may "
+                       f"hold; keep large data (schemas, prompts) in the source's columns")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_nodes(node) > MAX_YAML_NODES:
+            raise JobError(f"{origin} expands to more than {MAX_YAML_NODES} YAML nodes through its aliases (*name); "
+                           f"an alias copies its anchor wherever it is used: write the values out, or use fewer "
+                           f"nested aliases")
+        return loader.construct_document(node)
+    except RecursionError:
+        raise JobError(f"{origin} nests its values too deeply to read; flatten it") from None
+    except yaml.YAMLError as e:
+        raise JobError(f"{origin} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
 def apply_override(raw: dict, assignment: str) -> None:
     """`a.b.c=value` sets raw['a']['b']['c'] = yaml(value)."""
     if "=" not in assignment:
@@ -161,10 +265,7 @@ def apply_override(raw: dict, assignment: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise JobError(f"--set {assignment!r}: '{p}' is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise JobError(f"--set {assignment!r}: the value is not valid YAML ({e})") from None
+    node[parts[-1]] = load_yaml(text, f"--set {assignment!r}: the value") if text.strip() else ""
 
 
 def _resolve(base: Path, value: str, normalize: bool = False) -> str:
@@ -237,9 +338,10 @@ def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | Non
     if not path.is_file():
         raise JobError(f"job file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise JobError(f"job file {path} is not valid YAML: {e}") from None
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise JobError(f"job file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    raw = load_yaml(text, f"job file {path}")
     if not isinstance(raw, dict):
         raise JobError(f"job file {path} must be a mapping of sections (model, source, prompt, ...), "
                        f"got {type(raw).__name__}")

@@ -1,8 +1,10 @@
 """`batchgen validate`: everything that can be checked without generating, in a short report.
 
 What `batchgen run` refuses, validate refuses with the same message: output.keep_columns (through run's
-OutputSchema.build), a null or duplicate key (a full scan with run's unique_key, so the same
-run's message), and a fingerprint change against an existing output directory (fingerprint.refusal)."""
+OutputSchema.build), a null or duplicate key and keys of mixed types (a full scan with run's unique_key and
+fits, so the same run's message), a damaged weight file (its header), sampling.max_new_tokens that leaves no room
+in the model's context, a template over its limits on every first row (the renderer's own refusal), and a
+fingerprint change against an existing output directory (fingerprint.refusal)."""
 
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
-    OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run checks
+    schema = OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run
     row_sampling = RowSampling(spec, source.columns)  # source.sampling_column, sampling.response_format_column
     expected = source.expected_rows
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
     tokenizer, config = tokenizer_and_config(spec)
+    _check_weights(spec)
     from batchgen.runner.fp8_loader import check_fp8_checkpoint
 
     fp8 = check_fp8_checkpoint(config, spec.model.path)
@@ -58,12 +61,15 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
         reason = deterministic_reason(config)
         if reason is not None:
             raise JobError(f"engine.deterministic: {reason}")
-    context = spec.engine.max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
+    context = spec.engine.context_length(config)
     geo = KVGeometry.from_config(config)
     lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "
                  f"{text.num_attention_heads} heads ({geo.num_kv_heads} KV), context {context} tokens, "
                  f"vocab {text.vocab_size}")
     max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
+    if max_prompt < 1:  # run's refusal (job/loop.py), with the same message
+        raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
+                       f"in the model's context of {context} tokens")
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max(max_prompt, 1))
     lengths, rejects, shown = [], {}, []
     for i, row in enumerate(source):
@@ -74,6 +80,9 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
             continue
         try:
             prompt = renderer.render(row.columns)
+            if len(prompt) > spec.limits.max_prompt_chars:  # tokenize's own check, before the tokenizer sees it
+                renderer.tokenize(prompt)
+                prompt = prompt[:spec.limits.max_prompt_chars]
             ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)  # once: length before policy
             if not ids:
                 raise RowError("empty_prompt", "the prompt has no tokens")
@@ -103,8 +112,17 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  + (f", response_format_column={spec.sampling.response_format_column!r}"
                     if spec.sampling.response_format_column else ""))
     lines.append(_check_resume(spec, tokenizer, config))
-    lines.append(_check_keys(spec, source))
+    lines.append(_check_keys(spec, source, schema))
     return "\n".join(lines)
+
+
+def _check_weights(spec: JobSpec) -> None:
+    """Run's refusal of a damaged weight file (runner/loader.py check_weight_files), from the headers alone."""
+    from batchgen.runner.loader import check_weight_files, locate_model
+
+    source, gguf = locate_model(spec.model.path, spec.model.gguf_file)
+    if gguf is None:
+        check_weight_files(source)
 
 
 def _check_resume(spec: JobSpec, tokenizer, config) -> str:
@@ -128,9 +146,11 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     return f"output: {out_dir} holds an earlier run of this job; a run resumes it"
 
 
-def _check_keys(spec: JobSpec, source: Source) -> str:
-    """A full scan of the source's keys: the first null or duplicate key is an error, as in run."""
+def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> str:
+    """A full scan of the source's keys: the first null or duplicate key, or (JSONL: types inferred) a key that
+    does not fit the key column's type, is an error, as in run (job/loop.py _key)."""
     from batchgen.job.loop import unique_key
+    from batchgen.output.schema import fits
 
     key_column = spec.source.key_column
     if key_column is None:
@@ -141,5 +161,8 @@ def _check_keys(spec: JobSpec, source: Source) -> str:
         num_rows += 1
         if row.columns is None:
             continue  # unparseable: run keys it by its position and rejects it
-        unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
+        key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
+        if not source.typed and not fits(key, schema.key_field.type):
+            raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
+                           f"rows hold {schema.key_field.type} keys; keys must all be strings or all integers")
     return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null"

@@ -189,19 +189,40 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
 
     dev = resolve_device(device)
     config = AutoConfig.from_pretrained(source)
-    if is_fp8(config):
-        from batchgen.runner.fp8_loader import load_fp8_model
+    try:
+        if is_fp8(config):
+            from batchgen.runner.fp8_loader import load_fp8_model
 
-        # a tensor-parallel rank's shard is cut on the CPU (below), then moved
-        model = load_fp8_model(source, config, resolve_dtype(dtype, dev),
-                               dev if shard is None else torch.device("cpu"))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
+            # a tensor-parallel rank's shard is cut on the CPU (below), then moved
+            model = load_fp8_model(source, config, resolve_dtype(dtype, dev),
+                                   dev if shard is None else torch.device("cpu"))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, dev))
+    except Exception:
+        check_weight_files(source)  # a damaged file is the user's to replace: JobError naming it
+        raise
     if shard is not None:
         from batchgen.models.shard import shard_model_
 
         shard_model_(model, *shard)
     return model.to(dev).eval()
+
+
+def check_weight_files(source: str) -> None:
+    """JobError naming the first .safetensors file of a local model folder whose header safetensors cannot read
+    (garbage, truncated, or not safetensors at all). Reads headers only; a hub id is not checked."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except Exception as e:  # SafetensorError (header), OSError
+            raise JobError(f"model.path: the weight file {path} is damaged or not a safetensors file "
+                           f"({type(e).__name__}: {e}); download or copy it again") from None
 
 
 def fingerprint_config(config, dtype: str, device: str) -> dict:

@@ -1,4 +1,7 @@
-"""JSON Lines files: one object per line; a malformed line becomes a rejected row, the job goes on."""
+"""JSON Lines files: one object per line; a malformed line becomes a rejected row, the job goes on.
+
+Text is UTF-8: a byte order mark at the start of a file is dropped; a line that is not valid UTF-8 is a
+malformed row naming its file, line and byte (its text is never guessed or replaced)."""
 
 from __future__ import annotations
 
@@ -19,13 +22,28 @@ SCHEMA_SAMPLE_ROWS = 1000
 PROGRESS_SCAN_BYTES = 1 << 30  # count a JSONL source's rows for the progress bar up to this size
 
 
-def _lines(path: str) -> Iterator[str]:
+BOM = b"\xef\xbb\xbf"
+
+
+def _lines(path: str) -> Iterator[str | UnicodeDecodeError]:
+    """The file's lines as text; a line that is not UTF-8 as its UnicodeDecodeError (its `object` the line's
+    bytes, `start` the first bad byte), annotated with the file and line number in `reason`."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        yield from f
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if number == 1:
+                raw = raw.removeprefix(BOM)
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield UnicodeDecodeError("utf-8", raw, e.start, e.end,
+                                         f"line {number} of {path} is not valid UTF-8 (byte {e.start}: "
+                                         f"{raw[e.start:e.start + 1]!r}, {e.reason})")
 
 
-def _parse(line: str) -> tuple[dict | None, str | None]:
+def _parse(line: str | UnicodeDecodeError) -> tuple[dict | None, str | None]:
+    if isinstance(line, UnicodeDecodeError):
+        return None, line.reason
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -86,10 +104,10 @@ class JsonlSource(Source):
         self.schema = pa.schema([pa.field(n, column_type([obj.get(n) for obj in sample])) for n in names])
         self.check_key_column()
 
-    def _nonblank(self) -> Iterator[str]:
+    def _nonblank(self) -> Iterator[str | UnicodeDecodeError]:
         for path in self.files:
             for line in _lines(path):
-                if line.strip():
+                if isinstance(line, UnicodeDecodeError) or line.strip():
                     yield line
 
     def _iter_all(self) -> Iterator[SourceRow]:

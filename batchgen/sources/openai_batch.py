@@ -14,6 +14,10 @@ strict are not needed: every completion follows the schema). Anything else is pa
 rejects its line.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
+Bounded: a body.n above OpenAI's own limit (MAX_N) rejects its line as `bad_sampling` naming n (each sample
+holds a sequence: a line asking for a million would exhaust the host). A message's content may be a list of
+content parts: text parts are joined (prompts.py join_text_parts); a line whose messages hold another part type
+(image_url, input_audio, file) keeps it, and the prompt renderer rejects it as `bad_messages` naming the part.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  #
 RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 MAPPED = {"temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty"}
 IGNORED = {"model", "user", "metadata", "store", "messages", "prompt"}
+MAX_N = 128  # OpenAI's limit on a request's n
 NEUTRAL = {"stream": (False, None), "presence_penalty": (None,), "frequency_penalty": (None,), "logit_bias": (None, {}),
            "logprobs": (False, None), "top_logprobs": (0, None)}
 
@@ -42,7 +47,7 @@ def sniff(path: str) -> str | None:
     """The prompt column ("messages" or "prompt") if the file's first line is an OpenAI batch request."""
     if not path.lower().endswith((".jsonl", ".ndjson")) or not Path(path).is_file():
         return None
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in f:
             if line.strip():
                 try:
@@ -67,6 +72,8 @@ def body_sampling(body: dict) -> dict:
             name = "logit_bias (its keys are OpenAI token ids, not this model's)"
         if name == "response_format":
             value = _response_format(value)
+        if name == "n" and isinstance(value, (int, float)) and value > MAX_N:  # refused by name, never allocated
+            name = f"n ({value} is more than {MAX_N}, OpenAI's own limit on n)"
         out[RENAMED.get(name, name)] = value
     return out
 
@@ -79,6 +86,24 @@ def _response_format(value):
     if not isinstance(wrapper, dict) or value.get("type") != "json_schema":
         return value
     return {"type": "json_schema", **({"json_schema": wrapper["schema"]} if "schema" in wrapper else {})}
+
+
+def _text_contents(messages):
+    """Chat messages with each content of text parts joined into one string; a message with another part type
+    (or anything that is not a list of messages) is left as it is, for the renderer to reject by name."""
+    from batchgen.prompts import join_text_parts
+
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            try:
+                m = {**m, "content": join_text_parts(m["content"])}
+            except ValueError:
+                return messages
+        out.append(m)
+    return out
 
 
 class OpenAIBatchSource(Source):
@@ -131,5 +156,5 @@ class OpenAIBatchSource(Source):
                 print(f"batchgen: the requests' body.model ({body['model']!r}) is ignored: every line runs the "
                       f"job's model", file=sys.stderr)
             yield SourceRow(row.position, {"custom_id": str(line["custom_id"]),
-                                           self.prompt_column: body[self.prompt_column],
+                                           self.prompt_column: _text_contents(body[self.prompt_column]),
                                            "sampling": json.dumps(body_sampling(body))})
