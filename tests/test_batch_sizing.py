@@ -54,6 +54,7 @@ def test_a_number_the_user_set_wins_and_the_other_setting_still_follows_the_rule
     assert (cap.max_num_seqs, cap.max_num_batched_tokens, cap.auto_seqs, cap.auto_tokens) == (48, 8192, False, True)
     chosen = sizing.choose(cap, H200_KV_TOKENS, [300] * 10, 131072, 48)
     assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (48, 8192)
+    assert chosen.describe() == "max_num_seqs 48; max_num_batched_tokens auto -> 8192"
     cap = sizing.capacity(True, None, 4096, 110 * GIB, LLAMA_COSTS)
     assert (cap.max_num_seqs, cap.max_num_batched_tokens) == (1024, 4096)
 
@@ -134,7 +135,8 @@ def test_an_auto_cpu_engine_chooses_at_its_first_step_and_says_so(capsys):
         assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (256, 8192)
         assert engine.batch_size.reason.startswith("KV for 34 x 15 tokens (3 queued); not below 256")
         assert engine.stats()["max_num_seqs"] == 256
-    assert "batchgen: max_num_seqs auto -> 256 (" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "batchgen: max_num_seqs auto -> 256 (" in err and "max_num_batched_tokens auto -> 8192" in err
 
 
 def test_an_explicit_cpu_engine_keeps_its_numbers_and_prints_nothing(capsys):

@@ -122,10 +122,13 @@ class BatchSize:
     max_num_seqs: int
     max_num_batched_tokens: int
     reason: str
+    auto_seqs: bool = True
+    auto_tokens: bool = True
 
     def describe(self) -> str:
-        return (f"max_num_seqs auto -> {self.max_num_seqs} ({self.reason}); max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}")
+        seqs = f"max_num_seqs auto -> {self.max_num_seqs} ({self.reason})" if self.auto_seqs else \
+            f"max_num_seqs {self.max_num_seqs}"
+        return f"{seqs}; max_num_batched_tokens {'auto -> ' if self.auto_tokens else ''}{self.max_num_batched_tokens}"
 
 
 def choose(cap: Capacity, num_kv_tokens: int, seq_tokens: Sequence[int], context_len: int,
@@ -134,7 +137,7 @@ def choose(cap: Capacity, num_kv_tokens: int, seq_tokens: Sequence[int], context
     queued sequences' prompt + max_new_tokens each (a sample; empty: `context_len` each); `graphs_to`: the
     largest decode graph (None: no graphs)."""
     if not cap.auto_seqs:
-        return BatchSize(cap.max_num_seqs, cap.max_num_batched_tokens, "set")
+        return BatchSize(cap.max_num_seqs, cap.max_num_batched_tokens, "set", False, cap.auto_tokens)
     per_seq = -(-sum(seq_tokens) // len(seq_tokens)) if seq_tokens else context_len
     per_seq = max(1, min(per_seq, context_len))
     fit = num_kv_tokens // per_seq
@@ -155,4 +158,4 @@ def choose(cap: Capacity, num_kv_tokens: int, seq_tokens: Sequence[int], context
         why = kv
     if graphs_to is not None:
         why += f"; graphs to {graphs_to}"
-    return BatchSize(seqs, tokens, why)
+    return BatchSize(seqs, tokens, why, True, cap.auto_tokens)
