@@ -40,7 +40,8 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 def collect(out_dir: Path) -> dict[str, Any]:
     """What the card reports, from the committed output."""
     out_dir = Path(out_dir)
-    data = mf.committed_shards(out_dir, "data")
+    ledger = mf.checked_ledger(out_dir)  # read and checked once (a KeySet of every key: not three times)
+    data = [path for path, _ in ledger.shards("data")]
     stats: dict[str, Any] = {"num_data_files": len(data), "num_rows": 0, "num_input_rows": 0, "columns": [],
                              "prompt_tokens": {}, "completion_tokens": {}, "finish_reasons": {}, "rejects": {}}
     if data:
@@ -57,11 +58,11 @@ def collect(out_dir: Path) -> dict[str, Any]:
             stats["total_completion_tokens"] = int(completion.sum())
         if "finish_reason" in wanted:
             stats["finish_reasons"] = dict(Counter(table["finish_reason"].to_pylist()).most_common())
-    rejects = mf.committed_shards(out_dir, "rejects")
+    rejects = [path for path, _ in ledger.shards("rejects")]
     if rejects:
         classes = pq.read_table(rejects, columns=["error_class"])["error_class"].to_pylist()
         stats["rejects"] = dict(Counter(classes).most_common())
-    stats["num_input_rows"] = sum(r.get("num_rows", 0) for _, r in mf.read_all(out_dir))
+    stats["num_input_rows"] = sum(e.record.get("num_rows", 0) for e in ledger.entries)
     job_path = resolved_job_path(out_dir)
     stats["job"] = yaml.safe_load(job_path.read_text()) if job_path.exists() else {}
     fp_path = out_dir / "fingerprint.json"
