@@ -97,7 +97,7 @@ def test_a_kill_at_each_step_of_fresh_never_leaves_a_done_row_without_its_shard(
         if k == 0:  # killed before its first step: the output stands, untouched
             assert left == sorted(os.listdir(finished)) and _content(out) == _content(finished)
         else:
-            assert left == [".batchgen", ".lock-w00000"], (k, left)
+            assert left == [".batchgen", ".lock-dir", ".lock-w00000"], (k, left)
 
 
 @pytest.mark.parametrize("step,next_run,pending", [

@@ -104,6 +104,14 @@ def finished(tmp_path, tiny_model_dir):
     return job, tmp_path / "out"
 
 
+def test_every_file_a_run_writes_is_recognised_as_batchgens(finished):
+    from batchgen.output.layout import foreign_entries
+
+    _, out = finished
+    assert (out / "README.md").is_file() and (out / "reports" / "index.html").is_file()
+    assert foreign_entries(out) == []
+
+
 def test_readers_use_job_resolved_yaml_and_an_earlier_outputs_job_yaml(finished, tmp_path):
     job, out = finished
     assert not (out / "job.yaml").exists()

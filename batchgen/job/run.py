@@ -23,7 +23,7 @@ from batchgen.job import placement
 from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
-from batchgen.output.lock import AllWorkersLock, DirectoryLock, WorkerLock, check_partition
+from batchgen.output.lock import DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition
 from batchgen.job.spec import JobSpec
 from batchgen.job.workers import WorkerInfo
 
@@ -72,14 +72,19 @@ def _start_over(out_dir: Path, where: placement.Placement, own_lock: WorkerLock 
         fresh_mod.start_over(out_dir, [f"it holds {what}" for what in where.inside])
 
 
-def _write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
-    """OUT/job.resolved.yaml, never over a file batchgen did not write (it starts with the header)."""
+def _refuse_a_users_resolved_job(out_dir: Path) -> None:
+    """JobError when OUT/job.resolved.yaml exists and batchgen did not write it (it lacks the header line)."""
     path = out_dir / layout.RESOLVED_JOB_FILE
     if path.exists() and not path.read_text(errors="replace").startswith(layout.RESOLVED_JOB_HEADER):
         raise JobError(f"{path} exists and was not written by batchgen (it lacks batchgen's first line); batchgen "
                        f"writes the resolved job there and will not overwrite it: move that file, or give the job "
                        f"an output folder of its own")
-    _write_atomic(path, layout.RESOLVED_JOB_HEADER + yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
+
+
+def _write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
+    _refuse_a_users_resolved_job(out_dir)
+    _write_atomic(out_dir / layout.RESOLVED_JOB_FILE,
+                  layout.RESOLVED_JOB_HEADER + yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -100,18 +105,21 @@ def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:
 
 
 def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str], created: list[Path]) -> None:
-    """After a run failed: if all it left is its own new lock file (nothing else was written), remove that,
-    and the folders this run created (`created`, the output directory first) while they are empty.
-    Anything else stays."""
+    """After a run failed: if all it left is what any start writes (its own new lock file, the marker, the
+    directory lock file), remove those, and the folders this run created (`created`, the output directory
+    first) while they are empty. Anything else stays."""
     if lock.path.name in entries_before:
         return  # the lock file was there before this run
     try:
-        new = set(os.listdir(out_dir)) - entries_before
-        if not new <= {lock.path.name, layout.MARKER_FILE}:
-            return  # the run (or another worker) wrote something: leave the directory as it is
-        if layout.MARKER_FILE in new:
-            (out_dir / layout.MARKER_FILE).unlink()
-        lock.remove()
+        with DirectoryLock(out_dir) as starting:  # no other run starts meanwhile
+            new = set(os.listdir(out_dir)) - entries_before
+            if not new <= {lock.path.name, layout.MARKER_FILE, DIRECTORY_LOCK_FILE}:
+                return  # the run (or another worker) wrote something: leave the directory as it is
+            if layout.MARKER_FILE in new:
+                (out_dir / layout.MARKER_FILE).unlink()
+            lock.remove()
+            if DIRECTORY_LOCK_FILE in new:
+                starting.remove()
         for folder in created:
             if any(folder.iterdir()):
                 break
@@ -140,14 +148,16 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
     tag = mf.worker_tag(worker.index)
     lock = None
     try:
-        # One start at a time: this worker's lock and its count recorded, checked against the running workers'
-        # partitions, an interrupted --fresh finished, this one's done, before anything is read.
+        # One start at a time (the DirectoryLock): this worker's lock taken with its count recorded, a --fresh
+        # done, the partition checked against the running workers', an interrupted --fresh finished, all before
+        # anything of the output is read.
         with DirectoryLock(out_dir):
             lock = WorkerLock(out_dir, tag, count=worker.count)
             if fresh:  # refused while any other worker runs (naming it): then no partition can differ
                 _start_over(out_dir, where, lock)
             check_partition(out_dir, lock)
             fresh_mod.finish_interrupted(out_dir)
+            _refuse_a_users_resolved_job(out_dir)
             layout.write_marker(out_dir)
         if not fresh and where.warning() is not None:
             print(where.warning(), file=sys.stderr)

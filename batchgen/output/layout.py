@@ -4,8 +4,9 @@ its resolved job lives. Only what `is_batchgen_entry` recognises is ever deleted
 Recognition is by name: a fixed set of top-level names, and inside batchgen's folders names that carry a worker
 tag (`part-w00000-000003.parquet`, `w00000.jsonl`, `throughput-w00000.jsonl`) or one of the report's fixed
 names, each also as its hidden temporary (`.NAME...tmp...`). A folder inside batchgen's folders is never
-batchgen's. Two files need their content: the dataset card (card.MARKER) and the `job.yaml` of an output begun
-before `job.resolved.yaml` existed (`is_legacy_job_file`).
+batchgen's. Three files need their content: the dataset card (card.MARKER), `job.resolved.yaml` (its first line,
+RESOLVED_JOB_HEADER) and the `job.yaml` of an output begun before `job.resolved.yaml` existed
+(`is_legacy_job_file`).
 
 The marker file `.batchgen` says the folder was first used as an output by a batchgen that writes the resolved
 job to `job.resolved.yaml`: in a marked folder `job.yaml` is a user's file, never read as the output's job.
@@ -35,6 +36,7 @@ SHARD_DIRS = ("data", "rejects")
 QUARANTINE_DIR = "quarantine"
 OWNED_DIRS = (*SHARD_DIRS, "manifest", "logs", "reports")
 TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json")
+LOCK_FILES = (".lock-dir",)  # lock.DIRECTORY_LOCK_FILE; worker locks: _LOCK
 REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
 CARD_FILE = "README.md"
 _TAGGED = re.compile(r"^\.?(part-|throughput-)?w\d{5}[-.]")  # a worker tag at the start of the name
@@ -65,6 +67,14 @@ def is_legacy_job_file(path: Path, out_dir: Path) -> bool:
         str(output.get("dir")) == str(out_dir.resolve())
 
 
+def _starts_with(path: Path, header: str) -> bool:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read(len(header)) == header
+    except OSError:
+        return False
+
+
 def is_batchgen_card(path: Path) -> bool:
     from batchgen.output.card import MARKER as CARD_MARKER
 
@@ -84,7 +94,9 @@ def is_batchgen_entry(out_dir: Path, rel: str) -> bool:
             return path.is_dir() and not path.is_symlink()
         if path.is_dir() and not path.is_symlink():
             return name in (FRESH_PENDING_DIR, QUARANTINE_DIR) or name.startswith(FRESH_DELETING_PREFIX)
-        if name in TOP_FILES or _LOCK.match(name) or _is_temp_of(name, (*TOP_FILES, CARD_FILE)):
+        if name == RESOLVED_JOB_FILE:
+            return _starts_with(path, RESOLVED_JOB_HEADER)
+        if name in TOP_FILES or name in LOCK_FILES or _LOCK.match(name) or _is_temp_of(name, (*TOP_FILES, CARD_FILE)):
             return True
         if name == CARD_FILE:
             return is_batchgen_card(path)

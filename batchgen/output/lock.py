@@ -119,23 +119,41 @@ class WorkerLock:
         self.release()
 
 
+DIRECTORY_LOCK_FILE = ".lock-dir"
+
+
 class DirectoryLock:
-    """An exclusive flock on the output folder itself, waited for: held while a run starts (worker lock,
-    partition check, an interrupted --fresh finished) and through a --fresh's renames. Never held while rows
-    are generated."""
+    """An exclusive flock on OUT/.lock-dir, waited for: held while a run starts (worker lock, partition check,
+    an interrupted --fresh finished) and through a --fresh's renames; never while rows are generated. A file,
+    not the folder itself: NFS emulates flock with POSIX locks, which a read-only directory fd cannot take."""
 
     def __init__(self, out_dir: Path) -> None:
-        self._fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.path = out_dir / DIRECTORY_LOCK_FILE
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # removed by a failed first start while we waited: take the new file
+        self._fd = fd
 
     def __enter__(self) -> DirectoryLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
         if self._fd >= 0:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
+
+    def remove(self) -> None:
+        """Delete the file while holding it, then release: a waiter then finds it gone and opens a new one."""
+        if self._fd >= 0:
+            self.path.unlink(missing_ok=True)
+        self.release()
 
 
 def running_workers(out_dir: Path, except_path: Path | None = None) -> list[dict]:
