@@ -72,3 +72,22 @@ def test_an_output_directory_without_committed_rows_is_a_clear_error(tmp_path, t
     second = _example(tmp_path, "chain_answers.yaml", tiny_model_dir)
     result = runner.invoke(app, ["run", str(second), "--no-progress"])
     assert result.exit_code == 2 and "no committed completions yet" in result.output
+
+
+def test_a_judge_over_an_upstream_with_n_2_keeps_which_sample_it_read(tmp_path, tiny_model_dir):
+    """Lineage: keyed by upstream_id (unique per upstream sample), the downstream keeps upstream_key and
+    upstream_sample_idx, and each of its rows joins back to the exact upstream completion it judged."""
+    first = _example(tmp_path, "chain_questions.yaml", tiny_model_dir, sampling={"n": 2, "temperature": 0.9})
+    assert runner.invoke(app, ["run", str(first), "--no-progress"]).exit_code == 0
+    upstream = {(r["id"], r["sample_idx"]): r["completion"] for r in read_rows(tmp_path / "out" / "chain-questions")}
+    assert len(upstream) == 20
+    second = _example(tmp_path, "chain_answers.yaml", tiny_model_dir,
+                      source={"key_column": "upstream_id"},
+                      output={"keep_columns": ["upstream_key", "upstream_sample_idx"], "keep_prompt": True})
+    result = runner.invoke(app, ["run", str(second), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    judged = read_rows(tmp_path / "out" / "chain-answers")
+    assert len(judged) == 20 and len({r["upstream_id"] for r in judged}) == 20
+    for r in judged:
+        assert r["upstream_id"] == f"{r['upstream_key']}#{r['upstream_sample_idx']}" and r["sample_idx"] == 0
+        assert upstream[(r["upstream_key"], r["upstream_sample_idx"])] in r["prompt"]

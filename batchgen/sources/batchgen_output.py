@@ -3,7 +3,10 @@
 Rows: the upstream's committed completion rows (one per input row and sample), in manifest order: worker by
 worker, commit by commit. Columns: every data column (the upstream key, `sample_idx`, its kept columns,
 `completion`, `finish_reason`, token counts, `seed`, `prompt` if kept), so a template can read
-`{{ completion }}`. Only shards a manifest records are read: the upstream's rejects and a crash's leftovers
+`{{ completion }}`; and the lineage of each row, which `output.keep_columns` may keep (this job writes its own
+key and `sample_idx`): `upstream_key` (the upstream row's key), `upstream_sample_idx` (which of its samples this
+is) and `upstream_id` ("<key>#<sample_idx>": unique per upstream row, a `source.key_column` that works for an
+upstream with n > 1). An upstream's own upstream_* columns are replaced: lineage reaches one job back. Only shards a manifest records are read: the upstream's rejects and a crash's leftovers
 never are. The upstream's fingerprint is part of the downstream's (output/fingerprint.py), so a downstream
 resume after the upstream was re-run with other settings is refused.
 
@@ -32,6 +35,7 @@ from batchgen.output.shard_check import read_checked
 from batchgen.sources.base import Source, SourceRow
 
 BATCH_ROWS = 1024
+LINEAGE_COLUMNS = ("upstream_key", "upstream_sample_idx", "upstream_id")
 
 
 class OutputDirSource(Source):
@@ -58,7 +62,11 @@ class OutputDirSource(Source):
             if isinstance(expected, int) and metas[-1].metadata.num_rows != expected:
                 raise OutputDamaged(self.out_dir, [Problem(e.record["data"], None, f"{metas[-1].metadata.num_rows} "
                                                            f"rows, its record says {expected}", "rows", i)])
-        self.schema = metas[0].schema_arrow
+        schema = metas[0].schema_arrow
+        self.upstream_key = schema.names[0]  # data shards start with the key (output/schema.py)
+        lineage = [pa.field("upstream_key", schema.field(0).type), pa.field("upstream_sample_idx", pa.int32()),
+                   pa.field("upstream_id", pa.string())]
+        self.schema = pa.schema([f for f in schema if f.name not in LINEAGE_COLUMNS] + lineage)
         self.num_rows = sum(m.metadata.num_rows for m in metas)
         self.check_key_column()
 
@@ -67,5 +75,7 @@ class OutputDirSource(Source):
         for i, entry in self.shards:
             for batch in read_checked(self.out_dir, entry, i, "data").to_batches(max_chunksize=BATCH_ROWS):
                 for columns in batch.to_pylist():
+                    key, sample_idx = columns[self.upstream_key], columns["sample_idx"]
+                    columns.update(upstream_key=key, upstream_sample_idx=sample_idx, upstream_id=f"{key}#{sample_idx}")
                     yield SourceRow(position, columns)
                     position += 1
