@@ -1,0 +1,80 @@
+"""Input is read as written: a UTF-8 byte order mark is not part of row 0, invalid UTF-8 is a reject naming
+its line (never silently replaced), and OpenAI content-part arrays of text are prompts (other parts: a named
+reject)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from batchgen.errors import RowError
+from batchgen.job.spec import PromptSpec, SourceSpec
+from batchgen.prompts import PromptRenderer
+from batchgen.sources import open_source
+from jobutil import read_rows
+
+runner = CliRunner()
+
+
+def _rows(path):
+    return list(open_source(SourceSpec(path=str(path))))
+
+
+def test_a_utf8_bom_at_the_start_of_a_jsonl_file_is_dropped_and_row_0_parses(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "text": "one"}\n{"id": "b", "text": "two"}\n')
+    rows = _rows(path)
+    assert [r.columns for r in rows] == [{"id": "a", "text": "one"}, {"id": "b", "text": "two"}]
+    assert open_source(SourceSpec(path=str(path), key_column="id")).columns == ["id", "text"]
+
+
+def test_invalid_utf8_in_a_jsonl_line_is_a_malformed_row_naming_the_line_not_replacement_characters(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"id": "a", "text": "fine"}\n{"id": "b", "text": "caf\xe9"}\n{"id": "c", "text": "ok"}\n')
+    rows = _rows(path)
+    assert rows[0].columns == {"id": "a", "text": "fine"} and rows[2].columns == {"id": "c", "text": "ok"}
+    assert rows[1].columns is None
+    assert f"line 2 of {path} is not valid UTF-8 (byte 24: b'\\xe9'" in rows[1].error
+    assert all("\ufffd" not in json.dumps(r.columns) for r in rows if r.columns)
+
+
+def _batch_job(tmp_path, model_dir, messages_per_line):
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": messages, "max_tokens": 3}} for i, messages in enumerate(messages_per_line)]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": {"path": model_dir, "device": "cpu"}, "source": {"path": "batch.jsonl"},
+                                   "sampling": {"temperature": 0.0, "max_new_tokens": 4}, "output": {"dir": "out", "report": False,
+                                                                                "keep_prompt": True},
+                                   "engine": {"max_num_seqs": 4, "num_kv_blocks": 64, "block_size": 8}}))
+    return job
+
+
+def test_openai_content_part_arrays_of_text_are_joined_and_other_parts_are_named_rejects(tmp_path, tiny_model_dir):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a tale"}]}]
+    plain = [{"role": "user", "content": "Tell me\na tale"}]
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+    result = runner.invoke(app, ["run", str(_batch_job(tmp_path, tiny_model_dir, [parts, plain, image])),
+                                 "--no-progress"])
+    assert result.exit_code == 0, result.output
+    done = {r["custom_id"]: r for r in read_rows(tmp_path / "out")}
+    assert set(done) == {"r0", "r1"}
+    assert done["r0"]["prompt"] == done["r1"]["prompt"] and done["r0"]["completion"] == done["r1"]["completion"]
+    rejects = read_rows(tmp_path / "out", "rejects")
+    assert [(r["custom_id"], r["error_class"]) for r in rejects] == [("r2", "bad_messages")]
+    assert "message 0: content part 1 is of type 'image_url': only text parts" in rejects[0]["message"]
+
+
+def test_a_messages_column_with_text_parts_renders_like_plain_text(tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    r = PromptRenderer(PromptSpec(messages_column="messages"), tokenizer, ["messages"], 100)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert r.render({"messages": parts}) == r.render({"messages": [{"role": "user", "content": "a\nb"}]})
+    with pytest.raises(RowError) as e:
+        r.render({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})
+    assert e.value.error_class == "bad_messages" and "'input_audio'" in str(e.value)
