@@ -57,6 +57,7 @@
 #   bash bench/gpu_proofs.sh autotests  # engine.max_num_seqs auto: the GPU tests of decode graphs (to 1,024 rows), W1
 #   bash bench/gpu_proofs.sh autojob    # the job at default settings (auto) against 256 and 512 sequences, 4,000 rows,
 #                                       # in the order auto 256 512 auto (~9.5 min)
+#   bash bench/gpu_proofs.sh autoone    # both in one command: the job at auto, 256, 512 (3,000 rows), W1, the graph tests
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
 # (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and
 # .devrun/setup.sh, to source first in every device command.
@@ -84,6 +85,11 @@ for section in "${sections[@]}"; do
     autotests) step graph_tests 300 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
                  tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider
                step w1 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json" ;;
+    autoone) step job_auto 400 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+               --profile-steps 0 --seqs auto,256,512 --penalties 1.0 --rows 3000 --json "$LOGS/job_auto.json"
+             step w1 100 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json"
+             step graph_tests 200 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
+               tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider -x ;;
     autojob) step job_auto 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512,auto --penalties 1.0 --rows 4000 --json "$LOGS/job_auto.json" ;;
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
