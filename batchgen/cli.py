@@ -147,7 +147,7 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         if count is None or count < 1:
             raise JobError("--workers must be >= 1")
         if fresh:
-            fresh_start(spec)
+            fresh_start(spec, job_file=job)
         raise typer.Exit(launch(job, overrides, output, count, gpu_ids, size, progress))
     if identity is not None and identity.source == "torchrun":
         from batchgen.job.ranks import torchrun_worker
@@ -161,11 +161,11 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
     if identity is not None:
         from batchgen.job.ranks import run_rank
 
-        result = run_rank(spec, identity, worker, fresh, progress)
+        result = run_rank(spec, identity, worker, fresh, progress, job_file=job)
         if result is None:  # a rank > 0: rank 0 reports
             return
     else:
-        result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress)
+        result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress, job_file=job)
     r = result.report
     summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
                f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "
