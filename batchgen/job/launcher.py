@@ -22,11 +22,12 @@ from batchgen.job.spec import load_spec
 
 # A worker is started as `python -c CHILD_MAIN`, not `python -m batchgen.cli`: -m (and -c) put the current folder
 # first on sys.path, so a `batchgen/` folder there (a checkout, a job's own folder named so) would be imported
-# instead. CHILD_MAIN replaces that entry with the folder this process imported batchgen from, so every child
-# runs the same package as the launcher, whatever the current folder.
+# instead. CHILD_MAIN drops that entry and, unless it is on sys.path already (site-packages: the order of the
+# others is kept), puts the folder this process imported batchgen from in its place, so every child runs the
+# same package as the launcher, whatever the current folder.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-CHILD_MAIN = ("import sys; sys.path[0] = sys.argv.pop(1); sys.argv[0] = 'batchgen'; "
-              "from batchgen.cli import main; main()")
+CHILD_MAIN = ("import sys; root = sys.argv.pop(1); sys.path[0:1] = [] if root in sys.path[1:] else [root]; "
+              "sys.argv[0] = 'batchgen'; from batchgen.cli import main; main()")
 
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
