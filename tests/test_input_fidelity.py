@@ -78,3 +78,14 @@ def test_a_messages_column_with_text_parts_renders_like_plain_text(tokenizer):
     with pytest.raises(RowError) as e:
         r.render({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})
     assert e.value.error_class == "bad_messages" and "'input_audio'" in str(e.value)
+
+
+def test_an_openai_batch_file_beginning_with_a_bom_is_still_recognised(tmp_path):
+    from batchgen.sources.openai_batch import sniff
+
+    path = tmp_path / "batch.jsonl"
+    line = {"custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(line).encode() + b"\n")
+    assert sniff(str(path)) == "messages"
+    assert [r.columns["custom_id"] for r in open_source(SourceSpec(path=str(path), type="openai_batch"))] == ["r0"]
