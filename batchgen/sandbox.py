@@ -131,6 +131,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
         if isinstance(owner, str):
+            if name == "join" and args and not isinstance(args[0], (str, list, tuple)):
+                args = (list(args[0]), *args[1:])  # sized below, then joined: an iterator is consumed once
             __self._check_str_method(owner, name, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
@@ -178,8 +180,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         values = [*args, *kwargs.values()]
         if name in SIZED_METHODS:
             _too_long(max([a for a in values if isinstance(a, int)], default=0), self.max_chars, f"str.{name}()")
-        elif name == "join" and args:
-            items = list(args[0]) if not isinstance(args[0], (list, tuple, str)) else args[0]
+        elif name == "join" and args and isinstance(args[0], (list, tuple, str)):
+            items = args[0]
             _too_long(sum(len(str(i)) for i in items) + len(owner) * max(len(items) - 1, 0), self.max_chars,
                       "a join")
         elif name == "replace" and len(args) >= 2:

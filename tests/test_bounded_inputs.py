@@ -172,8 +172,10 @@ def test_a_template_output_longer_than_max_prompt_chars_is_stopped_while_streami
 def test_templates_within_the_limits_render_as_before(tokenizer):
     template = ("Hi {{ topic ~ '!' }} {% for x in [1, 2, 3] %}{{ loop.index }}{{ x }}{% endfor %} "
                 "{{ ['a', 'b'] | join(', ') }} {{ topic | upper | center(9) }} {{ '%5s' % topic }} {{ 2 ** 10 }} "
-                "{{ '{:>5}'.format(topic) }} {{ topic * 2 }} {{ 'x\ny' | indent(2) }}")
-    assert _renderer(template, tokenizer).render(ROW) == "Hi tea! 112233 a, b    TEA      tea 1024   tea teatea x\n  y"
+                "{{ '{:>5}'.format(topic) }} {{ topic * 2 }} {{ 'x\ny' | indent(2) }} {{ '-'.join(topic | map('upper')) }} "
+                "{{ topic | map('upper') | join('+') }}")
+    assert _renderer(template, tokenizer).render(ROW) == \
+        "Hi tea! 112233 a, b    TEA      tea 1024   tea teatea x\n  y T-E-A T+E+A"
 
 
 def test_a_column_longer_than_max_prompt_chars_is_rejected_before_the_tokenizer_or_cut(tokenizer):
