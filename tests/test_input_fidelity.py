@@ -89,3 +89,11 @@ def test_an_openai_batch_file_beginning_with_a_bom_is_still_recognised(tmp_path)
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(line).encode() + b"\n")
     assert sniff(str(path)) == "messages"
     assert [r.columns["custom_id"] for r in open_source(SourceSpec(path=str(path), type="openai_batch"))] == ["r0"]
+
+
+def test_a_lone_surrogate_escape_in_a_jsonl_line_is_a_malformed_row_and_a_pair_is_its_character(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": "a", "text": "x\\ud800y"}\n{"id": "b", "text": "\\ud83d\\ude00"}\n')
+    rows = _rows(path)
+    assert rows[0].columns is None and "'\\ud800', a lone UTF-16 surrogate escape" in rows[0].error
+    assert rows[1].columns == {"id": "b", "text": "\U0001F600"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
@@ -23,6 +24,7 @@ PROGRESS_SCAN_BYTES = 1 << 30  # count a JSONL source's rows for the progress ba
 
 
 BOM = b"\xef\xbb\xbf"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _lines(path: str) -> Iterator[str | UnicodeDecodeError]:
@@ -50,6 +52,12 @@ def _parse(line: str | UnicodeDecodeError) -> tuple[dict | None, str | None]:
         return None, f"malformed JSON: {e}"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object per line, got {type(obj).__name__}"
+    if _SURROGATE_ESCAPE.search(line):  # json.loads pairs surrogates; a lone one is no character
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return None, (f"a string holds {e.object[e.start]!r}, a lone UTF-16 surrogate escape, which is not a "
+                          f"character (no tokenizer or Parquet file can hold it)")
     return obj, None
 
 
