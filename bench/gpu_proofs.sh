@@ -16,7 +16,7 @@
 #   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, qwen2-7b, starcoder2-3b, gemma2-9b,
 #                                       # phi3-mini, olmo2-7b at 32:768 and
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
-#                                       # batchgen/kernels/decode_launches.json, which is copied to $OUT
+#                                       # batchgen/kernels/attention/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
 #   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
@@ -85,11 +85,11 @@ for section in "${sections[@]}"; do
     autotests) step graph_tests 300 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
                  tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider
                step w1 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json" ;;
-    autoone) step job_auto 400 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+    autoone) step job_auto 390 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512 --penalties 1.0 --rows 3000 --json "$LOGS/job_auto.json"
              step w1 100 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json"
              step graph_tests 200 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
-               tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider -x ;;
+               tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider ;;
     autojob) step job_auto 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512,auto --penalties 1.0 --rows 4000 --json "$LOGS/job_auto.json" ;;
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
@@ -113,8 +113,8 @@ for section in "${sections[@]}"; do
          grep -o '"tok_s_rows_[0-9_]*": [0-9.a-z]*' "$LOGS/longrun.log" ;;
     sweep) step attention_sweep 330 python3 bench/decode_attention_sweep.py \
              --geometries "$SWEEP_GEOMS" --shapes 32:768,256:512 \
-             --compile-workers 12 --write-table batchgen/kernels/decode_launches.json --json "$LOGS/attention_sweep.json"
-         cp batchgen/kernels/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
+             --compile-workers 12 --write-table batchgen/kernels/attention/decode_launches.json --json "$LOGS/attention_sweep.json"
+         cp batchgen/kernels/attention/decode_launches.json "$OUT/" ;;  # the table comes back beside proofs.tgz
     families) for g in $FAMILIES; do
         step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$LOGS/w1-$g.json"; done ;;
@@ -128,7 +128,7 @@ for section in "${sections[@]}"; do
          # (split-K at <= 32 rows) against block-wise forced, and the job (M = 256: block-wise where the probe passes)
          step fp8_tests 120 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -rfE -p no:cacheprovider \
            -k "blockwise or probe or block_scaled or group_quantiser or per_channel"
-         step fp8_probe 60 python3 -c "from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason as r; \
+         step fp8_probe 60 python3 -c "from batchgen.kernels.fp8.blockwise import blockwise_unsupported_reason as r; \
 print('block-wise _scaled_mm:', r(0) or 'yes')"
          step w1_fp8 200 "${BG[@]}" --new-tokens 1024 --weights fp8 --json "$LOGS/w1_fp8.json" \
            --variants graphs_async,graphs_async_fp8_blockwise
