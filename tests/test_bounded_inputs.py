@@ -79,6 +79,18 @@ def test_sampling_n_above_limits_max_samples_per_row_exits_2_naming_the_key(tmp_
     assert load_spec(job, ["limits.max_samples_per_row=1000000"]).sampling.n == 1_000_000  # a cap one may raise
 
 
+def test_a_rows_own_sampling_asking_for_more_samples_than_the_limit_is_a_bad_sampling_reject(tmp_path, tiny_model_dir):
+    from batchgen.job.row_sampling import RowSampling
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(4))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "sampling_column": "sampling"})
+    rows = RowSampling(load_spec(job), ["id", "topic", "level", "sampling"])
+    assert rows.params_for({"sampling": {"n": 256}}).n == 256
+    with pytest.raises(RowError) as e:
+        rows.params_for({"sampling": json.dumps({"n": 1_000_000})})
+    assert e.value.error_class == "bad_sampling" and "limits.max_samples_per_row (256)" in str(e.value)
+
+
 def test_an_openai_batch_line_asking_for_a_million_samples_is_a_bad_sampling_reject(tmp_path, tiny_model_dir):
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "n": 1_000_000 if i == 1 else 1}}

@@ -31,6 +31,7 @@ class RowSampling:
     def __init__(self, spec: JobSpec, columns: list[str]) -> None:
         self.column = spec.source.sampling_column
         self.job = spec.sampling
+        self.max_samples_per_row = spec.limits.max_samples_per_row
         if self.column is not None and self.column not in columns:
             raise JobError(f"source.sampling_column {self.column!r} is not a column of the source; columns: "
                            f"{', '.join(columns)}")
@@ -102,6 +103,9 @@ class RowSampling:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
                                  for err in e.errors())
             raise RowError("bad_sampling", f"{where}: {problems}") from None
+        if params.n > self.max_samples_per_row:
+            raise RowError("bad_sampling", f"{where}: n {params.n} is above limits.max_samples_per_row "
+                                           f"({self.max_samples_per_row}); raise the limit in the job file to allow it")
         changed = [k for k in JOB_WIDE if getattr(params, k) != getattr(self.job, k)]
         if changed:
             raise RowError("bad_sampling", f"{where}: {', '.join(changed)} decide the output columns: set them "
