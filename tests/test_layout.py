@@ -11,12 +11,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchgen"
 # folder (or module) -> the batchgen folders/modules it may import; "" = batchgen's top-level leaf modules
 ALLOWED = {
     "kernels": {"kernels"},
+    # quantised checkpoints: schemes, loading, the FP8 linear layer the models use
+    "quant": {"quant", "kernels", "errors"},
     "attention": {"attention", "kernels"},
-    "models": {"models", "attention", "kernels"},
+    "models": {"models", "quant", "attention", "kernels"},
     "sample": {"sample", "engine.batch", "kernels"},
-    "runner": {"runner", "models", "attention", "sample", "kernels", "engine.batch", "errors", "hub"},
+    "runner": {"runner", "models", "quant", "attention", "sample", "kernels", "engine.batch", "errors", "hub"},
     # tensor parallelism: groups and plans; beside runner/ (the runner reaches it only through the group it is given)
-    "distributed": {"distributed", "models", "attention", "kernels", "engine.batch", "errors"},
+    "distributed": {"distributed", "models", "quant", "attention", "kernels", "engine.batch", "errors"},
     "engine": {"engine", "sampling_params", "seeding", "errors"},
     # composition root (sample: the grammar cache of structured output)
     "engine/engine.py": {"engine", "runner", "distributed", "attention", "sample", "sampling_params", "seeding",
@@ -94,3 +96,13 @@ def test_no_module_level_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_every_source_type_the_job_file_names_has_its_line_in_the_sources_mapping():
+    from typing import get_args
+
+    from batchgen.job.spec import SourceSpec
+    from batchgen.sources import SOURCE_TYPES
+
+    named = {a for a in get_args(get_args(SourceSpec.model_fields["type"].annotation)[0])}
+    assert named == set(SOURCE_TYPES)

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import glob
+import importlib
 from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow, is_output_dir
 from batchgen.job.spec import SourceSpec
 
-__all__ = ["Source", "SourceRow", "open_source"]
+__all__ = ["SOURCE_TYPES", "Source", "SourceRow", "open_source"]
+
+# source.type -> (module, class, the extension of the files its paths name; None: the class reads spec.path itself).
+# A new input format is a module here and its line; job/spec.py's SourceSpec.type lists the same names.
+SOURCE_TYPES: dict[str, tuple[str, str, str | None]] = {
+    "parquet": ("batchgen.sources.parquet", "ParquetSource", "parquet"),
+    "jsonl": ("batchgen.sources.jsonl", "JsonlSource", "jsonl"),
+    "openai_batch": ("batchgen.sources.openai_batch", "OpenAIBatchSource", "jsonl"),
+    "batchgen_output": ("batchgen.sources.batchgen_output", "OutputDirSource", None),
+    "hf": ("batchgen.sources.hf_dataset", "HFDatasetSource", None),
+}
 
 
 def expand_files(paths: str | list[str], what: str) -> list[str]:
@@ -51,23 +62,6 @@ def infer_type(spec: SourceSpec) -> str:
 
 
 def open_source(spec: SourceSpec) -> Source:
-    kind = infer_type(spec)
-    if kind == "parquet":
-        from batchgen.sources.parquet import ParquetSource
-
-        return ParquetSource(expand_files(spec.path, "parquet"), spec)
-    if kind == "jsonl":
-        from batchgen.sources.jsonl import JsonlSource
-
-        return JsonlSource(expand_files(spec.path, "jsonl"), spec)
-    if kind == "openai_batch":
-        from batchgen.sources.openai_batch import OpenAIBatchSource
-
-        return OpenAIBatchSource(expand_files(spec.path, "jsonl"), spec)
-    if kind == "batchgen_output":
-        from batchgen.sources.batchgen_output import OutputDirSource
-
-        return OutputDirSource(spec)
-    from batchgen.sources.hf_dataset import HFDatasetSource
-
-    return HFDatasetSource(spec)
+    module, name, extension = SOURCE_TYPES[infer_type(spec)]
+    cls = getattr(importlib.import_module(module), name)  # imported when used: hf's needs `datasets`
+    return cls(expand_files(spec.path, extension), spec) if extension else cls(spec)
