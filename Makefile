@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On this project's CPU machines `torch==2.13.0` resolves to the CPU build (no multi-GB CUDA download).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test run bench clean
+.PHONY: install test docs run bench clean
 
 install: $(VENV)/.installed
 
@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # -n auto: one xdist worker per core; tests/conftest.py gives each worker cores // workers torch threads.
-test: install
+test: install docs
 	$(PY) -m pytest -q -x -n auto
+
+# The docs site (MkDocs, Material theme) into site/ (ignored), strictly: a broken link or a missing page fails.
+# No network needed: the job-file reference is generated from the code by docs/hooks/job_reference.py.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 run: install
 	$(VENV)/bin/batchgen run jobs/synthetic.yaml
@@ -29,4 +34,4 @@ bench: install
 	$(PY) bench/cpu_engine_vs_generate.py
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) out site

