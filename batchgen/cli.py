@@ -75,37 +75,51 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, metavar="",
                                                 help="Print batchgen's version and exit.")] = False) -> None:
     """Offline batch generation for LLMs: a YAML job in, exactly-once Parquet shards out."""
 
 
-JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a key: --set sampling.temperature=0 "
-                                                                  "(repeatable).")]
-OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory (overrides output.dir; "
-                                                                         "relative to the current folder).")]
+JobArg = Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job file (YAML).", show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE",
+                                                     help="Override a key, e.g. sampling.temperature=0 "
+                                                          "(repeatable).")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", metavar="DIR",
+                                                  help="Output directory (overrides output.dir; relative to the "
+                                                       "current folder).")]
 
 
 @app.command()
 @_user_errors
 def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
-        fresh: Annotated[bool, typer.Option("--fresh", help="Delete this output's results and start over.")] = False,
-        worker_index: Annotated[Optional[int], typer.Option(help="This worker's index (0-based); default from "
-                                                                 "Slurm/torchrun/Kubernetes variables.")] = None,
-        num_workers: Annotated[Optional[int], typer.Option(help="How many workers share the job.")] = None,
-        workers: Annotated[Optional[int], typer.Option(help="Start this many local worker processes.")] = None,
-        gpus: Annotated[Optional[str], typer.Option(help="Start one worker process per GPU: a number or 'all'.")]
+        fresh: Annotated[bool, typer.Option("--fresh", metavar="",
+                                            help="Delete this output's results and start over.")] = False,
+        worker_index: Annotated[Optional[int], typer.Option(metavar="I", help="This worker's index (0-based); "
+                                                            "default from Slurm, torchrun or Kubernetes "
+                                                            "variables.")] = None,
+        num_workers: Annotated[Optional[int], typer.Option(metavar="N", help="How many workers share the job.")]
+        = None,
+        workers: Annotated[Optional[int], typer.Option(metavar="N", help="Start this many local worker processes.")]
+        = None,
+        gpus: Annotated[Optional[str], typer.Option(metavar="N|all",
+                                                    help="Start one worker process per GPU: a number or 'all'.")]
         = None,
         tensor_parallel: Annotated[Optional[int], typer.Option(
-            "--tensor-parallel", help="Split the model over this many ranks per worker (engine.tensor_parallel_size; "
-                                      "one process and, on CUDA, one GPU each).")] = None,
+            "--tensor-parallel", metavar="N", help="Split the model over N ranks per worker, one process (and on "
+                                                   "CUDA one GPU) each: the engine key tensor_parallel_size.")] = None,
         deterministic: Annotated[bool, typer.Option(
-            "--deterministic", help="Batch-invariant kernels: each row's tokens independent of batch size, other "
-                                    "rows, chunking, prefix cache, resume and worker count (engine.deterministic).")]
+            "--deterministic", metavar="", help="Batch-invariant kernels: each row's tokens do not depend on batch "
+                                                "size, other rows, chunking, prefix cache, resume or worker count. "
+                                                "Sets engine.deterministic.")]
         = False,
-        progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
-    """Run a job; resumes where an earlier run of the same job stopped (exactly once)."""
+        progress: Annotated[bool, typer.Option(metavar="", help="Show the progress bar.")] = True) -> None:
+    """Run a job; resumes where an earlier run of the same job stopped (exactly once).
+
+    \b
+    Examples:
+      batchgen run jobs/synthetic.yaml
+      batchgen run job.yaml --gpus all --set sampling.temperature=0
+    """
     if os.environ.get("BATCHGEN_TP_RANK", "0") != "0":  # a rank > 0: signals are rank 0's to act on (job/ranks.py)
         import signal
 
@@ -180,8 +194,9 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
 @app.command()
 @_user_errors
 def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
-             sample_rows: Annotated[int, typer.Option(help="Rows to render and tokenize for the audit.")] = 1000,
-             show: Annotated[int, typer.Option(help="Rendered prompts to print.")] = 2) -> None:
+             sample_rows: Annotated[int, typer.Option(metavar="N", help="Rows to render and tokenize for the audit.")]
+             = 1000,
+             show: Annotated[int, typer.Option(metavar="N", help="Rendered prompts to print.")] = 2) -> None:
     """Check a job without generating: spec, source, prompts, token lengths, model, keys, output directory."""
     from batchgen.job.spec import load_spec
     from batchgen.job.validate import audit
@@ -192,7 +207,7 @@ def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
 
 @app.command()
 @_user_errors
-def status(target: Annotated[Path, typer.Argument(help="A job's output directory, or its job file.",
+def status(target: Annotated[Path, typer.Argument(metavar="OUT", help="A job's output directory, or its job file.",
                                                   show_default=False)]) -> None:
     """Progress, rate and ETA of a job, from what is on disk (any number of workers)."""
     from batchgen.output.status import describe
@@ -206,7 +221,8 @@ def status(target: Annotated[Path, typer.Argument(help="A job's output directory
 
 @app.command()
 @_user_errors
-def report(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
+def report(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's output directory.",
+                                                   show_default=False)]) -> None:
     """Write the output's dataset card (README.md), plots and reports/index.html from what is committed."""
     from batchgen.output.report import write_report
 
@@ -219,14 +235,19 @@ def report(out_dir: Annotated[Path, typer.Argument(help="A job's output director
 
 @app.command()
 @_user_errors
-def export(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)],
-           to: Annotated[Path, typer.Option("--to", help="The file to write.", show_default=False)],
-           format_: Annotated[str, typer.Option("--format", help="openai (batch output lines), jsonl (one row a "
-                                                                 "line) or parquet (one file).")] = "jsonl",
+def export(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's output directory.",
+                                                   show_default=False)],
+           to: Annotated[Path, typer.Option("--to", metavar="FILE", help="The file to write.", show_default=False)],
+           format_: Annotated[str, typer.Option("--format", metavar="FORMAT",
+                                                help="openai (batch output lines), jsonl (one row a line) or "
+                                                     "parquet (one file).")] = "jsonl",
            errors: Annotated[Optional[Path], typer.Option(
-               help="openai: write rejected rows' error lines here (default: into --to).")] = None) -> None:
-    """Write a job's committed output as one file, rows in source order; each shard checked against its record
-    first. jsonl/openai: NaN and +-Infinity (not JSON) are written as null."""
+               metavar="FILE", help="openai: write rejected rows' error lines here (default: into --to).")]
+           = None) -> None:
+    """Write a job's committed output as one file, rows in source order.
+
+    Each shard is checked against its record first.
+    jsonl and openai: NaN and +-Infinity (not JSON) are written as null."""
     from batchgen.output.export import export as export_output
 
     result = export_output(out_dir, format_, to, errors)
@@ -238,7 +259,8 @@ def export(out_dir: Annotated[Path, typer.Argument(help="A job's output director
 
 @app.command()
 @_user_errors
-def verify(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
+def verify(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's output directory.",
+                                                   show_default=False)]) -> None:
     """Check every record, shard (size, SHA-256, rows, keys) and leftover of an output; exit 0 intact, 2 damaged."""
     from batchgen.output.verify import verify as verify_output
 
@@ -250,9 +272,11 @@ def verify(out_dir: Annotated[Path, typer.Argument(help="A job's output director
 
 @app.command()
 @_user_errors
-def repair(out_dir: Annotated[Path, typer.Argument(help="A job's output directory.", show_default=False)]) -> None:
-    """Rebuild damaged records from intact shards; move damaged files to OUT/quarantine/ (deletes nothing); rows
-    that cannot be recovered are generated again by the next `batchgen run`."""
+def repair(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's output directory.",
+                                                   show_default=False)]) -> None:
+    """Rebuild damaged records from intact shards; move damaged files to OUT/quarantine/ (deletes nothing).
+
+    Rows that cannot be recovered are generated again by the next `batchgen run`."""
     from batchgen.output.repair import repair as repair_output
 
     result = repair_output(out_dir)
@@ -267,7 +291,7 @@ def repair(out_dir: Annotated[Path, typer.Argument(help="A job's output director
         typer.echo(f"batchgen: now run the job again (`batchgen run JOB.yaml`) to generate the rows that were dropped")
 
 
-@app.command()
+@app.command(rich_help_panel="Developer")
 def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token prompts, fixed output length "
                                                       "(W1/W2); 'mixed': prompts 32-2048, outputs 16-1024; 'job': "
                                                       "`batchgen run` of chat rows, sampled, 256 new tokens.")] = "seed",
@@ -318,8 +342,10 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
                                         "each building its own shard of the random weights (bf16, dense "
                                         "geometries); the floor adds the measured all-reduce latency.")] = None,
           json_out: Annotated[Optional[str], typer.Option("--json", help="Write the report here.")] = None) -> None:
-    """Benchmarks on one GPU (seed: or N with --tensor-parallel): ours against transformers and the floor (seed,
-    mixed), or the job path (job)."""
+    """Engine benchmarks on a CUDA GPU, against the measured floor and transformers.
+
+    Workloads: seed (W1/W2; N GPUs with --tensor-parallel), mixed,
+    job (`batchgen run` end to end)."""
     import torch
 
     if workload not in ("seed", "mixed", "job"):

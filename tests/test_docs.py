@@ -98,3 +98,26 @@ def test_the_docs_site_is_configured_to_build_offline():
     config = "\n".join(line.split("#")[0] for line in (REPO / "mkdocs.yml").read_text().splitlines())
     assert re.search(r"^\s+font: false", config, re.M)  # no Google Fonts request
     assert "social" not in config and "privacy" not in config  # plugins that download at build time
+
+
+def test_cli_help_reads_at_80_columns_user_commands_first_bench_under_developer():
+    import os
+    import subprocess
+
+    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80", "NO_COLOR": "1"}
+
+    def help_of(*command: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "batchgen.cli", *command, "--help"], capture_output=True,
+                             text=True, env=env, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    top = help_of()
+    order = [top.index(f"│ {name} ") for name in ("run", "validate", "status", "report", "export", "verify", "repair")]
+    assert order == sorted(order) and top.index("Developer") < top.index("│ bench ") and order[-1] < top.index("Developer")
+    for command in ("", "run", "validate", "status", "report", "export", "verify", "repair", "bench"):
+        text = top if not command else help_of(command)
+        assert "…" not in text, f"batchgen {command} --help cuts a word at 80 columns"
+        assert all(len(line) <= 80 for line in text.splitlines()), command
+    run = help_of("run")
+    assert "batchgen run jobs/synthetic.yaml" in run and "--gpus all" in run
