@@ -262,6 +262,20 @@ def _cell(text: str) -> str:
     return "`".join(parts).replace("|", "\\|")
 
 
+# The guide pages that explain each section (links relative to docs/guide/job-reference.md).
+SECTION_GUIDES = {
+    "model": "[Installation](installation.md#models-and-the-hub), [Big models](big-models.md)",
+    "source": "[Inputs](inputs.md)",
+    "prompt": "[Prompts and templates](prompts.md)",
+    "sampling": "[Sampling](sampling.md), [Structured output](structured-output.md), [Log-probs](logprobs.md), "
+                "[Reasoning models](reasoning.md)",
+    "engine": "[Performance](performance.md#tuning-a-job), [Reproducible datasets](deterministic.md), "
+              "[Big models](big-models.md)",
+    "output": "[The output directory](output.md), [Reasoning models](reasoning.md)",
+    "limits": "[Prompts and templates](prompts.md#templates)",
+}
+
+
 def render() -> str:
     from batchgen.job.spec import JobSpec
 
@@ -274,6 +288,8 @@ def render() -> str:
             out += ["", f"## `{section}`", ""]
             if key.type == "section":
                 out += [_cell(key.description), ""]
+            if section in SECTION_GUIDES:
+                out += [f"Guide: {SECTION_GUIDES[section]}.", ""]
             out += ["| key | type | default | description |", "|---|---|---|---|"]
             if key.type == "section":
                 continue
