@@ -121,3 +121,8 @@ def test_cli_help_reads_at_80_columns_user_commands_first_bench_under_developer(
         assert all(len(line) <= 80 for line in text.splitlines()), command
     run = help_of("run")
     assert "batchgen run jobs/synthetic.yaml" in run and "--gpus all" in run
+
+
+def test_the_readmes_links_into_the_docs_exist():
+    links = re.findall(r"\]\((docs/[^)#]+)", (REPO / "README.md").read_text())
+    assert links and all((REPO / link).is_file() for link in links), [l for l in links if not (REPO / l).is_file()]
