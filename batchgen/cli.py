@@ -127,7 +127,7 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
             signal.signal(s, signal.SIG_IGN)
     from batchgen.errors import JobError
     from batchgen.job.run import fresh_start, run_job
-    from batchgen.job.spec import load_spec
+    from batchgen.job.job_file import load_spec
     from batchgen.job.workers import resolve_worker
 
     overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
@@ -198,7 +198,7 @@ def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
              = 1000,
              show: Annotated[int, typer.Option(metavar="N", help="Rendered prompts to print.")] = 2) -> None:
     """Check a job without generating: spec, source, prompts, token lengths, model, keys, output directory."""
-    from batchgen.job.spec import load_spec
+    from batchgen.job.job_file import load_spec
     from batchgen.job.validate import audit
 
     spec = load_spec(job, set_ or [], output)
@@ -213,10 +213,12 @@ def status(target: Annotated[Path, typer.Argument(metavar="OUT", help="A job's o
     from batchgen.output.status import describe
 
     if target.is_file():  # a job file: its output directory (output.dir, or out/<name> next to it)
-        from batchgen.job.spec import load_spec
+        from batchgen.job.job_file import load_spec
 
         target = Path(load_spec(target).output.dir)
-    typer.echo(describe(target.resolve()))
+    from batchgen.sources import open_source
+
+    typer.echo(describe(target.resolve(), open_source))
 
 
 @app.command()
@@ -249,8 +251,9 @@ def export(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's 
     Each shard is checked against its record first.
     jsonl and openai: NaN and +-Infinity (not JSON) are written as null."""
     from batchgen.output.export import export as export_output
+    from batchgen.sources import open_source
 
-    result = export_output(out_dir, format_, to, errors)
+    result = export_output(out_dir, format_, to, errors, open_source)
     for note in result.notes:
         typer.echo(f"batchgen: {note}", err=True)
     extra = f" and {result.num_errors} error lines" + (f" to {errors}" if errors else "") if format_ == "openai" else ""

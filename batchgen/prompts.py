@@ -20,7 +20,7 @@ import jinja2.meta
 from jinja2.sandbox import SecurityError
 
 from batchgen.errors import JobError, RowError
-from batchgen.job.spec import PromptSpec
+from batchgen.config import PromptSpec
 from batchgen.sandbox import BoundedSandbox, RenderLimitError, deadline
 
 __all__ = ["PromptRenderer", "RowError", "join_text_parts"]

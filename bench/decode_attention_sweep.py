@@ -9,7 +9,7 @@ bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, s
 
     python3 bench/decode_attention_sweep.py --geometries llama-8b,gemma2-9b,phi3-mini \\
         --shapes 32:768,256:160,256:512 --compile-workers 12 --json sweep.json \\
-        [--write-table batchgen/kernels/decode_launches.json]
+        [--write-table batchgen/kernels/attention/decode_launches.json]
 
 Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over random block tables (blocks
 scattered as a long run leaves them; the calls cycle through copies of the cache, >= 200 MB together, so no call
@@ -24,7 +24,7 @@ launch compiles as it is timed). A candidate that failed to compile or launch th
 skipped, with a note.
 
 `--write-table PATH` merges the fastest launch of every swept shape into a launch table (PATH
-batchgen/kernels/decode_launches.json: the one the package ships and `default_launch` reads), keyed by the
+batchgen/kernels/attention/decode_launches.json: the one the package ships and `default_launch` reads), keyed by the
 geometry's (head_dim, num_kv_heads, group) and the shape's sequences, but only where it beat the heuristic by
 >= 3 % (otherwise the heuristic stays, and an older entry of that key and sequences is dropped). A new entry is
 committed together with its measured figures in bench/RESULTS.md.
@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.bench.geometries import model_config  # noqa: E402
-from batchgen.kernels.decode_launch import DecodeLaunch, heuristic_launch, parse_table  # noqa: E402
-from batchgen.kernels.paged_attention_ref import KV_FP8, as_cached  # noqa: E402
+from batchgen.kernels.attention.decode_launch import DecodeLaunch, heuristic_launch, parse_table  # noqa: E402
+from batchgen.kernels.attention.reference import KV_FP8, as_cached  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's KV block size
 MIN_GAIN = 0.03  # a table entry only for a launch at least this much faster than the heuristic's
@@ -68,24 +68,18 @@ def heads(geometry: str) -> tuple[int, int, int, float | None]:
 # 16-128 keys and 2-8 warps compiled ~140 kernels a geometry, too many for one 10-minute device command)
 TENSOR_CORE_TILES = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
 CUDA_CORE_TILES = ((16, 2), (32, 2), (32, 4), (64, 4))
-HEAD_BLOCK_TILES = ((16, 2), (16, 4), (32, 4))
 
 
-def launches(grid: str, mha: bool, programs: int) -> list[DecodeLaunch]:
+def launches(grid: str, programs: int) -> list[DecodeLaunch]:
     """The candidate launches. 'full': tensor-core tiles at 1-4 context splits and 2-3 stages, and 8-16 splits
     where (sequences x KV heads) `programs` < 256 would leave SMs idle (Qwen2's 4 and Starcoder2's 2 KV heads);
-    'all': also the CUDA-core tiles (`mma=False`) and, for MHA geometries, 2 or 4 KV heads a program (kernels/
-    paged_decode_heads.py), which lost at every shape of session 10's H200 sweep; 'small': one split or two, 2
-    stages."""
+    'all': also the CUDA-core tiles (`mma=False`); 'small': one split or two, 2 stages."""
     if grid == "small":
         return [DecodeLaunch(sp, n, w, 2) for sp, (n, w) in itertools.product((1, 2), TENSOR_CORE_TILES)]
     splits = (1, 2, 4, 8, 16) if programs < 256 else (1, 2, 4)
     out = [DecodeLaunch(sp, n, w, st) for sp, (n, w), st in itertools.product(splits, TENSOR_CORE_TILES, (2, 3))]
     if grid == "all":
         out += [DecodeLaunch(sp, n, w, 2, False) for sp, (n, w) in itertools.product(splits, CUDA_CORE_TILES)]
-        if mha:
-            out += [DecodeLaunch(sp, n, w, 2, mma=False, heads_per_program=hb)  # CUDA cores
-                    for sp, (n, w), hb in itertools.product(splits, HEAD_BLOCK_TILES, (2, 4))]
     return out
 
 
@@ -108,7 +102,7 @@ class ShapeInputs:
     def attend(self, launch: DecodeLaunch) -> torch.Tensor:
         """One call, over the next copy's blocks (calls cycle through the copies: a timed graph of several calls
         never re-reads K/V still in L2, as the engine's layers, which stream their weights between, never do)."""
-        from batchgen.kernels.paged_decode import paged_decode_rope_attention
+        from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
 
         i = self.calls % len(self.tables)
         self.calls += 1
@@ -243,7 +237,7 @@ def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: li
         if launch in (failed or {}):
             print(f"    skipped {launch}: {failed[launch]}", flush=True)
             continue
-        for heads_first in (False, True) if launch.heads_per_program == 1 else (False,):  # a runtime flag
+        for heads_first in (False, True):  # a runtime flag
             launch = replace(launch, heads_first=heads_first)
             try:
                 us = timed(launch)
@@ -372,7 +366,7 @@ def main() -> None:
     ap.add_argument("--compile-workers", type=int, default=8,
                     help="processes compiling the candidates into Triton's cache before timing (0 or 1: none)")
     ap.add_argument("--write-table", metavar="PATH",
-                    help="merge the fastest launches into this launch table (batchgen/kernels/decode_launches.json)")
+                    help="merge the fastest launches into this launch table (batchgen/kernels/attention/decode_launches.json)")
     ap.add_argument("--from-report", metavar="JSON",
                     help="measure nothing: merge a saved report's (--json) rows into --write-table")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
@@ -399,7 +393,7 @@ def main() -> None:
     for geometry in args.geometries.split(","):
         for num_seqs, context in shapes:
             num_heads, num_kv_heads, head_dim, _ = heads(geometry)
-            candidates = launches(args.grid, num_heads == num_kv_heads, num_seqs * num_kv_heads)
+            candidates = launches(args.grid, num_seqs * num_kv_heads)
             failed = {}
             if pool:
                 t0 = time.time()
@@ -416,8 +410,8 @@ def main() -> None:
                   f"{rows[0]['num_warps']}/{rows[0]['num_stages']}); best:", flush=True)
             for r in best[:5]:
                 print(f"    splits {r['num_splits']} block_n {r['block_n']} warps {r['num_warps']} stages "
-                      f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']} heads/program "
-                      f"{r['heads_per_program']}: {r['us']} us ({r['kv_x']}x)", flush=True)
+                      f"{r['num_stages']} mma {r['mma']} heads_first {r['heads_first']}: "
+                      f"{r['us']} us ({r['kv_x']}x)", flush=True)
             if args.json:  # after every shape: a later failure loses nothing measured
                 with open(args.json, "w") as f:
                     json.dump(report, f, indent=1)

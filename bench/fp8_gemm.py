@@ -9,7 +9,7 @@ over pre-quantised activations (blk - gemm = the quantiser); `cublas`: the same 
 1x128 x 128x128 block-wise scales (the default block path where torch/cuBLASLt supports it: sm90, CUDA >= 12.9);
 `smm`: fp8 per-channel, per-token quantiser + torch._scaled_mm row-wise (the default per-channel path); `chT`: fp8
 per-channel through the Triton path (per-channel weights with fp16/fp32 activations); `splitk`: fp8 block 128x128,
-the group quantiser + the split-K GEMM of kernels/fp8_splitk.py with its default config (+ its reduction kernel
+the group quantiser + the split-K GEMM of kernels/fp8/splitk.py with its default config (+ its reduction kernel
 where it splits; the default path at M <= 32). Each variant calls its kernel functions directly, whatever
 kernels/fp8_gemm.gemm_path would pick.
 
@@ -21,11 +21,11 @@ emulated W8A8 reference (same quantisation in fp32).
 
 --sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
 (shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
-literal for batchgen/kernels/fp8_gemm.py (commit only the buckets where the best beats the default: an M above a
+literal for batchgen/kernels/fp8/gemm.py (commit only the buckets where the best beats the default: an M above a
 shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
 stages, TMA) (SPLITK_TILES x split counts at M <= 64; above, SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits
 do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
-then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8_gemm.py (the rows up to which split-K's default config
+then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8/gemm.py (the rows up to which split-K's default config
 beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
 compiles; ~2 more a swept M above 64.
 """
@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.graph_timing import median_replay_ms
-from batchgen.kernels import fp8_gemm
-from batchgen.kernels.fp8_blockwise import (blockwise_scaled_mm, blockwise_scaled_mm_fits,
+from batchgen.kernels.fp8 import gemm as fp8_gemm
+from batchgen.kernels.fp8.blockwise import (blockwise_scaled_mm, blockwise_scaled_mm_fits,
                                             blockwise_scaled_mm_supported, blockwise_unsupported_reason)
-from batchgen.kernels.fp8_gemm import GemmConfig, block_scaled_matmul, gemm_config, rowwise_scaled_mm, w8a8_matmul
-from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
-from batchgen.kernels.fp8_splitk import SplitKConfig, split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul
-from batchgen.kernels.splitk_common import block_m_for
+from batchgen.kernels.fp8.gemm import GemmConfig, block_scaled_matmul, gemm_config, rowwise_scaled_mm, w8a8_matmul
+from batchgen.kernels.fp8.quant import linear_ref, quantize_groups, quantize_weight
+from batchgen.kernels.fp8.splitk import SplitKConfig, split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul
+from batchgen.kernels.fp8.splitk_common import block_m_for
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 L2_BYTES = 256 << 20  # rotate weight copies over more than this (H200 L2: 50 MB)

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.fp8_gemm import L2_BYTES, rel_err, time_graph_ms  # noqa: E402
-from batchgen.kernels.fixed_row_gemm import fixed_row_linear, preferred_blas  # noqa: E402
-from batchgen.kernels.invariant_linear import row_dependence  # noqa: E402
-from batchgen.kernels.invariant_matmul import matmul_invariant  # noqa: E402
+from batchgen.kernels.invariant.fixed_row_gemm import fixed_row_linear, preferred_blas  # noqa: E402
+from batchgen.kernels.invariant.linear import row_dependence  # noqa: E402
+from batchgen.kernels.invariant.matmul import matmul_invariant  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

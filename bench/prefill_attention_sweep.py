@@ -1,5 +1,5 @@
 """The paged prefill attention launch per step shape: which (block_m, block_n, num_warps, num_stages) runs a prefill
-step's causal attention fastest on the GPU (kernels/paged_prefill.py), against the launch used before any
+step's causal attention fastest on the GPU (kernels/attention/paged_prefill.py), against the launch used before any
 sweep (BASELINE: 16 tokens an item, 64-key tiles, 4 warps, 2 stages) and the one prefill_launch picks today (the
 default), and how far each is from the causal-attention FLOP floor. On the H200, 4 prompts of 2,048 tokens took
 25.1 ms of attention over Llama-3.1-8B's 32 layers at the baseline launch before the kernel's unmasked tiles and
@@ -45,9 +45,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
-from batchgen.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from batchgen.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
-from batchgen.kernels.prefill_launch import (PrefillLaunch, PrefillWork,  # noqa: E402
+from batchgen.kernels.attention.reference import paged_attention_ref  # noqa: E402
+from batchgen.kernels.attention.paged_prefill import paged_prefill_attention  # noqa: E402
+from batchgen.kernels.attention.prefill_launch import (PrefillLaunch, PrefillWork,  # noqa: E402
                                              prefill_launch)
 
 BLOCK_SIZE = EngineConfig.model_fields["block_size"].default  # the engine's KV block size

@@ -89,7 +89,7 @@ def gemm_bench(m: int) -> list[dict]:
 def attention_bench(batch: int, context: int, sweep: bool = True) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from batchgen.kernels.paged_decode import paged_decode_attention
+    from batchgen.kernels.attention.paged_decode import paged_decode_attention
 
     bs, hkv, heads, d = 16, 8, 32, 128
     blocks_per_seq = -(-context // bs)
@@ -124,8 +124,8 @@ def attention_bench(batch: int, context: int, sweep: bool = True) -> list[dict]:
 def rope_fusion_bench(k, v, table, lens, heads: int) -> list[dict]:
     """The fused decoder's attention step two ways: rope_kv then paged_decode_attention (2-3 kernels), and
     paged_decode_rope_attention (1-2 kernels) at 1 and 2 splits."""
-    from batchgen.kernels.paged_decode import paged_decode_attention, paged_decode_rope_attention
-    from batchgen.kernels.rope_kv import rope_kv
+    from batchgen.kernels.attention.paged_decode import paged_decode_attention, paged_decode_rope_attention
+    from batchgen.kernels.attention.rope_kv import rope_kv
 
     batch, (hkv, d) = lens.shape[0], k.shape[2:]
     qkv = torch.randn(batch, (heads + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)

@@ -7,9 +7,9 @@ first few. Session 20 on the H200: in bf16 rope_kv alone differs (its rotation c
 """
 import sys
 import torch
-from batchgen.kernels.decode_launch import DecodeLaunch
-from batchgen.kernels.paged_decode import paged_decode_rope_attention
-from batchgen.kernels.rope_kv import QKNorm, rope_kv, rope_kv_ref
+from batchgen.kernels.attention.decode_launch import DecodeLaunch
+from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
+from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv, rope_kv_ref
 
 dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 heads, kv_heads, block_size, seqs = 32, 8, 16, 3

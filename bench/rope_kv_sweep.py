@@ -1,4 +1,4 @@
-"""rope_kv's launch per step size (kernels/rope_kv.py: the rotary of q and k, the K/V cache write): µs per call
+"""rope_kv's launch per step size (kernels/attention/rope_kv.py: the rotary of q and k, the K/V cache write): µs per call
 of each (BLOCK_T tokens a program, num_warps) on the GPU, against the old launch (one token a program, one warp:
 BLOCK_T 1) and the bytes floor, at each token count asked for (Llama-8B's heads by default).
 
@@ -30,8 +30,8 @@ if "--check" in sys.argv:  # before Triton is imported: its kernels are interpre
 
 import torch  # noqa: E402
 
-from batchgen.kernels.paged_attention_ref import KV_FP8  # noqa: E402
-from batchgen.kernels.rope_kv import QKNorm, rope_kv, rope_kv_launch, rope_kv_ref  # noqa: E402
+from batchgen.kernels.attention.reference import KV_FP8  # noqa: E402
+from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv, rope_kv_launch, rope_kv_ref  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's KV block size
 COLD_BYTES = 200 * 2**20  # the copies a timed graph cycles through: together at least this (3x the H200's L2)

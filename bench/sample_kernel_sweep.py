@@ -1,6 +1,6 @@
 """The sampling kernel alone at the job workload's shape (one GPU): µs per call for a grid of launch settings
 (vocabulary block, search pivots, warps), and optionally another version of the kernel (`--previous FILE`, a
-copy of an older batchgen/kernels/sample.py) on the same logits, with the share of rows on which they agree.
+copy of an older batchgen/kernels/sample/draw.py) on the same logits, with the share of rows on which they agree.
 
     python3 bench/sample_kernel_sweep.py --rows 256,512 --vocab 49152,128256 [--previous F] [--json F]
 """
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchgen.kernels.sample import sample_rows  # noqa: E402
+from batchgen.kernels.sample.draw import sample_rows  # noqa: E402
 
 GRID = [(2048, 16, 16), (1024, 16, 8), (4096, 16, 16), (4096, 16, 32), (2048, 16, 32)]
 

@@ -23,7 +23,7 @@ def exact_activations(m: int, k: int, group: int) -> torch.Tensor:
     """[m, k] fp32 activations that per-token, per-`group` FP8 quantisation represents exactly: FP8 values (each
     group's first at the format's max 448, so its scale is a power of two) times a power of two per group. The
     kernels' quantise-and-GEMM then equals the W8A8 reference to fp32 rounding."""
-    from batchgen.kernels.fp8_quant import FP8_DTYPE
+    from batchgen.kernels.fp8.quant import FP8_DTYPE
 
     q = torch.randn(m, k).mul(100).clamp(-440, 440).to(FP8_DTYPE).float()
     groups = -(-k // group)

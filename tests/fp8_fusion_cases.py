@@ -1,4 +1,4 @@
-"""Checks of the FP8 hand-offs (models/fp8_fusion.py) at the kernel level, shared by the interpreter scripts (CPU,
+"""Checks of the FP8 hand-offs (quant/fusion.py) at the kernel level, shared by the interpreter scripts (CPU,
 tiny shapes) and the GPU tests (Llama-8B shapes): each fused kernel against the unfused kernels it replaces,
 compared bit for bit (the fp8 bytes as uint8, the fp32 scales and their strides, the residual stream)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, quantize_groups, quantize_weight
-from batchgen.kernels.gated_act import gated_act
-from batchgen.kernels.rmsnorm import rmsnorm
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs, quantize_groups, quantize_weight
+from batchgen.kernels.norm.gated_act import gated_act
+from batchgen.kernels.norm.rmsnorm import rmsnorm
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -79,7 +79,7 @@ def check_gemm_reads_quantized(device, dtype: torch.dtype, m: int, n: int, k: in
                                seed: int = 0) -> None:
     """fp8_linear over QuantizedActs (a fused norm's output) equals fp8_linear over the norm's output tensor on
     `path` (the caller makes choose_path take it), bias included; split-K also unreduced."""
-    from batchgen.kernels.fp8_gemm import fp8_linear
+    from batchgen.kernels.fp8.gemm import fp8_linear
 
     g = torch.Generator().manual_seed(seed)
     w, s = quantize_weight(torch.randn(n, k, generator=g) * 0.05, group, group)
@@ -96,14 +96,14 @@ def check_gemm_reads_quantized(device, dtype: torch.dtype, m: int, n: int, k: in
 
 def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads: int, head_dim: int,
                     group: int | None, scale_ub: float | None, qkv_splits: int, bias: bool, attn_splits: int,
-                    qk_norm: bool = False, heads_per_program: int = 1, seed: int = 0) -> None:
+                    qk_norm: bool = False, seed: int = 0) -> None:
     """paged_decode_rope_attention over a split-K QKV GEMM's partials (qkv_splits > 0; 0: the output tensor) and
     with its output quantised (`group`; None: not asked) against the unfused kernels: reduce_splits, the kernel over
     the tensor, quantize_groups of its output. The K/V caches it writes too. Where the launch cannot quantise (a
-    head that is not whole groups, several heads a program) the output must come back as the plain tensor."""
-    from batchgen.kernels.decode_launch import DecodeLaunch
-    from batchgen.kernels.paged_decode import paged_decode_rope_attention
-    from batchgen.kernels.rope_kv import QKNorm
+    head that is not whole groups) the output must come back as the plain tensor."""
+    from batchgen.kernels.attention.decode_launch import DecodeLaunch
+    from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.attention.rope_kv import QKNorm
 
     g = torch.Generator().manual_seed(seed)
     block_size, blocks_per_seq = 16, 4
@@ -125,9 +125,8 @@ def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads:
     plain_qkv = qkv.reduce() if qkv_splits else qkv
     norm = QKNorm((torch.randn(2, head_dim, generator=g) * 0.2 + 1.0).to(device, dtype), 1e-6) if qk_norm else None
     quant = ActQuant(group, scale_ub) if group else None
-    launch = DecodeLaunch(attn_splits, 16, 4, heads_per_program=heads_per_program)
-    what = (dtype, seqs, heads, kv_heads, head_dim, group, scale_ub, qkv_splits, bias, attn_splits, qk_norm,
-            heads_per_program)
+    launch = DecodeLaunch(attn_splits, 16, 4)
+    what = (dtype, seqs, heads, kv_heads, head_dim, group, scale_ub, qkv_splits, bias, attn_splits, qk_norm)
     outs = []
     for source, q in ((plain_qkv, None), (qkv, quant)):
         k_cache, v_cache = caches[0].clone(), caches[1].clone()
@@ -138,7 +137,7 @@ def check_attention(device, dtype: torch.dtype, seqs: int, heads: int, kv_heads:
     assert same_bits(k_got, k_ref) and same_bits(v_got, v_ref), what
     # _launch's rule: heads of a power of two >= 16 dims (D_P == head_dim), each whole groups
     whole_groups = group is not None and head_dim % group == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
-    if whole_groups and heads_per_program == 1:
+    if whole_groups:
         assert_quantized_as(got, ref.reshape(seqs, -1), quant, what)
     else:
         assert isinstance(got, torch.Tensor) and same_bits(got, ref), what

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from batchgen.cli import app
 from batchgen.errors import JobError, RowError
-from batchgen.job.spec import LimitsSpec, PromptSpec, load_spec
+from batchgen.config import LimitsSpec, PromptSpec
+from batchgen.job.job_file import load_spec
 from batchgen.prompts import FAIL_FAST_ROWS, PromptRenderer
 from jobutil import read_rows, seed_rows, write_job, write_jsonl
 
@@ -269,7 +270,7 @@ def test_a_column_changing_type_between_parquet_files_is_refused_naming_column_t
 
 
 def test_a_column_all_null_in_one_parquet_file_takes_the_other_files_type(tmp_path):
-    from batchgen.job.spec import SourceSpec
+    from batchgen.config import SourceSpec
     from batchgen.sources import open_source
 
     pq.write_table(pa.table({"id": ["a"], "score": pa.array([None], pa.null())}), tmp_path / "a.parquet")

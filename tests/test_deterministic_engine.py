@@ -129,7 +129,7 @@ def test_configurations_without_batch_invariant_kernels_are_refused_naming_the_k
 
 
 def test_deterministic_mode_refuses_a_graph_blas_library_other_than_the_one_its_gemms_pin():
-    """Its GEMMs run on cuBLASLt eagerly and in every graph (kernels/fixed_row_gemm.py): `auto` (a library per
+    """Its GEMMs run on cuBLASLt eagerly and in every graph (kernels/invariant/fixed_row_gemm.py): `auto` (a library per
     bucket, by timing) and `cublas` would be silently overridden, so they are refused; the default and None pass."""
     for library in ("auto", "cublas"):
         with pytest.raises(ValueError, match=f"engine.deterministic .*engine.graph_blas_library: {library} "):
@@ -172,7 +172,7 @@ def test_deterministic_decoders_never_reach_torchs_batch_dependent_linear(arch, 
     real = F.linear
 
     def counting(*args, **kwargs):
-        if not sys._getframe(1).f_code.co_filename.endswith("invariant_matmul.py"):
+        if not sys._getframe(1).f_code.co_filename.endswith("kernels/invariant/matmul.py"):
             calls.append(sys._getframe(1).f_code.co_filename)
         return real(*args, **kwargs)
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchgen.job.spec import JobSpec, load_spec
+from batchgen.config import JobSpec
+
+from batchgen.job.job_file import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"

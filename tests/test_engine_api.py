@@ -52,7 +52,7 @@ def test_invalid_sampling_and_engine_values_raise_value_errors_naming_the_field(
 
 
 def test_the_job_file_and_the_api_share_one_definition_of_each_setting():
-    from batchgen.job.spec import JobSpec
+    from batchgen.config import JobSpec
 
     sampling = JobSpec.model_fields["sampling"].annotation  # SamplingParams + the job-only column name
     assert issubclass(sampling, SamplingParams)
@@ -64,7 +64,7 @@ def test_the_job_file_and_the_api_share_one_definition_of_each_setting():
 
 
 def test_a_job_file_stop_given_as_one_string_is_one_stop_string(tmp_path, tiny_model_dir):
-    from batchgen.job.spec import load_spec
+    from batchgen.job.job_file import load_spec
     from jobutil import write_job
 
     job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl"}, sampling={"stop": "END"})

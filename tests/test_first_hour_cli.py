@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import batchgen
 from batchgen.cli import app
-from batchgen.job.spec import load_spec
+from batchgen.job.job_file import load_spec
 from batchgen.job.workers import DEFAULT_UNIT_ROWS, WorkerInfo, auto_unit_rows
 from jobutil import read_rows, seed_rows, write_job, write_jsonl
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from batchgen import hub
 from batchgen.cli import app
 from batchgen.errors import JobError
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 from batchgen.runner import loader
 from batchgen.runner.loader import gguf_cache_dir, load_model_and_tokenizer, load_tokenizer_and_config
 from batchgen.sources import open_source

@@ -1,5 +1,5 @@
-"""engine.deterministic's fixed-row cuBLAS GEMM (kernels/fixed_row_gemm.py) and its self-check and per-weight
-choice (kernels/invariant_linear.py): on CPU the padding and chunking with stand-in GEMMs, and the self-check
+"""engine.deterministic's fixed-row cuBLAS GEMM (kernels/invariant/fixed_row_gemm.py) and its self-check and per-weight
+choice (kernels/invariant/linear.py): on CPU the padding and chunking with stand-in GEMMs, and the self-check
 catching each kind of row dependence; on a GPU, bitwise invariance at the 8B model's shapes."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.fixed_row_gemm import ALIGN_BYTES, FIXED_ROWS, cublas_fixed_rows, fixed_row_linear
-from batchgen.kernels.invariant_linear import FIXED, TRITON, InvariantLinear, row_dependence, same_bits
-from batchgen.kernels.invariant_matmul import linear_rows
+from batchgen.kernels.invariant.fixed_row_gemm import ALIGN_BYTES, FIXED_ROWS, cublas_fixed_rows, fixed_row_linear
+from batchgen.kernels.invariant.linear import FIXED, TRITON, InvariantLinear, row_dependence, same_bits
+from batchgen.kernels.invariant.matmul import linear_rows
 
 
 def _integer_valued(g, *shape):
@@ -172,7 +172,7 @@ def test_gpu_fixed_row_rows_are_the_same_eagerly_on_a_side_stream_and_replayed_f
 
 @pytest.mark.gpu
 def test_gpu_invariant_linear_runs_the_triton_gemm_for_a_weight_failing_the_check_and_cublas_for_the_others():
-    from batchgen.kernels.invariant_matmul import matmul_invariant
+    from batchgen.kernels.invariant.matmul import matmul_invariant
 
     g = torch.Generator(device="cuda").manual_seed(2)
     bad = torch.randn(4096, 4096, generator=g, device="cuda").to(torch.bfloat16) * 0.02
@@ -225,6 +225,6 @@ def test_the_pinned_library_is_the_engine_configs_default_graph_library():
     """engine.config refuses other graph_blas_library values in deterministic mode by naming its default: the
     library the fixed-row GEMM pins must be that default."""
     from batchgen.engine.config import EngineConfig
-    from batchgen.kernels.fixed_row_gemm import BLAS_LIBRARY
+    from batchgen.kernels.invariant.fixed_row_gemm import BLAS_LIBRARY
 
     assert EngineConfig.model_fields["graph_blas_library"].default == BLAS_LIBRARY

@@ -14,7 +14,7 @@ from fp8_checkpoints import dequantized_copy, save_fp8_checkpoint
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.errors import JobError
-from batchgen.models.fp8 import Fp8Linear, Fp8Weight
+from batchgen.quant.linear import Fp8Linear, Fp8Weight
 from batchgen.runner.loader import load_model
 from batchgen.sampling_params import SamplingParams
 
@@ -94,7 +94,7 @@ def test_fp8_weights_stay_fp8_in_the_model_and_the_fused_decoder(tmp_path):
 
 def test_fused_block_scales_of_parts_off_the_block_grid_equal_the_separate_gemms():
     """q/k/v of 40, 24 and 24 rows with 32-row blocks: the fused weight keeps one scale row per weight row."""
-    from batchgen.kernels.fp8_quant import quantize_weight
+    from batchgen.kernels.fp8.quant import quantize_weight
     from batchgen.models.weights import fuse_linears
 
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def test_fused_block_scales_of_parts_off_the_block_grid_equal_the_separate_gemms
     fused, bias = fuse_linears(parts)
     assert bias is None and fused.group_n == 1 and fused.scale.shape == (88, 2)
     x = torch.randn(5, 64)
-    from batchgen.models.fp8 import linear
+    from batchgen.quant.linear import linear
 
     assert torch.equal(linear(x, fused), torch.cat([p(x) for p in parts], dim=1))
 

@@ -1,4 +1,4 @@
-"""The FP8 hand-offs' kernels (models/fp8_fusion.py): the RMSNorm and the gated activation quantising the next
+"""The FP8 hand-offs' kernels (quant/fusion.py): the RMSNorm and the gated activation quantising the next
 GEMM's input themselves, and the residual add + RMSNorm summing the previous split-K GEMM's partials, bit for bit as
 the unfused kernels (quantize_groups, the split-K reduction) compute them, and each GEMM path reading the quantised
 input as its own quantiser's output: under the Triton interpreter (every launch also compiled for sm_90), the
@@ -21,9 +21,10 @@ import sys
 import torch
 sys.path.insert(0, "tests")
 from fp8_fusion_cases import check_attention, check_gated, check_gemm_reads_quantized, check_norm
-from batchgen.kernels import fp8_gemm, splitk_common
+from batchgen.kernels.fp8 import gemm as fp8_gemm
 
 # row widths: partial last group (200 / 32), whole groups, narrower than a group (64 < 128: one group); a cap that
+from batchgen.kernels.fp8 import splitk_common
 # binds (2.0 against normal * 3 rows); every RMS rounding; residual or not; Granite's x_scale; 2-3 splits, a bias
 for dtype in (torch.float32, torch.bfloat16):
     for cols, group, ub in [(200, 32, None), (256, 128, 2.0), (64, 128, None)]:
@@ -38,14 +39,14 @@ for dtype in (torch.float32, torch.bfloat16):
     check_gated("cpu", dtype, 3, 2100, 2048, None, "silu")  # a group wider than the kernel's 1024 columns
     # the decode attention: QKV partials (3 splits, a bias; or the tensor), its output quantised: one head a group,
     # two groups a head, a capped scale; one context split (the kernel quantises) and two (the merge kernel does);
-    # Qwen3's q/k norm; heads that are not whole groups and MHA's several heads a program (a tensor back)
+    # Qwen3's q/k norm; heads that are not whole groups (a tensor back); MHA
     for qkv_splits, bias, group, ub, attn_splits in [(3, True, 32, None, 1), (3, False, 16, 2.0, 2),
                                                      (0, False, 32, None, 2), (2, True, None, None, 1)]:
         check_attention("cpu", dtype, 4, 4, 2, 32, group, ub, qkv_splits, bias, attn_splits)
     for attn_splits in (1, 2):  # Qwen3's q/k norm: the one-split kernel quantises beside the norm's row sums
         check_attention("cpu", dtype, 3, 4, 2, 32, 32, None, 2, False, attn_splits, qk_norm=True)
     check_attention("cpu", dtype, 3, 4, 2, 24, 8, None, 2, True, 1)  # 24 dims (padded to 32): not quantised
-    check_attention("cpu", dtype, 3, 4, 4, 32, 32, None, 2, True, 2, heads_per_program=2)
+    check_attention("cpu", dtype, 3, 4, 4, 32, 32, None, 2, True, 2)  # MHA
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype):  # cuBLASLt's block-wise _scaled_mm, in fp32, its layout checked
     m, k = a.shape
@@ -70,9 +71,9 @@ def test_fused_norm_and_gated_activation_quantise_and_sum_bit_identically_to_the
 SUM_LAYOUT_SCRIPT = r"""
 import re
 import torch
-from batchgen.kernels import rmsnorm as norm_kernels
-from batchgen.kernels.fp8_quant import ActQuant
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.norm import rmsnorm as norm_kernels
+from batchgen.kernels.fp8.quant import ActQuant
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 builds = norm_kernels._rmsnorm_kernel.device_caches[0][0]  # the sm_90 builds of this process, by specialisation
 g = torch.Generator().manual_seed(0)
@@ -135,7 +136,9 @@ def test_fused_norm_and_gated_activation_are_bit_identical_to_the_unfused_kernel
 def test_each_gemm_path_reads_the_fused_quantised_input_as_its_quantisers_output_on_gpu(monkeypatch, path):
     from fp8_fusion_cases import check_gemm_reads_quantized
 
-    from batchgen.kernels import fp8_blockwise, fp8_gemm
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+
+    from batchgen.kernels.fp8 import gemm as fp8_gemm
 
     if path == "blockwise" and not fp8_blockwise.blockwise_scaled_mm_supported(0):
         pytest.skip(f"no block-wise _scaled_mm here: {fp8_blockwise.blockwise_unsupported_reason(0)}")

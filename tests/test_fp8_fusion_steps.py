@@ -1,4 +1,4 @@
-"""The FP8 hand-offs (models/fp8_fusion.py) in whole steps: FP8 decode and packed steps with the hand-offs on and
+"""The FP8 hand-offs (quant/fusion.py) in whole steps: FP8 decode and packed steps with the hand-offs on and
 off give the same logits and K/V cache with fewer launches, under the Triton interpreter (every launch also compiled
 for sm_90; the GPU's path choices forced on CPU tensors: fp8_gemm.gemm_path patched to split-K for decode rows and
 the Triton GEMM above, split-K splitting even the tiny models' few scale blocks), on the CPU reference path and in a
@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 
 from conftest import HOPPER_PRELUDE, make_model, make_tokenizer, needs_interpreter, random_prompts  # noqa: E402
 
-from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight, quantize_weight  # noqa: E402
-from batchgen.models.fp8_fusion import Fp8Fusion  # noqa: E402
+from batchgen.kernels.fp8.quant import ActQuant, Fp8Weight, quantize_weight  # noqa: E402
+from batchgen.quant.fusion import Fp8Fusion  # noqa: E402
 
 
 
@@ -37,8 +37,9 @@ from fp8_fusion_cases import same_bits
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from batchgen.kernels import fp8_gemm, splitk_common
-from batchgen.kernels.prefill_launch import PrefillWork
+from batchgen.kernels.fp8 import gemm as fp8_gemm
+from batchgen.kernels.fp8 import splitk_common
+from batchgen.kernels.attention.prefill_launch import PrefillWork
 from batchgen.models.registry import DECODERS
 from batchgen.runner.loader import load_model
 
@@ -98,7 +99,7 @@ for name in sys.argv[1:]:
         model = make_model(arch, vocab_size=len(tok), **overrides)
         path = save_fp8_checkpoint(model, tok, Path(folder) / name, "block")
         model = load_model(str(path), "bfloat16", "cpu")  # 32x32 blocks, bf16 activations
-    cls, layers = DECODERS[arch][1], model.config.num_hidden_layers
+    cls, layers = DECODERS[arch], model.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     caches = [KVCache(KVGeometry.from_config(model.config), 8, 16, torch.bfloat16, torch.device("cpu")) for _ in "ab"]
     context = [torch.randn(caches[0].k_cache.shape, generator=g).bfloat16() for _ in "kv"]
@@ -144,8 +145,8 @@ CUDA0 = torch.device("cuda", 0)  # the path choice reads the device's type and i
 
 
 def test_input_quant_asks_for_quantised_inputs_only_where_the_gemm_path_reads_quantize_groups_output(monkeypatch):
-    from batchgen.kernels import fp8_blockwise
-    from batchgen.kernels.fp8_gemm import input_quant
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+    from batchgen.kernels.fp8.gemm import input_quant
 
     bf16, g = torch.bfloat16, torch.Generator().manual_seed(0)
     block = Fp8Weight(*quantize_weight(torch.randn(256, 512, generator=g), 128, 128), 128, 128, True, scale_ub=1200.0)

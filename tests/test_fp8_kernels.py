@@ -17,15 +17,15 @@ pytest.importorskip("triton")
 
 from conftest import needs_interpreter, run_under_interpreter  # noqa: E402
 
-from batchgen.kernels.fp8_blockwise import blockwise_scaled_mm, blockwise_scaled_mm_supported  # noqa: E402
-from batchgen.kernels.fp8_gemm import block_scaled_matmul, fp8_linear, gemm_path, rowwise_scaled_mm  # noqa: E402
-from batchgen.kernels.fp8_quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
+from batchgen.kernels.fp8.blockwise import blockwise_scaled_mm, blockwise_scaled_mm_supported  # noqa: E402
+from batchgen.kernels.fp8.gemm import block_scaled_matmul, fp8_linear, gemm_path, rowwise_scaled_mm  # noqa: E402
+from batchgen.kernels.fp8.quant import FP8_DTYPE, linear_ref, quantize_groups, quantize_groups_ref, quantize_weight  # noqa: E402,E501
 
 
 INTERPRET_SCRIPT = r"""
 import torch
-from batchgen.kernels.fp8_gemm import GemmConfig, block_scaled_matmul, rowwise_scaled_mm, w8a8_matmul
-from batchgen.kernels.fp8_quant import (linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
+from batchgen.kernels.fp8.gemm import GemmConfig, block_scaled_matmul, rowwise_scaled_mm, w8a8_matmul
+from batchgen.kernels.fp8.quant import (linear_ref, quantize_groups, quantize_groups_ref, quantize_rows,
                                         quantize_weight)
 
 torch.manual_seed(0)
@@ -73,7 +73,7 @@ CUDA0 = torch.device("cuda", 0)  # gemm_path reads the device's type and index o
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_gemm_path_picks_cublas_blockwise_where_supported_and_triton_otherwise(monkeypatch, supported):
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     probed = []
     monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: probed.append(index) or supported)
@@ -101,7 +101,7 @@ def test_gemm_path_picks_cublas_blockwise_where_supported_and_triton_otherwise(m
 
 @pytest.mark.parametrize("group_n,group_k", [(128, 128), (1, None)])
 def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says(monkeypatch, group_n, group_k):
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: pytest.fail("probed on CPU"))
     g = torch.Generator().manual_seed(0)
@@ -114,8 +114,8 @@ def test_fp8_linear_on_cpu_is_the_dequantising_reference_whatever_the_probe_says
 
 
 def test_engine_fp8_gemm_forces_a_block_scaled_path_and_leaves_the_others_alone(monkeypatch):
-    from batchgen.kernels import fp8_blockwise
-    from batchgen.kernels.fp8_gemm import forced_path
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+    from batchgen.kernels.fp8.gemm import forced_path
 
     monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: True)
     bf16, cpu = torch.bfloat16, torch.device("cpu")
@@ -154,7 +154,7 @@ def test_engine_fp8_gemm_reaches_the_fused_decoders_gemm_and_bad_values_are_refu
 
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.engine import Engine
-    from batchgen.models.fp8 import linear
+    from batchgen.quant.linear import linear
 
     model = make_model("llama")
     decoder = Engine(model, None, EngineConfig(num_kv_blocks=8, fp8_gemm="splitk")).runner.decode_forward
@@ -166,7 +166,7 @@ def test_engine_fp8_gemm_reaches_the_fused_decoders_gemm_and_bad_values_are_refu
 
 
 def test_triton_launch_configs_tuned_per_shape_only_where_the_sweep_measured_them():
-    from batchgen.kernels.fp8_gemm import CONFIGS, GemmConfig, gemm_config
+    from batchgen.kernels.fp8.gemm import CONFIGS, GemmConfig, gemm_config
 
     assert gemm_config(32, 6144, 4096, 132) == GemmConfig(16, 32, 8, 4, 4)  # qkv
     assert gemm_config(1, 6144, 4096, 132) == GemmConfig(16, 32, 8, 4, 4)
@@ -212,7 +212,7 @@ def test_group_quantiser_on_gpu():
 def test_blockwise_probe_says_why_not(monkeypatch):
     """The probe's answer carries its reason (bench reports and engine.fp8_gemm's refusal print it): off sm90, the
     error torch._scaled_mm raised (its type and first line), or a wrong result."""
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_SUPPORTED", {})
     monkeypatch.setattr(fp8_blockwise, "_BLOCKWISE_WHY_NOT", {})
@@ -234,7 +234,7 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
     """cuBLASLt's 1x128 block-wise kernels need M % 4 == 0, unchecked by torch: _blockwise_mm pads the fp8 rows
     (zeros) and their column-major scales (ones) and slices the output back. A stand-in for torch._scaled_mm that
     insists on the layout cuBLASLt takes computes the scaled product in fp32."""
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     seen = []
 
@@ -260,8 +260,8 @@ def test_blockwise_mm_pads_the_rows_to_a_multiple_of_4_for_cublaslt_and_drops_th
 
 @pytest.mark.gpu
 def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_above_splitk_rows():
-    from batchgen.kernels.fp8_blockwise import blockwise_unsupported_reason
-    from batchgen.kernels.fp8_gemm import SPLITK_MAX_ROWS, SPLITK_SHAPE_ROWS
+    from batchgen.kernels.fp8.blockwise import blockwise_unsupported_reason
+    from batchgen.kernels.fp8.gemm import SPLITK_MAX_ROWS, SPLITK_SHAPE_ROWS
 
     if not blockwise_scaled_mm_supported(0):
         pytest.skip(f"torch._scaled_mm's 1x128 x 128x128 block-wise scaling is off here: "
@@ -279,7 +279,7 @@ def test_cublas_blockwise_scaled_mm_equals_the_reference_and_is_the_default_abov
 
 @pytest.mark.gpu
 def test_blockwise_probe_refuses_to_run_inside_a_graph_capture(monkeypatch):
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the probe runs on sm90 only (elsewhere: no, without a GEMM)")
@@ -305,7 +305,7 @@ def test_per_channel_paths_equal_the_emulated_reference_bf16_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["default", "triton", "channel"])
 def test_fp8_linear_replays_from_a_cuda_graph(monkeypatch, path):
-    from batchgen.kernels import fp8_blockwise
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
 
     if path == "triton":  # the block path where cuBLASLt has no block-wise scaling
         monkeypatch.setattr(fp8_blockwise, "blockwise_scaled_mm_supported", lambda index: False)
@@ -332,7 +332,7 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
     """32x32 blocks: the Triton GEMM; 128x128 blocks (hidden 512, MLP 1024): cuBLASLt's block-wise _scaled_mm
     where supported; per channel: row-wise _scaled_mm; engine.fp8_gemm forcing a block-scaled path. max_num_seqs
     8: four graph buckets, few Triton compiles."""
-    from batchgen.kernels.fp8_gemm import forced_path
+    from batchgen.kernels.fp8.gemm import forced_path
 
     from conftest import make_model, make_tokenizer, random_prompts
     from fp8_checkpoints import save_fp8_checkpoint
@@ -367,8 +367,9 @@ def test_fp8_engine_with_cuda_graphs_and_async_equals_eager_sync_bf16_on_gpu(tmp
 
 
 def test_the_start_up_description_of_the_fp8_gemms_names_each_path_and_the_probes_reason(monkeypatch):
-    from batchgen.kernels import fp8_blockwise, fp8_gemm
-    from batchgen.kernels.fp8_gemm import describe_paths
+    from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+    from batchgen.kernels.fp8 import gemm as fp8_gemm
+    from batchgen.kernels.fp8.gemm import describe_paths
 
     bf16 = torch.bfloat16
     assert describe_paths(torch.device("cpu"), bf16, 128, 128, True) == "FP8 weights dequantised (CPU reference)"

@@ -9,33 +9,33 @@ import torch
 
 from batchgen import Engine, EngineConfig, SamplingParams
 from batchgen.attention.kv_cache import KVGeometry, plan_num_blocks
-from batchgen.kernels import paged_attention_ref
-from batchgen.kernels.paged_attention_ref import FP8_MAX, KV_FP8, as_cached, write_kv
+from batchgen.kernels.attention import reference as paged_attention_ref
+from batchgen.kernels.attention.reference import FP8_MAX, KV_FP8, as_cached, write_kv
 from conftest import make_model, random_prompts, run_under_interpreter
 
 FP8_KV_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check, _check_prefill, _check_rope_attention, fp8_carry_dropped
-from batchgen.kernels.paged_attention_ref import KV_FP8, as_cached
-from batchgen.kernels.paged_decode import DecodeLaunch
-from batchgen.kernels.rope_kv import rope_kv, rope_kv_ref
+from batchgen.kernels.attention.reference import KV_FP8, as_cached
+from batchgen.kernels.attention.paged_decode import DecodeLaunch
+from batchgen.kernels.attention.rope_kv import rope_kv, rope_kv_ref
 fp8 = dict(kv_dtype=KV_FP8)
 # decode with the rotary and the K/V write fused (attending to what it wrote, fp32-exact): one split, several
 # (the merge), CUDA-core rows, GQA and MHA
 for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2), DecodeLaunch(2, 16, 2, mma=False)):
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], launch=launch, **fp8)
 _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
-                      launch=DecodeLaunch(2, 16, 2, heads_per_program=2), **fp8)  # several KV heads a program
+                      launch=DecodeLaunch(2, 16, 2, mma=False), **fp8)  # MHA
 _check_rope_attention("cpu", torch.float32, 1e-5, [5, 33], sliding_window=12, softcap=0.5, **fp8)
-# decode over a cache already written (transformers' modules, OLMo2): GQA with splits, MHA several heads a program
+# decode over a cache already written (transformers' modules, OLMo2): GQA with splits, MHA
 _check("cpu", torch.float32, 1e-5, num_seqs=4, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
        seq_lens=[70, 0, 3, 41], launch=DecodeLaunch(2, 16, 2), **fp8)
 _check("cpu", torch.float32, 1e-5, num_seqs=3, num_heads=4, num_kv_heads=4, head_dim=24, block_size=8,
-       seq_lens=[33, 5, 1], launch=DecodeLaunch(1, 16, 2, heads_per_program=2), **fp8)
+       seq_lens=[33, 5, 1], launch=DecodeLaunch(1, 16, 2, mma=False), **fp8)
 # the batch-invariant attention (engine.deterministic) over an fp8 cache
-from batchgen.kernels.invariant_attention import query_attention
-from batchgen.kernels.paged_attention_ref import paged_attention_ref
+from batchgen.kernels.invariant.attention import query_attention
+from batchgen.kernels.attention.reference import paged_attention_ref
 g = torch.Generator().manual_seed(5)
 kc, vc = (as_cached(torch.randn(24, 8, 2, 16, generator=g), KV_FP8) for _ in range(2))
 tables = torch.tensor([[3, 5, 7, 0, 0], [1, 2, 4, 6, 8]], dtype=torch.int32)
@@ -57,7 +57,7 @@ for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2)):
            seq_lens=[70, 0, 3, 41], launch=launch, **fp8)
 _check_prefill("cpu", torch.bfloat16, 2e-2, q_lens=[1, 20, 37, 5], seq_lens=[9, 20, 50, 5], **fp8)
 from test_kernels import _case, _reference
-from batchgen.kernels.paged_decode import paged_decode_attention
+from batchgen.kernels.attention.paged_decode import paged_decode_attention
 query, kc, vc, tables, lens = _case(3, 4, 2, 16, 8, [9, 30, 17], torch.bfloat16, "cpu", seed=4)
 query[0, 1, 3], query[2, 0, 5] = 3e5, -1e6
 kc, vc = as_cached(kc, KV_FP8), as_cached(vc, KV_FP8)
@@ -141,7 +141,7 @@ def test_an_fp8_cache_generates_the_tokens_of_the_model_dtype_cache_whose_writes
     def rounded_write(k_cache, v_cache, key, value, slots):
         write(k_cache, v_cache, as_cached(key, KV_FP8).to(key.dtype), as_cached(value, KV_FP8).to(value.dtype), slots)
 
-    for module in ("batchgen.kernels.paged_attention_ref", "batchgen.kernels.rope_kv", "batchgen.attention.backend"):
+    for module in ("batchgen.kernels.attention.reference", "batchgen.kernels.attention.rope_kv", "batchgen.attention.backend"):
         monkeypatch.setattr(f"{module}.write_kv", rounded_write)
     want = _greedy(model, prompts, EngineConfig(**config))
     assert got == want  # tokens and log-probs, exactly
@@ -154,7 +154,7 @@ def test_an_fp8_cache_generates_the_tokens_of_the_model_dtype_cache_whose_writes
 def test_the_fingerprint_records_an_fp8_cache_only_when_chosen(tmp_path, tiny_model_dir):
     from jobutil import write_job
 
-    from batchgen.job.spec import load_spec
+    from batchgen.job.job_file import load_spec
     from batchgen.output.fingerprint import check_or_write, components, refusal
 
     class Tok:

@@ -14,7 +14,7 @@ from fp8_checkpoints import exact_activations, save_fp8_checkpoint
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.errors import JobError
-from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight, quantize_weight
+from batchgen.kernels.fp8.quant import FP8_DTYPE, Fp8Weight, quantize_weight
 from batchgen.runner.loader import load_model
 from batchgen.sampling_params import SamplingParams
 
@@ -47,9 +47,9 @@ def check_fp8_moe(device, dtype, tol, **shape):
     (rows gathered by pair), down (times the routing weight); then the whole experts' output, within `tol` (its
     down GEMM quantises the gated activations: the interpreter's fp32 -> fp8 rounding differs from torch's by an
     fp8 step where it carries into the exponent, which moves a 32-term product by a few %)."""
-    from batchgen.kernels.moe import choose_block_m, fused_experts, fused_experts_ref, grouped_gemm
-    from batchgen.kernels.fp8_quant import linear_ref
-    from batchgen.kernels.moe_routing import align_pairs
+    from batchgen.kernels.moe.experts import choose_block_m, fused_experts, fused_experts_ref, grouped_gemm
+    from batchgen.kernels.fp8.quant import linear_ref
+    from batchgen.kernels.moe.routing import align_pairs
 
     h, gate_up, down, ids, weights = _case(device, dtype, **shape)
     top_k, num_experts = ids.shape[1], gate_up.shape[0]

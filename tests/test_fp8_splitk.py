@@ -1,4 +1,4 @@
-"""The split-K FP8 GEMM (kernels/fp8_splitk.py): against the emulated W8A8 reference under TRITON_INTERPRET=1 on CPU
+"""The split-K FP8 GEMM (kernels/fp8/splitk.py): against the emulated W8A8 reference under TRITON_INTERPRET=1 on CPU
 (exact-grid activations, as tests/test_fp8_kernels.py explains) and on a GPU at the Llama-3.1-8B layer shapes, eager
 and replayed from CUDA graphs; its launch configs; and that fp8_gemm.gemm_path takes it only where SPLITK_MAX_ROWS
 and, per weight shape, SPLITK_SHAPE_ROWS say (with the sweep that writes that table).
@@ -16,18 +16,20 @@ pytest.importorskip("triton")
 
 from conftest import needs_interpreter, run_under_interpreter  # noqa: E402
 
-from batchgen.kernels import fp8_blockwise, fp8_gemm  # noqa: E402
-from batchgen.kernels.fp8_gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
-from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
-from batchgen.kernels.fp8_splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
-from batchgen.kernels.splitk_common import sm_balance  # noqa: E402
+from batchgen.kernels.fp8 import blockwise as fp8_blockwise  # noqa: E402
+
+from batchgen.kernels.fp8 import gemm as fp8_gemm
+from batchgen.kernels.fp8.gemm import fp8_linear, gemm_path, w8a8_matmul  # noqa: E402
+from batchgen.kernels.fp8.quant import linear_ref, quantize_groups, quantize_weight  # noqa: E402
+from batchgen.kernels.fp8.splitk import split_sizes, splitk_config, splitk_matmul, splitk_scaled_matmul  # noqa: E402
+from batchgen.kernels.fp8.splitk_common import sm_balance  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 INTERPRET_SCRIPT = r"""
 import torch
-from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_weight
-from batchgen.kernels.fp8_splitk import SplitKConfig, splitk_matmul, splitk_scaled_matmul
+from batchgen.kernels.fp8.quant import linear_ref, quantize_groups, quantize_weight
+from batchgen.kernels.fp8.splitk import SplitKConfig, splitk_matmul, splitk_scaled_matmul
 
 torch.manual_seed(0)
 

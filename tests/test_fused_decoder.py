@@ -109,7 +109,7 @@ def test_phi3_longrope_within_its_original_context_runs_fused_and_matches_transf
 
 def test_phi3_reads_its_checkpoint_fused_qkv_and_gate_up_weights_without_copies():
     model = make_model("phi3")
-    decoder = DECODERS["phi3"][1](model, _cache(model), use_triton=False)
+    decoder = DECODERS["phi3"](model, _cache(model), use_triton=False)
     layer, fused = model.model.layers[0], decoder.layers[0]
     assert fused.qkv_weight.data_ptr() == layer.self_attn.qkv_proj.weight.data_ptr()
     assert fused.mlp.gate_up_weight.data_ptr() == layer.mlp.gate_up_proj.weight.data_ptr()
@@ -123,7 +123,7 @@ def test_packed_forward_logits_equal_transformers_forward_logits(arch):
     ids = random_prompts((20,))[0]
     expected = model(torch.tensor([ids])).logits[0]  # [T, V]
     cache = _cache(model)
-    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    decoder = DECODERS[arch](model, cache, use_triton=False)
     n = len(ids)
     meta = one_sequence_meta(cache, n)
     got = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
@@ -168,7 +168,7 @@ for arch in sys.argv[1:]:
     pos = (seq_lens.long() - 1).clamp(min=0)
     slots = torch.where(seq_lens > 0, tables.long()[torch.arange(4), pos // 16] * 16 + pos % 16, caches[0].trash_slot)
     ids = torch.randint(3, model.config.vocab_size, (4,), generator=g)
-    decoder_cls = DECODERS[arch][1]
+    decoder_cls = DECODERS[arch]
     logits = [decoder_cls(model, c, use_triton=tri)(ids, pos, slots, tables, seq_lens) for c, tri in zip(caches, (True, False))]
     torch.testing.assert_close(logits[0][:3], logits[1][:3], atol=1e-4, rtol=1e-4)
     real = slice(0, 8)  # the reference also writes the padding row's K/V into the trash block
@@ -177,7 +177,7 @@ for arch in sys.argv[1:]:
     # a packed (mixed) step: two decode rows first, then a 5-token prefill chunk after 3 cached tokens
     import numpy as np
     from batchgen.attention.backend import AttentionMetadata
-    from batchgen.kernels.prefill_launch import PrefillWork
+    from batchgen.kernels.attention.prefill_launch import PrefillWork
     q_lens, seq_lens = np.array([1, 1, 5]), np.array([9, 2, 8])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
@@ -278,7 +278,7 @@ def test_sliding_window_layers_run_fused_and_match_transformers_generate(arch, w
     cache = _cache(model)
     n = len(ids)
     meta = one_sequence_meta(cache, n)
-    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    decoder = DECODERS[arch](model, cache, use_triton=False)
     got_logits = decoder.forward_packed(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
     torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)
     unwindowed = make_model(arch, **{**window, "sliding_window": 4096})
@@ -305,7 +305,7 @@ def test_an_odd_vocabulary_gets_a_padded_lm_head_over_the_same_bytes_and_matches
     got = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
     assert [r.samples[0].token_ids for r in got] == expected
     cache = _cache(model)
-    decoder = DECODERS[arch][1](model, cache, use_triton=False)
+    decoder = DECODERS[arch](model, cache, use_triton=False)
     packed = decoder.forward_packed(torch.tensor(ids), torch.arange(len(ids)), one_sequence_meta(cache, len(ids)),
                                     torch.arange(len(ids)))
     assert packed.shape == logits.shape and packed.is_contiguous()

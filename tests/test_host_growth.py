@@ -13,7 +13,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.engine import Engine
 from batchgen.engine.request import Request
 from batchgen.job.run import run_job
-from batchgen.job.spec import load_spec
+from batchgen.job.job_file import load_spec
 from jobutil import TOPICS, write_job
 
 

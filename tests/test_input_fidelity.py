@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from batchgen.cli import app
 from batchgen.errors import RowError
-from batchgen.job.spec import PromptSpec, SourceSpec
+from batchgen.config import PromptSpec, SourceSpec
 from batchgen.prompts import PromptRenderer
 from batchgen.sources import open_source
 from jobutil import read_rows

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.invariant_attention import query_attention_rows
-from batchgen.kernels.invariant_matmul import linear_rows
-from batchgen.kernels.paged_attention_ref import paged_attention_ref
+from batchgen.kernels.invariant.attention import query_attention_rows
+from batchgen.kernels.invariant.matmul import linear_rows
+from batchgen.kernels.attention.reference import paged_attention_ref
 from conftest import run_under_interpreter
 
 
@@ -60,10 +60,10 @@ INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_invariant_kernels import _cache
-from batchgen.kernels.invariant_matmul import gemm_plan, matmul_invariant
-import batchgen.kernels.invariant_attention as ia
-from batchgen.kernels.invariant_attention import query_attention
-from batchgen.kernels.paged_attention_ref import paged_attention_ref
+from batchgen.kernels.invariant.matmul import gemm_plan, matmul_invariant
+import batchgen.kernels.invariant.attention as ia
+from batchgen.kernels.invariant.attention import query_attention
+from batchgen.kernels.attention.reference import paged_attention_ref
 g = torch.Generator().manual_seed(0)
 # the GEMM: odd shapes (K not a multiple of BLOCK_K, N not of BLOCK_N), bias, fp32 and fp16 (the interpreter's
 # bf16 tl.dot is wrong: bf16 runs in the GPU test), with a fixed split-K (3 K ranges in fp32, 2 in fp16, the last
@@ -139,7 +139,7 @@ for arch in sys.argv[1:]:
     for tri in (True, False):
         caches = [KVCache(KVGeometry.from_config(model.config), 4, 16, torch.float32, torch.device("cpu"))
                   for _ in "ab"]
-        whole, part = (DECODERS[arch][1](model, c, use_triton=tri, deterministic=True) for c in caches)
+        whole, part = (DECODERS[arch](model, c, use_triton=tri, deterministic=True) for c in caches)
         # the 12th token's logits: in a 12-token prefill, and as a decode step after an 11-token prefill
         prefill = whole.forward_packed(ids, torch.arange(12), one_sequence_meta(caches[0], 12), torch.tensor([11]))
         part.forward_packed(ids[:11], torch.arange(11), one_sequence_meta(caches[1], 11), torch.tensor([10]))
@@ -170,7 +170,7 @@ LLAMA_8B_GEMMS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", LLAMA_8B_GEMMS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gpu_gemm_rows_are_bitwise_the_same_at_m_1_16_and_256_bf16(shape):
-    from batchgen.kernels.invariant_matmul import _use_workspace, gemm_plan, matmul_invariant
+    from batchgen.kernels.invariant.matmul import _use_workspace, gemm_plan, matmul_invariant
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) * 0.02
@@ -194,7 +194,7 @@ def test_gpu_gemm_rows_are_bitwise_the_same_at_m_1_16_and_256_bf16(shape):
 def test_gpu_attention_of_prefill_chunks_equals_decode_rows_bitwise_bf16():
     """A 1,000-token sequence prefilled in chunks of 1, 37 and 512 tokens (each chunk one packed step over the
     cache), beside other sequences, and every token as a decode row: the same bits for every token (8B heads)."""
-    from batchgen.kernels.invariant_attention import query_attention
+    from batchgen.kernels.invariant.attention import query_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     num_tokens, block_size = 1000, 16
@@ -222,8 +222,8 @@ def test_gpu_attention_over_3000_keys_chunked_equals_decode_rows_across_split_an
     steps (chunks of 512 and 37, the step's block table just wide enough) and the same tokens as decode rows of a
     graph-wide block table (max_model_len 8,192: the workspace's 16 split slots), at batches of 1 and 64: bitwise
     the same (8B heads)."""
-    from batchgen.kernels.invariant_attention import query_attention
-    from batchgen.kernels.paged_attention_ref import paged_attention_ref
+    from batchgen.kernels.invariant.attention import query_attention
+    from batchgen.kernels.attention.reference import paged_attention_ref
 
     g = torch.Generator(device="cuda").manual_seed(1)
     block_size = 16

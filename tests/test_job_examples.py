@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.job.spec import load_spec
+from batchgen.job.job_file import load_spec
 
 JOBS = sorted((Path(__file__).resolve().parent.parent / "jobs").rglob("*.yaml"))
 

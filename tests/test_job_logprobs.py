@@ -114,7 +114,7 @@ def test_resume_with_a_changed_logprobs_setting_is_refused_naming_it(parquet_job
 
 
 def test_an_upstream_outputs_logprob_columns_are_kept_unless_this_job_writes_its_own():
-    from batchgen.job.spec import JobSpec
+    from batchgen.config import JobSpec
     from batchgen.output.schema import OutputSchema
 
     upstream = pa.schema([("id", pa.string()), ("completion", pa.string()), ("prompt_logprobs", pa.list_(pa.float32())),

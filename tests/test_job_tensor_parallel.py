@@ -11,7 +11,7 @@ import pytest
 
 from batchgen.errors import JobError
 from batchgen.job import ranks
-from batchgen.job.spec import load_spec
+from batchgen.job.job_file import load_spec
 from conftest import make_tokenizer
 from jobutil import read_rows, run_cli, seed_rows, write_job, write_jsonl
 

@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from batchgen.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from batchgen.kernels.attention.reference import paged_attention_ref  # noqa: E402
 from conftest import needs_interpreter, run_under_interpreter
 
 
@@ -38,8 +38,8 @@ def _check(device, dtype, tol, num_splits=4, block_n=16, sliding_window=None, so
            kv_dtype=None, **shape):
     """paged_decode_attention against the reference; `launch` a whole DecodeLaunch instead of num_splits/block_n;
     kv_dtype: the caches' dtype (an fp8 cache: the reference reads the same rounded values)."""
-    from batchgen.kernels.paged_attention_ref import as_cached
-    from batchgen.kernels.paged_decode import paged_decode_attention
+    from batchgen.kernels.attention.reference import as_cached
+    from batchgen.kernels.attention.paged_decode import paged_decode_attention
 
     query, k_cache, v_cache, block_tables, seq_lens = _case(dtype=dtype, device=device, **shape)
     if kv_dtype is not None:
@@ -102,7 +102,7 @@ def test_paged_decode_kernel_default_launch_for_many_sequences_bf16_on_gpu():
 
 @pytest.mark.gpu
 def test_paged_decode_kernel_writes_every_output_element():
-    from batchgen.kernels.paged_decode import paged_decode_attention
+    from batchgen.kernels.attention.paged_decode import paged_decode_attention
 
     query, k_cache, v_cache, block_tables, seq_lens = _case(5, 16, 4, 64, 16, [3, 900, 1, 64, 33], torch.bfloat16,
                                                             "cuda")
@@ -116,9 +116,9 @@ def _check_rope_attention(device, dtype, tol, seq_lens, num_heads=8, num_kv_head
     """paged_decode_rope_attention against rope_kv_ref + the attention reference: the output, and the caches
     (the new tokens' K/V written, nothing else touched). qk_norm: None, "qwen3" or "gemma3" (unit_offset): a
     QKNorm with random weights, applied by both. kv_dtype: the caches' dtype (None: dtype; an fp8 cache)."""
-    from batchgen.kernels.paged_attention_ref import as_cached
-    from batchgen.kernels.paged_decode import paged_decode_rope_attention
-    from batchgen.kernels.rope_kv import QKNorm, rope_kv_ref
+    from batchgen.kernels.attention.reference import as_cached
+    from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv_ref
 
     _, k_cache, v_cache, block_tables, lens = _case(len(seq_lens), num_heads, num_kv_heads, head_dim, block_size,
                                                     seq_lens, dtype, device, seed)
@@ -177,7 +177,7 @@ _check_rope_attention("cpu", torch.float32, 1e-5, [5, 19], num_heads=6, num_kv_h
 for splits in (1, 2):  # Gemma2/3 layers: the new token is always inside the window
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits, sliding_window=12,
                           softcap=0.5)
-from batchgen.kernels.paged_decode import DecodeLaunch, default_launch
+from batchgen.kernels.attention.paged_decode import DecodeLaunch, default_launch
 for seqs in (2, 32, 512):  # 256-dim heads: half the keys a tile of 128-dim heads' launch
     assert default_launch(seqs, 8, 256).block_n * 2 == default_launch(seqs, 8, 128).block_n
 _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 70], num_heads=4, num_kv_heads=2, head_dim=256)
@@ -188,20 +188,11 @@ for splits in (1, 2):  # the group's own rows on CUDA cores: MHA (one query a KV
                           launch=DecodeLaunch(splits, 16, 2, mma=False))
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], softcap=0.5,
                           launch=DecodeLaunch(splits, 32, 2, mma=False))
-    for heads in (2, 4):  # MHA: several KV heads a program (kernels/paged_decode_heads.py), windowed and capped too
-        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
-                              launch=DecodeLaunch(splits, 16, 2, heads_per_program=heads))
-        _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=16,
-                              sliding_window=12, softcap=0.5,
-                              launch=DecodeLaunch(splits, 16, 2, heads_per_program=heads))
+    _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=16,
+                          sliding_window=12, softcap=0.5, launch=DecodeLaunch(splits, 16, 2, mma=False))  # MHA
     for mma in (True, False):  # the grid in (KV heads, sequences, splits) order
         _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70],
                               launch=DecodeLaunch(splits, 16, 2, None, mma, heads_first=True))
-try:  # heads_per_program is for MHA models only
-    _check_rope_attention("cpu", torch.float32, 1e-5, [5], launch=DecodeLaunch(1, 16, 2, heads_per_program=2))
-    raise SystemExit("a GQA model took heads_per_program")
-except ValueError as e:
-    assert "heads_per_program 2: for MHA models" in str(e), e
 print("ok")
 """
 
@@ -210,7 +201,7 @@ QK_NORM_ROPE_ATTENTION_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check_rope_attention
-from batchgen.kernels.paged_decode import DecodeLaunch
+from batchgen.kernels.attention.paged_decode import DecodeLaunch
 for norm in ("qwen3", "gemma3"):
     for splits in (1, 2, 4):  # GQA 4 (a tl.dot tile padded to 16 rows), a padding row, the new token in each split
         _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], num_splits=splits, qk_norm=norm)
@@ -225,12 +216,6 @@ for norm in ("qwen3", "gemma3"):
                               launch=DecodeLaunch(splits, 16, 2, mma=False), qk_norm=norm)
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], head_dim=96, sliding_window=20, qk_norm=norm,
                           launch=DecodeLaunch(4, 16, 2, None, True, heads_first=True))
-try:  # the several-heads kernel has no q/k norm
-    _check_rope_attention("cpu", torch.float32, 1e-5, [5], num_heads=4, num_kv_heads=4, qk_norm="qwen3",
-                          launch=DecodeLaunch(1, 16, 2, heads_per_program=2))
-    raise SystemExit("heads_per_program took a q/k norm")
-except ValueError as e:
-    assert "no q/k norm" in str(e), e
 print("ok")
 """
 
@@ -239,10 +224,10 @@ print("ok")
 # rest of the kernel leads the compiler to (its output quantised for an FP8 o GEMM, one split or several): the new
 # keys it writes are rope_kv's, bit for bit, for power-of-two head dims
 def _check_qk_norm_same_bits(device, heads=4, kv_heads=2, head_dims=((32, False), (64, True))):
-    from batchgen.kernels.decode_launch import DecodeLaunch
-    from batchgen.kernels.fp8_quant import ActQuant
-    from batchgen.kernels.paged_decode import paged_decode_rope_attention
-    from batchgen.kernels.rope_kv import QKNorm, rope_kv
+    from batchgen.kernels.attention.decode_launch import DecodeLaunch
+    from batchgen.kernels.fp8.quant import ActQuant
+    from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv
 
     g = torch.Generator().manual_seed(0)
     seqs, block_size = 3, 16
@@ -316,12 +301,10 @@ def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
 def test_decode_attention_with_fused_rope_at_gemma2_and_phi3_heads_bf16_on_gpu(heads, seq_lens, mma, heads_first):
     from dataclasses import replace
 
-    from batchgen.kernels.paged_decode import default_launch
+    from batchgen.kernels.attention.paged_decode import default_launch
 
     num_heads, num_kv_heads, head_dim = heads
     launch = replace(default_launch(len(seq_lens), num_kv_heads, head_dim), mma=mma, heads_first=heads_first)
-    if num_heads == num_kv_heads and not mma and not heads_first:  # MHA: also several KV heads a program (the
-        launch = replace(launch, heads_per_program=4)                 # heads-first order is for one head a program)
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, softcap=50.0 if head_dim == 256 else None, launch=launch)
 
@@ -344,9 +327,9 @@ def test_decode_attention_with_fused_qk_norm_and_rope_at_qwen3_and_gemma3_heads_
 # ---- fused decode-step kernels: rmsnorm (+ residual; Gemma, OLMo2 roundings), rotary + K/V write, gated activation ---
 
 def _check_fused(device, dtype, num_tokens=5, hidden=96, heads=4, kv_heads=2, head_dim=32, inter=80, atol=1e-5):
-    from batchgen.kernels.rmsnorm import rmsnorm
-    from batchgen.kernels.rope_kv import QKNorm, rope_kv
-    from batchgen.kernels.gated_act import gated_act
+    from batchgen.kernels.norm.rmsnorm import rmsnorm
+    from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv
+    from batchgen.kernels.norm.gated_act import gated_act
 
     g = torch.Generator().manual_seed(0)
 
@@ -425,7 +408,7 @@ def _check_rope_kv_launches(device, dtype, num_tokens, launches, heads=4, kv_hea
     Gemma3's q/k norms, OLMo2's fp32 rotation): q and both caches the same bits as one token a program (1, 1) gives,
     and the reference's: the values exactly; q and the keys exactly on CPU without a q/k norm (the same fp32
     arithmetic), else within atol (the fp32 sum of squares in another order; bf16 on the GPU as in _check_fused)."""
-    from batchgen.kernels.rope_kv import QKNorm, rope_kv, rope_kv_launch
+    from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv, rope_kv_launch
 
     g = torch.Generator().manual_seed(1)
 
@@ -488,7 +471,7 @@ def test_rope_kv_sweep_check_finds_every_launch_equal_to_the_reference_under_tri
 
 
 def test_rope_kv_launch_tiles_are_powers_of_two_growing_with_the_step_and_small_for_decode_sized_steps():
-    from batchgen.kernels.rope_kv import rope_kv_launch
+    from batchgen.kernels.attention.rope_kv import rope_kv_launch
 
     sizes = [1, 2, 8, 64, 127, 128, 256, 1000, 1024, 4096, 8192, 65536]
     launches = [rope_kv_launch(n) for n in sizes]
@@ -551,9 +534,9 @@ def _check_prefill(device, dtype, tol, q_lens, seq_lens, num_heads=8, num_kv_hea
     the longest query)."""
     import numpy as np
 
-    from batchgen.kernels.paged_attention_ref import as_cached
-    from batchgen.kernels.paged_prefill import paged_prefill_attention
-    from batchgen.kernels.prefill_launch import PrefillWork
+    from batchgen.kernels.attention.reference import as_cached
+    from batchgen.kernels.attention.paged_prefill import paged_prefill_attention
+    from batchgen.kernels.attention.prefill_launch import PrefillWork
 
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
@@ -584,7 +567,7 @@ PREFILL_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check_prefill
-from batchgen.kernels.prefill_launch import PrefillLaunch
+from batchgen.kernels.attention.prefill_launch import PrefillLaunch
 check = lambda *a, **k: _check_prefill("cpu", torch.float32, 1e-5, *a, **k)
 # first chunks, a chunk after cached context, a decode row, a 1-token prompt; GQA 4; the default launch
 check(q_lens=[1, 20, 37, 5, 1], seq_lens=[9, 20, 50, 5, 1])
@@ -623,8 +606,8 @@ PREFILL_SHARED_MEMORY_SCRIPT = """
 import numpy as np, torch, sys
 sys.path.insert(0, "tests")
 from test_kernels import _check_prefill
-from batchgen.kernels.paged_prefill import paged_prefill_attention
-from batchgen.kernels.prefill_launch import LONG_PROMPT, PrefillWork, prefill_launch
+from batchgen.kernels.attention.paged_prefill import paged_prefill_attention
+from batchgen.kernels.attention.prefill_launch import LONG_PROMPT, PrefillWork, prefill_launch
 # (query heads, KV heads, head dim, dtype): Gemma-2B's and Gemma3-1B's 256-dim heads in bf16, Llama's heads in bf16
 # and in fp32 (job spec model.dtype: float32), each with the launch a long prompt gets: every launch is compiled for
 # sm_90 first, and a build over an sm_90 block's shared memory is refused there (tests/hopper_compile.py), as the GPU
@@ -657,7 +640,7 @@ def test_the_prefill_launch_a_long_prompt_gets_fits_an_sm90_blocks_shared_memory
 @pytest.mark.parametrize("window", [None, 512])
 @pytest.mark.parametrize("launch", ["long", "short"])
 def test_paged_prefill_kernel_bf16_on_gpu_at_realistic_sizes_with_both_default_launches(window, launch):
-    from batchgen.kernels.prefill_launch import LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH
+    from batchgen.kernels.attention.prefill_launch import LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH
 
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 1, 2048, 700, 512, 33], seq_lens=[900, 3000, 2048, 1900,
                    4096, 33], num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=window, skip_first=2,
@@ -671,7 +654,7 @@ def test_paged_prefill_kernel_on_gpu_at_wide_heads_and_fp32_with_the_launch_a_lo
                                                                                                head_dim, dtype):
     """Gemma-2B's and Gemma3-1B's 256-dim heads, Llama's heads in fp32: the launch prefill_launch gives them loads
     (the long launch would not fit an sm_90 block's shared memory) and matches the reference."""
-    from batchgen.kernels.prefill_launch import LONG_PROMPT, prefill_launch
+    from batchgen.kernels.attention.prefill_launch import LONG_PROMPT, prefill_launch
 
     _check_prefill("cuda", dtype, 2e-2 if dtype == torch.bfloat16 else 1e-4, q_lens=[1, 1, 1024, 600],
                    seq_lens=[900, 2000, 1024, 1900], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -680,7 +663,7 @@ def test_paged_prefill_kernel_on_gpu_at_wide_heads_and_fp32_with_the_launch_a_lo
 
 ARGMAX_INTERPRET_SCRIPT = """
 import torch
-from batchgen.kernels.argmax import greedy_argmax, num_chunks_for
+from batchgen.kernels.sample.argmax import greedy_argmax, num_chunks_for
 g = torch.Generator().manual_seed(0)
 for rows, vocab, dtype in [(3, 9000, torch.float32), (2, 40000, torch.bfloat16), (5, 1000, torch.float32)]:
     x = torch.randn(rows, vocab, generator=g).to(dtype)
@@ -692,7 +675,7 @@ for rows, vocab, dtype in [(3, 9000, torch.float32), (2, 40000, torch.bfloat16),
     got, want = greedy_argmax(x), x.argmax(dim=-1)
     assert torch.equal(got, want), (rows, vocab, got, want, num_chunks_for(rows, vocab))
 assert num_chunks_for(2, 40000) > 1  # the cross-chunk tie above really crosses chunks
-from batchgen.kernels.argmax import check
+from batchgen.kernels.sample.argmax import check
 assert check(torch.device("cpu"), 40000) is None  # the self-check the graphs run before using the kernel
 print("ok")
 """
@@ -703,7 +686,7 @@ def test_greedy_argmax_kernel_equals_torch_argmax_ties_included_under_triton_int
 
 
 def test_argmax_self_check_reports_a_kernel_that_cannot_run_instead_of_raising():
-    from batchgen.kernels.argmax import check
+    from batchgen.kernels.sample.argmax import check
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("under the interpreter the kernel runs on CPU")
@@ -714,7 +697,7 @@ def test_argmax_self_check_reports_a_kernel_that_cannot_run_instead_of_raising()
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 8, 32, 256])
 def test_greedy_argmax_kernel_equals_torch_argmax_bf16_on_gpu(rows):
-    from batchgen.kernels.argmax import greedy_argmax
+    from batchgen.kernels.sample.argmax import greedy_argmax
 
     x = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)  # bf16: many exact ties
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
@@ -746,7 +729,7 @@ def _moe_case(device, dtype, num_tokens, hidden, inter, num_experts, top_k, dead
 
 
 def _check_moe(device, dtype, atol, transposed=False, **shape):
-    from batchgen.kernels.moe import fused_experts
+    from batchgen.kernels.moe.experts import fused_experts
 
     h, gate_up, down, ids, weights = _moe_case(device, dtype, **shape)
     if transposed:  # transformers' is_transposed layout: [E, H, 2 I] / [E, I, H] storage, read as views
@@ -778,7 +761,7 @@ def test_moe_grouped_gemm_experts_match_the_reference_under_triton_interpreter()
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(7, 2, 16), (1, 8, 16), (300, 8, 64), (33, 2, 32)])
 def test_moe_alignment_holds_every_pair_once_in_its_experts_padded_blocks(num_tokens, top_k, block_m):
-    from batchgen.kernels.moe_routing import align_by_expert, max_blocks
+    from batchgen.kernels.moe.routing import align_by_expert, max_blocks
 
     num_experts = 16
     _, _, _, ids, _ = _moe_case("cpu", torch.float32, num_tokens, 8, 8, num_experts, top_k, dead_experts=(0, 5))
@@ -807,7 +790,7 @@ def test_moe_grouped_gemm_experts_bf16_on_gpu_at_qwen3_30b_a3b_sizes(num_tokens)
 @pytest.mark.gpu
 def test_moe_grouped_gemm_experts_replay_from_a_cuda_graph_with_new_routing():
     """No host sync, no data-dependent shape: captured once, replayed with other routing, equal to eager."""
-    from batchgen.kernels.moe import fused_experts
+    from batchgen.kernels.moe.experts import fused_experts
 
     h, gate_up, down, ids, weights = _moe_case("cuda", torch.bfloat16, 64, 512, 256, 32, 4)
     static = [t.clone() for t in (h, ids, weights)]
@@ -828,7 +811,7 @@ def test_moe_grouped_gemm_experts_replay_from_a_cuda_graph_with_new_routing():
 
 MOE_STEP_KERNELS_INTERPRET_SCRIPT = """
 import torch, sys
-from batchgen.kernels.moe_routing import align_by_expert, align_by_expert_triton, combine_topk, combine_topk_ref
+from batchgen.kernels.moe.routing import align_by_expert, align_by_expert_triton, combine_topk, combine_topk_ref
 g = torch.Generator().manual_seed(0)
 # alignment: identical tensors to the torch ops (unused experts 0 and 3; block_m 16, 32, 64), counts added
 for T, K, E, bm in [(7, 2, 16, 16), (1, 8, 16, 16), (300, 8, 16, 64), (33, 2, 32, 32), (40, 8, 128, 16)]:
@@ -880,7 +863,7 @@ def _route_case(num_tokens, hidden, num_experts, top_k, dtype=torch.bfloat16, se
 @pytest.mark.gpu
 @pytest.mark.parametrize("top_k,dtype", [(8, torch.bfloat16), (2, torch.float32), (4, torch.bfloat16)])
 def test_moe_combine_kernel_sums_over_k_in_torchs_order_on_gpu(top_k, dtype):
-    from batchgen.kernels.moe_routing import combine_accumulators, combine_topk, combine_topk_ref
+    from batchgen.kernels.moe.routing import combine_accumulators, combine_topk, combine_topk_ref
 
     nacc = combine_accumulators(torch.device("cuda"), top_k, dtype, torch.bfloat16)
     x = torch.randn(256 * top_k, 2048, device="cuda").to(dtype)
@@ -893,8 +876,8 @@ def test_moe_combine_kernel_sums_over_k_in_torchs_order_on_gpu(top_k, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 32, 256, 512])
 def test_moe_alignment_kernel_equals_the_torch_ops_on_gpu(num_tokens):
-    from batchgen.kernels.moe import choose_block_m
-    from batchgen.kernels.moe_routing import align_by_expert, align_by_expert_triton
+    from batchgen.kernels.moe.experts import choose_block_m
+    from batchgen.kernels.moe.routing import align_by_expert, align_by_expert_triton
 
     _, _, _, ids, _ = _moe_case("cuda", torch.bfloat16, num_tokens, 8, 8, 128, 8, dead_experts=(3, 77))
     block_m = choose_block_m(ids.numel(), 128)
@@ -921,8 +904,8 @@ def _qwen3_30b_layer(seed=0):
 def _torch_glue_layer(block, h):
     """The layer with the torch ops around the grouped GEMMs (alignment, combine): the reference the step
     kernels must equal bit for bit."""
-    from batchgen.kernels import moe as K
-    from batchgen.kernels import moe_routing as R
+    from batchgen.kernels.moe import experts as K
+    from batchgen.kernels.moe import routing as R
 
     ids, w = block.route(h)
     align = R.align_by_expert(ids, 128, K.choose_block_m(ids.numel(), 128))

@@ -1,4 +1,4 @@
-"""The fused residual add + LayerNorm kernel (kernels/layernorm.py) against its torch reference (torch's own add
+"""The fused residual add + LayerNorm kernel (kernels/norm/layernorm.py) against its torch reference (torch's own add
 and layer_norm): under TRITON_INTERPRET=1 on CPU in fp32 and bf16, and on a GPU at Starcoder2-3B's width.
 
 bf16: the kernel's fp32 mean and variance are summed in another order than torch's (Welford on CUDA, row
@@ -49,7 +49,7 @@ def _assert_bf16_close(out, ref, row, weight, bias):
 def _check_layernorm(device, dtype, num_rows, num_cols, seed=0):
     """The kernel (`use_triton=True`) against the reference, with and without residual and bias; each row alone
     gives the bits it gives in the batch; `out` = a strided column slice of x, in place."""
-    from batchgen.kernels.layernorm import layernorm
+    from batchgen.kernels.norm.layernorm import layernorm
 
     g = torch.Generator().manual_seed(seed)
 
@@ -107,7 +107,7 @@ def test_layernorm_kernel_matches_torch_under_triton_interpreter():
 
 def test_reference_is_the_eager_add_then_layer_norm_bit_for_bit():
     """use_triton=False is what blocks.add_norm ran before the kernel: `residual.add_(x)`, then F.layer_norm."""
-    from batchgen.kernels.layernorm import layernorm
+    from batchgen.kernels.norm.layernorm import layernorm
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

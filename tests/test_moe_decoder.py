@@ -19,7 +19,7 @@ from conftest import MOE_ARCHS, hf_greedy, make_model, one_sequence_meta, random
 
 def _decoder(model, dtype=torch.float32):
     cache = KVCache(KVGeometry.from_config(model.config), 8, 16, dtype, torch.device("cpu"))
-    return DECODERS[model.config.model_type][1](model, cache, use_triton=False), cache
+    return DECODERS[model.config.model_type](model, cache, use_triton=False), cache
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -115,12 +115,12 @@ def test_moe_decoder_step_kernels_equal_the_torch_glue_bit_for_bit_on_gpu(arch, 
     tokens: the alignment and combine kernels run (the combine's check against torch's sum passes for the
     family's weights dtype) and give the logits of the torch ops around the same grouped GEMMs, bit for bit
     (then the alignment is forced to the torch ops and the combine to torch's sum)."""
-    from batchgen.kernels import moe_routing as R
+    from batchgen.kernels.moe import routing as R
 
     model = make_model(arch, num_layers=2, num_experts=128, num_local_experts=128, num_experts_per_tok=8,
                        hidden_size=256, intermediate_size=256, moe_intermediate_size=256).to("cuda", torch.bfloat16)
     cache = KVCache(KVGeometry.from_config(model.config), 32, 16, torch.bfloat16, torch.device("cuda"))
-    decoder = DECODERS[model.config.model_type][1](model, cache, use_triton=True)
+    decoder = DECODERS[model.config.model_type](model, cache, use_triton=True)
     weighted = torch.float32 if arch == "mixtral" else torch.bfloat16  # Mixtral's routing weights stay fp32
     key = (str(next(model.parameters()).device), 8, weighted, torch.bfloat16)
     sparse = sum(isinstance(layer.mlp, SparseMoE) for layer in decoder.layers)

@@ -91,7 +91,7 @@ def test_the_progress_total_is_right_for_every_source_type(tmp_path, tiny_model_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.job.spec import SourceSpec
+    from batchgen.config import SourceSpec
     from batchgen.sources import open_source
 
     rows = [{"id": f"r{i}", "topic": "tea", "level": i} for i in range(7)]

@@ -13,7 +13,7 @@ import pytest
 
 from batchgen.output.damage import OutputDamaged
 from batchgen.sources import open_source
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 from integrityutil import (cli, content, copy_output, listing, make_reference, manifest_lines,
                            write_manifest)
 from jobutil import write_job

@@ -1,4 +1,4 @@
-"""The paged prefill kernel's launch choice and work lists (kernels/prefill_launch.py), and the GPU sweep that
+"""The paged prefill kernel's launch choice and work lists (kernels/attention/prefill_launch.py), and the GPU sweep that
 measures launches (bench/prefill_attention_sweep.py): its shapes and FLOP floor, and its --check mode."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kernels.prefill_launch import (LONG_PROMPT, LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH, PrefillLaunch,
+from batchgen.kernels.attention.prefill_launch import (LONG_PROMPT, LONG_PROMPT_LAUNCH, SHORT_PROMPT_LAUNCH, PrefillLaunch,
                                              PrefillWork, prefill_launch, prefill_work)
 from conftest import needs_interpreter
 
@@ -113,8 +113,8 @@ def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter's functions keep no specialisation flags")
-    from batchgen.kernels.paged_prefill import _prefill_kernel
-    from batchgen.kernels.rope_kv import _rope_kv_kernel
+    from batchgen.kernels.attention.paged_prefill import _prefill_kernel
+    from batchgen.kernels.attention.rope_kv import _rope_kv_kernel
 
     prefill = {p.name: p for p in _prefill_kernel.params}
     assert prefill["work_ptr"].do_not_specialize_on_alignment and prefill["stride_bt"].do_not_specialize

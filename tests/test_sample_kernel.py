@@ -1,4 +1,4 @@
-"""The sort-free Triton sampler (kernels/sample.py) draws what the torch reference (a full sort) draws: the same
+"""The sort-free Triton sampler (kernels/sample/draw.py) draws what the torch reference (a full sort) draws: the same
 token for the same noise under the Triton interpreter (CPU), and the exact target distribution of
 temperature + top-k + top-p + min-p in a chi-square test over many draws."""
 
@@ -12,7 +12,7 @@ from conftest import run_under_interpreter
 SAME_DRAWS_SCRIPT = """
 import torch
 from batchgen.engine.batch import SeqSampling
-from batchgen.kernels.sample import sample_rows
+from batchgen.kernels.sample.draw import sample_rows
 from batchgen.sample.sampler import sample_ref
 from batchgen.sample.tensors import SamplingTensors
 
@@ -42,7 +42,7 @@ print("ok")
 CHI_SQUARE_SCRIPT = """
 import math
 import torch
-from batchgen.kernels.sample import sample_rows
+from batchgen.kernels.sample.draw import sample_rows
 
 N, V = 200, 12
 logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.5, -1.0, -2.0, -3.0, -4.0])
@@ -90,7 +90,7 @@ def test_triton_sampler_draws_from_the_reference_distribution_chi_square_under_t
 @pytest.mark.gpu
 def test_triton_sampler_on_gpu_agrees_with_the_reference_and_its_distribution():
     from batchgen.engine.batch import SeqSampling
-    from batchgen.kernels.sample import sample_rows
+    from batchgen.kernels.sample.draw import sample_rows
     from batchgen.sample.sampler import sample_ref
     from batchgen.sample.tensors import SamplingTensors
 
@@ -110,7 +110,7 @@ def test_triton_sampler_on_gpu_agrees_with_the_reference_and_its_distribution():
 
 TOP_DRAW_SCRIPT = """
 import torch
-from batchgen.kernels.sample import sample_rows
+from batchgen.kernels.sample.draw import sample_rows
 V = 64
 logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
 logits[:, 7] = float("-inf")  # masked; key 8013419's noise at vocab id 7 is the hash's top draw

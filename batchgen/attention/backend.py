@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.kernels.invariant_attention import query_attention_rows
-from batchgen.kernels.paged_attention_ref import paged_attention_ref, write_kv
-from batchgen.kernels.paged_prefill import paged_prefill_attention
-from batchgen.kernels.prefill_launch import PrefillWork
-from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs
-from batchgen.kernels.rope_kv import QKNorm
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.invariant.attention import query_attention_rows
+from batchgen.kernels.attention.reference import paged_attention_ref, write_kv
+from batchgen.kernels.attention.paged_prefill import paged_prefill_attention
+from batchgen.kernels.attention.prefill_launch import PrefillWork
+from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs
+from batchgen.kernels.attention.rope_kv import QKNorm
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 
 @dataclass
@@ -44,7 +44,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     block_tables: [B, W] int32; seq_lens: [B] int32. Returns [B, H, D]. `max_seq_len` (reference only):
     a bound on seq_lens known on the host; None reads it from seq_lens."""
     if use_triton:
-        from batchgen.kernels.paged_decode import paged_decode_attention
+        from batchgen.kernels.attention.paged_decode import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       sliding_window=sliding_window, softcap=softcap)
@@ -58,11 +58,11 @@ def attend_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_lens: torch.Tensor, row_seq: torch.Tensor | None, scale: float, use_triton: bool,
                      sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """engine.deterministic: each row one query token over the keys already in the cache, in a summation order
-    fixed by the token's position alone (kernels/invariant_attention.py), for decode and packed steps alike.
+    fixed by the token's position alone (kernels/invariant/attention.py), for decode and packed steps alike.
     q: [R, H, D]; kv_lens: [R] int32 (position + 1; 0: padding); row_seq: [R] int32 or None (row r is sequence
     r). Returns [R, H, D]."""
     if use_triton:
-        from batchgen.kernels.invariant_attention import query_attention
+        from batchgen.kernels.invariant.attention import query_attention
 
         return query_attention(q, k_cache, v_cache, block_tables, kv_lens, row_seq, scale,
                                sliding_window=sliding_window, softcap=softcap)
@@ -79,7 +79,7 @@ def decode_rope(qkv: torch.Tensor | SplitKPartials, cos: torch.Tensor, sin: torc
     decode attention in one Triton kernel (CUDA only; callers on CPU run `kernels.rope_kv.rope_kv` and `decode`).
     qkv: [B, (H + 2 Hkv) D] (or a split-K GEMM's partials); cos/sin: [B, D]. Returns [B, H, D], or with `quant`
     [B, H D] quantised where the kernel can (paged_decode_rope_attention)."""
-    from batchgen.kernels.paged_decode import paged_decode_rope_attention
+    from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
 
     return paged_decode_rope_attention(qkv, cos, sin, slot_mapping, k_cache, v_cache, block_tables, seq_lens, scale,
                                        num_heads, sliding_window=sliding_window, softcap=softcap, qk_norm=qk_norm,

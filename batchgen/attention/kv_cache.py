@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.paged_attention_ref import KV_FP8
+from batchgen.kernels.attention.reference import KV_FP8
 
 
 @dataclass(frozen=True)

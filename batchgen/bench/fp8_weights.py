@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from batchgen.kernels.fp8_quant import quantize_weight
-from batchgen.models.fp8 import Fp8Experts, Fp8Linear
+from batchgen.kernels.fp8.quant import quantize_weight
+from batchgen.quant.linear import Fp8Experts, Fp8Linear
 
 WEIGHTS = ("bf16", "fp8", "fp8-channel")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,7 +42,7 @@ def build_fp8_model(config, weights: str, device: str = "cuda") -> torch.nn.Modu
     memory: the FP8 model plus one bf16 projection."""
     from transformers import AutoModelForCausalLM
 
-    from batchgen.runner.fp8_loader import parameters_on_meta
+    from batchgen.quant.loader import parameters_on_meta
 
     moe = bool(getattr(config.get_text_config(), "num_experts", None) or getattr(config, "num_local_experts", None))
     if moe and weights != "fp8":
@@ -93,7 +93,7 @@ def _random_fp8_experts(experts: torch.nn.Module, config, device: str, gen: torc
 
 def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fp8Experts' 3-D tensors as checkpoints store experts: per expert, gate_proj / up_proj / down_proj weights and
-    their weight_scale (renamed to the format's scale key with the Fp8Linears'; runner/fp8_experts.py reads them)."""
+    their weight_scale (renamed to the format's scale key with the Fp8Linears'; quant/experts.py reads them)."""
     out = {}
     for key, value in state.items():
         owner, _, leaf = key.rpartition(".")

@@ -149,10 +149,10 @@ def decode_bytes(config, dtype_bytes: int = 2, projection_bytes: int | None = No
     """The decode step's bytes for a transformers config (bf16 by default). MoE byte counts are moe_floor's.
     projection_bytes: bytes per weight of the layers' q/k/v/o and MLP projections (1: FP8 weights, `--weights fp8`;
     their fp32 scales, 4 bytes per 128x128 block or per row, are left out: < 0.1 %); the LM head, norms and K/V
-    stay at dtype_bytes. None: 1 when the config is an FP8 checkpoint's (models/fp8_scheme.py), else dtype_bytes.
+    stay at dtype_bytes. None: 1 when the config is an FP8 checkpoint's (quant/scheme.py), else dtype_bytes.
     kv_element_bytes: bytes per cached key or value element (1: engine.kv_cache_dtype fp8; None: dtype_bytes)."""
     from batchgen.bench import moe_floor
-    from batchgen.models.fp8_scheme import is_fp8
+    from batchgen.quant.scheme import is_fp8
 
     proj = projection_bytes or (1 if is_fp8(config) else dtype_bytes)
 

@@ -86,7 +86,7 @@ def engine_overrides(ab_sets: list[str], max_num_seqs: int) -> dict:
     from pydantic import ValidationError
 
     from batchgen.errors import JobError
-    from batchgen.job.spec import apply_override
+    from batchgen.config.parse import apply_override
 
     raw: dict = {}
     for assignment in ab_sets:

@@ -71,17 +71,14 @@ def routed_step_bytes(distinct_experts: list[int], cfg, dtype_bytes: int = 2,
     return [dense + n * per_expert for n in distinct_experts]
 
 
-def routed_floor_seconds(cfg, step_bytes: list[int], requests: int, prompt: int, new: int, ceilings) -> float:
+def routed_floor_seconds(cfg, step_bytes: list[int], requests: int, prompt: int, new: int, ceilings,
+                         prefill_s: float) -> float:
     """Weights read per step (measured routing) plus all cached K/V per decode step over the copy bandwidth, plus
-    the prefill FLOPs of the parameters a prompt token reads (dense ones but the LM head, and top-k experts per
-    sparse layer; FP8 ones at the FP8 rate where measured)."""
-    from batchgen.bench.geometries import decode_bytes
-
+    `prefill_s`: the prefill FLOPs of the parameters a prompt token reads (geometries.decode_bytes(cfg).gemm_s over
+    the prompt tokens with top-k experts, head=False)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 2
     kv = requests * kv_per_token * sum(prompt + k for k in range(new))
-    # prefill: every prompt token through the dense weights and its top-k experts (FP8 ones at the FP8 rate)
-    prefill_s = decode_bytes(cfg).gemm_s(requests * prompt, cfg.num_experts_per_tok, ceilings, head=False)
     return (sum(step_bytes) + kv) / ceilings.copy_bytes_s + prefill_s
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.bench.geometries import LLAMA_8B, decode_bytes, model_config  # noqa: F401 (LLAMA_8B: bench scripts)
-from batchgen.kernels.fp8_blockwise import Fp8PathUnavailable
+from batchgen.kernels.fp8.blockwise import Fp8PathUnavailable
 
 
 @dataclass
@@ -59,7 +59,7 @@ def measure_ceilings(fp8: bool = False) -> Ceilings:
     flops = 2 * n**3 / (_timed_ms(lambda: a @ b) / 1e3)
     fp8_flops = None
     if fp8:
-        from batchgen.kernels.fp8_quant import FP8_DTYPE
+        from batchgen.kernels.fp8.quant import FP8_DTYPE
 
         a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE)  # b8.t(): the column-major operand _scaled_mm wants
         sa = torch.ones(n, 1, device="cuda", dtype=torch.float32)
@@ -245,13 +245,16 @@ def main(new_tokens: int = 1024, requests: int = 32, prompt_len: int = 256, tran
         distinct = r.pop("_distinct_experts", None)
         if distinct:
             from batchgen.bench.moe_floor import routed_floor_seconds, routed_step_bytes, sparse_layers
-            from batchgen.models.fp8_scheme import is_fp8
+            from batchgen.quant.scheme import is_fp8
 
             r["distinct_experts_per_sparse_layer"] = sum(distinct) / len(distinct) / sum(sparse_layers(model.config))
             if floor is None:
                 proj = 1 if is_fp8(model.config) else None  # FP8 projections and experts: one byte a weight
+                # prefill: every prompt token through the dense weights and its top-k experts (FP8 at the FP8 rate)
+                prefill_s = decode_bytes(model.config).gemm_s(requests * prompt_len,
+                                                              model.config.num_experts_per_tok, ceilings, head=False)
                 floor = routed_floor_seconds(model.config, routed_step_bytes(distinct, model.config, 2, proj), requests,
-                                             prompt_len, new_tokens, ceilings)
+                                             prompt_len, new_tokens, ceilings, prefill_s)
         if floor is None:
             raise ValueError(f"geometry {geometry}: the first variant must run the fused MoE forward (its routing "
                              f"gives the floor), not {variant!r}")

@@ -24,7 +24,7 @@ def bench_reason(size: int, workload: str, geometry: str, weights: str, variants
     is touched), or None. Phrased as one sentence naming --tensor-parallel."""
     from batchgen.bench.geometries import model_config
     from batchgen.bench.seed import VARIANTS, seed_engine_config
-    from batchgen.models.fp8_scheme import EXPERT_KEYS
+    from batchgen.quant.scheme import EXPERT_KEYS
     from batchgen.models.registry import tensor_parallel_reason
 
     option = f"--tensor-parallel {size}"

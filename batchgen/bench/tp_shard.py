@@ -20,7 +20,7 @@ import zlib
 import torch
 
 from batchgen.models.shard import shard_model_
-from batchgen.runner.fp8_loader import parameters_on_meta
+from batchgen.quant.loader import parameters_on_meta
 
 INIT_STD = 0.02  # transformers' initializer_range default
 

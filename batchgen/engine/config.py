@@ -70,7 +70,7 @@ class EngineConfig(BaseModel):
     compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
     # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs timed at
     # start-up (not yet shown to win end to end: bench/RESULTS.md, session 7). engine.deterministic pins its own
-    # (cuBLASLt, kernels/fixed_row_gemm.py) for every GEMM, eager and graphed: only that one or None goes with it
+    # (cuBLASLt, kernels/invariant/fixed_row_gemm.py) for every GEMM, eager and graphed: only that one or None goes with it
     graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
@@ -80,8 +80,8 @@ class EngineConfig(BaseModel):
     # batch-invariant kernels (models/registry.py build_deterministic): a row's tokens do not depend on the other
     # rows of its steps, max_num_seqs, max_num_batched_tokens, prefix-cache hits, preemption or the worker count
     deterministic: bool = False
-    # FP8 block-scaled projections on CUDA (kernels/fp8_gemm.py): auto = gemm_path's measured choice; blockwise
-    # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8_splitk.py) at every
+    # FP8 block-scaled projections on CUDA (kernels/fp8/gemm.py): auto = gemm_path's measured choice; blockwise
+    # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8/splitk.py) at every
     # batch size. Same checkpoint semantics (activations quantised per token and 128 columns) on every path
     fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = "auto"
     # the K/V cache's element type: auto = the model's dtype; fp8 = float8_e4m3fn, one byte an element (twice the

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.job.run import write_report_or_say_why
-from batchgen.job.spec import load_spec
+from batchgen.job.job_file import load_spec
 
 # A worker is started as `python -c CHILD_MAIN`, not `python -m batchgen.cli`: -m (and -c) put the current folder
 # first on sys.path, so a `batchgen/` folder there (a checkout, a job's own folder named so) would be imported

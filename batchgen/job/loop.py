@@ -28,7 +28,7 @@ from batchgen.runner.loader import fingerprint_config, load_model, model_source,
 from batchgen.job.row_sampling import RowSampling
 from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
 # A sequence's own fault (its grammar, its tokenizer output: engine.request.RequestFault) rejects its row and the
@@ -98,7 +98,7 @@ class JobLoop:
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
         self.engine_builds: list[dict] = []  # the Triton builds of the engine's set-up (meter.totals.builds: later)
         from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
-        from batchgen.runner.fp8_loader import check_fp8_checkpoint
+        from batchgen.quant.loader import check_fp8_checkpoint
 
         check_fp8_checkpoint(config, spec.model.path)  # an FP8 scheme batchgen cannot run: refused before loading
         reason = tensor_parallel_reason(config, spec.engine.tensor_parallel_size)
@@ -213,12 +213,12 @@ class JobLoop:
 
     def _fp8_paths(self) -> str:
         """"; " and which FP8 GEMMs run, for an FP8 checkpoint's start-up line (else "")."""
-        from batchgen.models.fp8_scheme import is_fp8, parse
+        from batchgen.quant.scheme import is_fp8, parse
 
         config = self.engine.model.config
         if not is_fp8(config):
             return ""
-        from batchgen.kernels.fp8_gemm import describe_paths
+        from batchgen.kernels.fp8.gemm import describe_paths
 
         scheme = parse(config)
         dtype = self.engine.model.get_input_embeddings().weight.dtype  # the activations' (not the fp8 weights')

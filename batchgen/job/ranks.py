@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 
 from batchgen.errors import JobError
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
 

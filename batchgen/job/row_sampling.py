@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from batchgen.errors import JobError, RowError
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.sampling_params import ResponseFormat, SamplingParams
 
 MAX_CACHED = 4096  # distinct values kept parsed (most jobs have a handful)

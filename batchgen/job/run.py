@@ -24,7 +24,7 @@ from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
 

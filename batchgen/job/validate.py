@@ -13,7 +13,7 @@ from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.job.row_sampling import RowSampling
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
 from batchgen.prompts import PromptRenderer, RowError
@@ -45,7 +45,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  f"columns: {', '.join(source.columns)}")
     tokenizer, config = tokenizer_and_config(spec)
     _check_weights(spec)
-    from batchgen.runner.fp8_loader import check_fp8_checkpoint
+    from batchgen.quant.loader import check_fp8_checkpoint
 
     fp8 = check_fp8_checkpoint(config, spec.model.path)
     if fp8 is not None:

@@ -13,13 +13,23 @@ import dataclasses
 import torch
 
 from batchgen.attention.backend import AttentionMetadata
-from batchgen.models.fp8 import Fp8Weight
+from batchgen.quant.linear import Fp8Weight
 
 
 class DecodeForward:
     name: str = "?"  # what the start-up line prints: "fused", or "transformers (<why not fused>)"
     is_fused: bool = False
     has_packed: bool = False  # implements forward_packed; otherwise prefill steps run transformers' modules
+    # A fused family's registration (models/registry.py FAMILIES reads these): the transformers model types it
+    # serves, and what it supports beyond a plain run: a Shard (tensor parallelism) and batch-invariant kernels
+    model_types: tuple[str, ...] = ()
+    supports_tensor_parallel: bool = False
+    supports_deterministic: bool = False
+
+    @staticmethod
+    def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
+        """Why this model (of one of `model_types`) cannot run this family's fused forward, or None."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:

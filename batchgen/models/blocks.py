@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
-from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, quantize_groups
-from batchgen.kernels.layernorm import layernorm
-from batchgen.kernels.rmsnorm import rmsnorm
-from batchgen.kernels.rope_kv import QKNorm, rope_kv
-from batchgen.kernels.gated_act import gated_act
-from batchgen.kernels.splitk_common import SplitKPartials
-from batchgen.models.fp8 import Fp8Weight
-from batchgen.models.fp8_fusion import Fp8Fusion, input_quant, linear_to_norm
+from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs, quantize_groups
+from batchgen.kernels.norm.layernorm import layernorm
+from batchgen.kernels.norm.rmsnorm import rmsnorm
+from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv
+from batchgen.kernels.norm.gated_act import gated_act
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
+from batchgen.quant.linear import Fp8Weight
+from batchgen.quant.fusion import Fp8Fusion, input_quant, linear_to_norm
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "mlp_input_quant", "self_attention"]
 
@@ -49,7 +49,7 @@ class StepInputs:
     max_seq_len: int | None  # host-known bound on seq_lens (the CPU reference uses it); None: read it
     packed: AttentionMetadata | None = None  # a packed step's attention metadata; None: a decode step
     # engine.deterministic: every row's attention through the batch-invariant per-query kernel
-    # (kernels/invariant_attention.py), a decode row and a prefill token alike
+    # (kernels/invariant/attention.py), a decode row and a prefill token alike
     invariant: bool = False
     kv_lens: torch.Tensor | None = None  # [B] int32, invariant only: keys each row sees (position + 1; 0: padding)
     row_seq: torch.Tensor | None = None  # [B] int32, invariant packed steps: each row's sequence; None: row b is b
@@ -59,7 +59,7 @@ class StepInputs:
 class Norm:
     """One norm module's parameters and its rounding. kind: "rms" (Llama: the normalised row rounded, then the
     weight), "rms_unit_offset" (Gemma: (1 + w) in fp32, rounded once), "rms_fp32_weight" (OLMo2: w in fp32,
-    rounded once), "layer" (LayerNorm with weight and optional bias, kernels/layernorm.py: on CUDA the Triton
+    rounded once), "layer" (LayerNorm with weight and optional bias, kernels/norm/layernorm.py: on CUDA the Triton
     kernel takes w * (x - mean) * rstd + b in fp32 and rounds once, as torch's kernel does, with the mean and
     variance summed in its own order (last-bit differences possible, as with the RMSNorm kernel); on CPU the
     reference is torch's own add and layer_norm, the eager module's bits)."""
@@ -78,7 +78,7 @@ def add_norm(x: torch.Tensor | SplitKPartials, norm: Norm, residual: torch.Tenso
              quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
     """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
     x: [B, N] -> [B, N]; `out`: where the result goes (no residual: may be x itself); `x_scale` (RMS kinds:
-    Granite's residual_multiplier): x * x_scale, rounded, takes x's place. FP8 hand-offs (models/fp8_fusion.py,
+    Granite's residual_multiplier): x * x_scale, rounded, takes x's place. FP8 hand-offs (quant/fusion.py,
     Triton only): x a split-K GEMM's unsummed output; `quant`: the result quantised for the next GEMM
     (QuantizedActs). RMS kinds do both inside the norm kernel; "layer" sums first and quantises after it."""
     if norm.kind == "layer":  # the residual add rounded like the eager `residual + hidden_states`
@@ -122,7 +122,7 @@ def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cach
     deterministic path (`step.invariant`: every row's key read back from the cache) and packed steps, which
     write their K/V with the rotary, then attend (prefill kernel; decode kernel for their decode rows).
     `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3). FP8 hand-offs
-    (models/fp8_fusion.py): qkv may be a split-K GEMM's partials (summed by the fused decode kernel, reduced first
+    (quant/fusion.py): qkv may be a split-K GEMM's partials (summed by the fused decode kernel, reduced first
     on the other paths), and `quant` asks for the output quantised for the o GEMM (QuantizedActs), which the fused
     decode kernel does where it can; otherwise the output is a tensor, for that GEMM to quantise."""
     window = {"sliding_window": sliding_window, "softcap": softcap}
@@ -154,14 +154,14 @@ def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cach
 @dataclass
 class GatedMLP:
     """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh". The weights are
-    plain tensors or FP8 (models/fp8.py), both through `linear`; with `fusion` the activation kernel quantises the
+    plain tensors or FP8 (quant/linear.py), both through `linear`; with `fusion` the activation kernel quantises the
     down GEMM's input where that GEMM wants it so, and the down output may be split-K partials."""
 
     gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
     down_weight: torch.Tensor | Fp8Weight  # [E, I]
     activation: str = "silu"
     linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)
-    # the decoder's FP8 hand-offs (models/fp8_fusion.py), where only blocks.add_norm reads the output; None: none
+    # the decoder's FP8 hand-offs (quant/fusion.py), where only blocks.add_norm reads the output; None: none
     fusion: Fp8Fusion | None = field(default=None, kw_only=True)
 
     def input_quant(self, like: torch.Tensor) -> ActQuant | None:

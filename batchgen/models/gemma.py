@@ -2,8 +2,8 @@
 
 Gemma has the Llama layer order (pre-norm attention and gated MLP, rotary, GQA), so it runs the Llama family's
 fused layers with two differences, both in the shared kernels: its RMSNorm stores the weight as an offset from 1
-and multiplies in fp32 before rounding once (`kernels/rmsnorm.py`, unit_offset), and its MLP gate is the
-tanh-approximated GELU (`kernels/gated_act.py`). The embedding's sqrt(hidden) scale is applied by transformers'
+and multiplies in fp32 before rounding once (`kernels/norm/rmsnorm.py`, unit_offset), and its MLP gate is the
+tanh-approximated GELU (`kernels/norm/gated_act.py`). The embedding's sqrt(hidden) scale is applied by transformers'
 own embedding module, which the decoder calls; the attention scale is the module's (head_dim ** -0.5).
 Gemma2 and Gemma3 (soft-capping, alternating sliding windows, post-norms) are other files' work.
 """
@@ -31,5 +31,8 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class GemmaDecoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     norm_kind = "rms_unit_offset"
     activation = "gelu_tanh"

@@ -10,8 +10,8 @@ Layers alternate sliding-window attention (`sliding_window` tokens, as transform
 sees keys after p - window) with global attention (config.layer_types); the decode and prefill kernels bound
 their reads to the window, so K/V outside it are never read. The softmax scale is query_pre_attn_scalar ** -0.5.
 Gemma2 soft-caps the attention scores (attn_logit_softcapping) and the logits (final_logit_softcapping);
-Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, kernels/rope_kv.py's QKNorm: on a
-decode step inside the fused rotary + K/V write + attention kernel, kernels/paged_decode.py, as Gemma2's rotary;
+Gemma3 normalises q and k per head before the rotary (its own (1 + w) RMSNorm, kernels/attention/rope_kv.py's QKNorm: on a
+decode step inside the fused rotary + K/V write + attention kernel, kernels/attention/paged_decode.py, as Gemma2's rotary;
 on packed steps inside the rotary + K/V write kernel) and rotates sliding and global layers with their own rotary
 tables (local base 10k, global base 1M with linear scaling), which transformers' rotary module makes per layer
 type. Gemma3's multimodal model (model type "gemma3") and its bidirectional variant are not covered.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
-from batchgen.models.fp8 import Fp8Weight, linear_weight
-from batchgen.models.fp8_fusion import input_quant, linear_to_norm
+from batchgen.quant.linear import Fp8Weight, linear_weight
+from batchgen.quant.fusion import input_quant, linear_to_norm
 from batchgen.models.gemma import ACTIVATIONS
-from batchgen.kernels.rope_kv import QKNorm
+from batchgen.kernels.attention.rope_kv import QKNorm
 from batchgen.models.llama import LlamaDecoder, module_reason, qk_norm
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -99,6 +99,9 @@ class Gemma2Layer:
 
 
 class Gemma2Decoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     norm_kind = "rms_unit_offset"
     activation = "gelu_tanh"
 

@@ -34,6 +34,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class GraniteDecoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
                  deterministic: bool = False, fp8_gemm: str = "auto") -> None:
         super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm)

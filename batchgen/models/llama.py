@@ -8,7 +8,7 @@ and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 G
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 (plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
-separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; FP8 GEMMs: models/fp8_fusion.py). Prefill and
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; FP8 GEMMs: quant/fusion.py). Prefill and
 mixed steps (`forward_packed`) run the same layers over every token, with the rotary + K/V write kernel and the
 prefill attention kernel (decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
 kernel has a torch reference with the same rounding, so CI runs this exact code path.
@@ -23,14 +23,14 @@ import torch
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from batchgen.kernels.fp8_quant import ActQuant
-from batchgen.kernels.invariant_linear import InvariantLinear
-from batchgen.kernels.rope_kv import QKNorm
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.fp8.quant import ActQuant
+from batchgen.kernels.invariant.linear import InvariantLinear
+from batchgen.kernels.attention.rope_kv import QKNorm
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, mlp_input_quant, self_attention
-from batchgen.models.fp8 import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
-from batchgen.models.fp8_fusion import Fp8Fusion, input_quant
+from batchgen.quant.linear import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
+from batchgen.quant.fusion import Fp8Fusion, input_quant
 from batchgen.models.shard import SHARD_ATTR, Shard, VocabParallelHead, local_geometry
 from batchgen.models.weights import PaddedHead, fuse_linears
 
@@ -69,7 +69,7 @@ def module_reason(model: torch.nn.Module) -> str | None:
 
 def fused_groups_reason(layers) -> str | None:
     """Why projections the fused layers run as one GEMM (q/k/v, gate/up) cannot be joined: FP8 and plain weights
-    mixed, or FP8 with different schemes (models/fp8.py), or None."""
+    mixed, or FP8 with different schemes (quant/linear.py), or None."""
     groups = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -132,7 +132,7 @@ class Layer:
     """One pre-norm decoder layer's weights, views of the model's own (no copies)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]: the q rows, then k, then v (FP8: models/fp8.py)
+    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]: the q rows, then k, then v (FP8: quant/linear.py)
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D] (Qwen2, Starcoder2)
     o_weight: torch.Tensor | Fp8Weight  # [E, H D]
     o_bias: torch.Tensor | None  # [E]
@@ -148,13 +148,17 @@ class LlamaDecoder(DecodeForward):
     (`_qkv`, `_mlp`, `_norm`), the embedding (`_embed`), the rotary tables (`_cos_sin`), a sublayer's output
     scaled before the residual add (`branch_scale`, inside the add + norm kernel) and the logits (`_logits`).
     Llama itself runs every hook as identity."""
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+    supports_tensor_parallel = True
+    supports_deterministic = True
 
     is_fused = True
     has_packed = True
     norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
-    activation = "silu"  # the MLP gate's activation (kernels/gated_act.py)
+    activation = "silu"  # the MLP gate's activation (kernels/norm/gated_act.py)
     branch_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
-    fuse_fp8 = True  # FP8 hand-offs between the GEMMs and the norms / activation (models/fp8_fusion.py), with Triton
+    fuse_fp8 = True  # FP8 hand-offs between the GEMMs and the norms / activation (quant/fusion.py), with Triton
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                  shard: Shard | None = None, deterministic: bool = False, fp8_gemm: str = "auto") -> None:

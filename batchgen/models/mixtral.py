@@ -23,6 +23,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class MixtralDecoder(MoEDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     weights_fp32 = True
 
     def _renormalize(self) -> bool:

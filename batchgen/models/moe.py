@@ -6,7 +6,7 @@ place of the dense MLP a sparse block:
 
     router GEMM [B, E] -> softmax (fp32) -> top-k -> (renormalise) -> routing weights (rounded per family)
     -> experts: grouped gate_up GEMM -> SiLU*up -> grouped down GEMM * weight -> sum over k
-       (kernels/moe.py; pairs aligned by expert and the sum over k: kernels/moe_routing.py)
+       (kernels/moe/experts.py; pairs aligned by expert and the sum over k: kernels/moe/routing.py)
     (+ Qwen2-MoE's shared expert: a dense gated MLP scaled by sigmoid(shared_expert_gate(h)))
 
 Layers that the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) hold an ordinary GatedMLP: the
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP
-from batchgen.models.fp8 import Fp8Experts, Fp8Weight
+from batchgen.quant.linear import Fp8Experts, Fp8Weight
 from batchgen.models.llama import LlamaDecoder, layout_reason
-from batchgen.kernels.moe import fused_experts
-from batchgen.kernels.moe_routing import combine_accumulators
+from batchgen.kernels.moe.experts import fused_experts
+from batchgen.kernels.moe.routing import combine_accumulators
 
 
 @dataclass
@@ -117,6 +117,7 @@ def moe_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
 class MoEDecoder(LlamaDecoder):
     """The Llama layer loop with SparseMoE blocks where transformers built sparse ones. Families set how the
     router rounds (`renormalize`, `weights_fp32`) and whether a shared expert is read (`_shared`)."""
+    supports_deterministic = False  # the grouped expert GEMMs' blocks depend on the batch
 
     weights_fp32 = False
 

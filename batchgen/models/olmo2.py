@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
-from batchgen.models.fp8 import Fp8Weight, linear_weight
-from batchgen.models.fp8_fusion import linear_to_norm
+from batchgen.quant.linear import Fp8Weight, linear_weight
+from batchgen.quant.fusion import linear_to_norm
 from batchgen.models.llama import LlamaDecoder, fused_groups_reason, rope_reason, window_reason
 
 MODEL_TYPES = ("olmo2",)
@@ -67,6 +67,9 @@ class Olmo2Layer:
 
 
 class Olmo2Decoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     norm_kind = "rms_fp32_weight"
 
     def _layer(self, layer: torch.nn.Module) -> Olmo2Layer:

@@ -21,7 +21,7 @@ import torch
 
 from batchgen.attention.kv_cache import KVCache
 from batchgen.models.blocks import GatedMLP
-from batchgen.models.fp8 import linear_weight
+from batchgen.quant.linear import linear_weight
 from batchgen.models.llama import LlamaDecoder, module_reason, partial_rotary_reason, rope_reason
 
 MODEL_TYPES = ("phi3",)
@@ -57,6 +57,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class Phi3Decoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, shard=None,
                  deterministic: bool = False, fp8_gemm: str = "auto") -> None:
         super().__init__(model, kv_cache, use_triton, shard, deterministic, fp8_gemm)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.models.blocks import GatedMLP
-from batchgen.models.fp8 import linear_weight
+from batchgen.quant.linear import linear_weight
 from batchgen.models.moe import MoEDecoder, SparseMoE, moe_reason
 from batchgen.models.weights import fuse_linears
 
@@ -34,6 +34,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class QwenMoEDecoder(MoEDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     weights_fp32 = False  # Qwen's router rounds the routing weights to the activation dtype
 
     def _shared(self, mlp: torch.nn.Module, block: SparseMoE) -> None:

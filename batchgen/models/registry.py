@@ -1,34 +1,40 @@
 """Which decode forward a model runs: a fused decoder registered for its model type, or transformers' modules
 with our attention, with the reason printed at start-up. A new architecture is a file in this folder whose
-decoder class is added to DECODERS under its transformers `model_type`."""
+decoder class declares its `model_types`, `unsupported_reason` and capability flags (models/base.py
+DecodeForward), plus its line in FAMILIES."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.kernels.fp8_blockwise import blockwise_scaled_mm_supported, refuse_unavailable
+from batchgen.kernels.fp8.blockwise import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
-from batchgen.models.fp8_scheme import EXPERT_KEYS, UnsupportedFp8, is_fp8, parse
+from batchgen.quant.scheme import EXPERT_KEYS, UnsupportedFp8, is_fp8, parse
 from batchgen.models.shard import Shard, divisibility_reason, fp8_split_reason
 from batchgen.models.transformers_forward import TransformersDecode
 
-# model_type -> (why a model of that type cannot be fused, or None; the decoder class)
-DECODERS: dict[str, tuple[Callable[[torch.nn.Module, int], str | None], type[DecodeForward]]] = {
-    **{t: (llama.unsupported_reason, llama.LlamaDecoder) for t in llama.MODEL_TYPES},
-    **{t: (gemma.unsupported_reason, gemma.GemmaDecoder) for t in gemma.MODEL_TYPES},
-    **{t: (gemma2.unsupported_reason, gemma2.Gemma2Decoder) for t in gemma2.MODEL_TYPES},
-    **{t: (phi3.unsupported_reason, phi3.Phi3Decoder) for t in phi3.MODEL_TYPES},
-    **{t: (olmo2.unsupported_reason, olmo2.Olmo2Decoder) for t in olmo2.MODEL_TYPES},
-    **{t: (granite.unsupported_reason, granite.GraniteDecoder) for t in granite.MODEL_TYPES},
-    **{t: (starcoder2.unsupported_reason, starcoder2.Starcoder2Decoder) for t in starcoder2.MODEL_TYPES},
-    **{t: (qwen_moe.unsupported_reason, qwen_moe.QwenMoEDecoder) for t in qwen_moe.MODEL_TYPES},
-    **{t: (mixtral.unsupported_reason, mixtral.MixtralDecoder) for t in mixtral.MODEL_TYPES},
-}
+# one line a fused family
+FAMILIES: tuple[type[DecodeForward], ...] = (
+    llama.LlamaDecoder,
+    gemma.GemmaDecoder,
+    gemma2.Gemma2Decoder,
+    phi3.Phi3Decoder,
+    olmo2.Olmo2Decoder,
+    granite.GraniteDecoder,
+    starcoder2.Starcoder2Decoder,
+    qwen_moe.QwenMoEDecoder,
+    mixtral.MixtralDecoder,
+)
+DECODERS: dict[str, type[DecodeForward]] = {t: family for family in FAMILIES for t in family.model_types}
+# the families whose decoders read a Shard (models/shard.py): the Llama layer loop (`LlamaDecoder._hidden`, with its
+# `_reduce` after o_proj and the MLP; MoE experts split along the intermediate dimension), Gemma2's and OLMo2's
+TENSOR_PARALLEL_TYPES = tuple(t for t, family in DECODERS.items() if family.supports_tensor_parallel)
+# the families whose every op is batch-invariant (engine.deterministic; build_deterministic says what is not)
+DETERMINISTIC_TYPES = tuple(t for t, family in DECODERS.items() if family.supports_deterministic)
 
 
 def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None:
@@ -36,7 +42,7 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
     model_type = model.config.get_text_config().model_type
     if model_type not in DECODERS:
         return f"model type {model_type!r} (fused decoders: {', '.join(sorted(DECODERS))})"
-    return DECODERS[model_type][0](model, max_model_len)
+    return DECODERS[model_type].unsupported_reason(model, max_model_len)
 
 
 def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, max_model_len: int,
@@ -61,8 +67,7 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
     reason = "off" if not fused_decoder else "compile requested" if compile else \
         unsupported_reason(model, max_model_len)
     if reason is None:
-        fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton,
-                                                                        fp8_gemm=fp8_gemm)
+        fused = DECODERS[model.config.get_text_config().model_type](model, kv_cache, use_triton, fp8_gemm=fp8_gemm)
         reason = fused.check(kv_cache)
         if reason is None:
             return fused
@@ -70,13 +75,7 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
     return TransformersDecode(model, kv_cache, use_triton, max_model_len, reason)
 
 
-# ---- tensor parallelism: which fused decoders read a Shard (models/shard.py) -------------------------------------
-# the Llama layer loop (`LlamaDecoder._hidden`, with its `_reduce` after o_proj and the MLP: for MoE blocks, their
-# experts split along the intermediate dimension, the sum of the ranks' partial outputs), Gemma2's and OLMo2's (its
-# q/k RMSNorm over all heads: the sums of squares added over the ranks)
-TENSOR_PARALLEL_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
-                         *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES, *qwen_moe.MODEL_TYPES, *mixtral.MODEL_TYPES,
-                         *olmo2.MODEL_TYPES)
+# ---- tensor parallelism -------------------------------------------------------------------------------------------
 
 
 def tensor_parallel_reason(config, size: int) -> str | None:
@@ -114,7 +113,7 @@ def build_sharded(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, m
                   f"model runs transformers' modules ({unsupported_reason(model, max_model_len)})")
     if reason is not None:
         raise ValueError(f"engine.tensor_parallel_size {shard.size}: {reason}")
-    fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton, shard=shard)
+    fused = DECODERS[model.config.get_text_config().model_type](model, kv_cache, use_triton, shard=shard)
     reason = fused.check(kv_cache)
     if reason is not None:
         raise RuntimeError(f"engine.tensor_parallel_size {shard.size}: {reason}")
@@ -126,8 +125,6 @@ def build_sharded(model: torch.nn.Module, kv_cache: KVCache, use_triton: bool, m
 # a dataset that is not what it says. Not covered: transformers' modules (cuBLAS GEMMs, torch's attention
 # choices), MoE decoders (the grouped expert GEMMs pad each expert's tokens into blocks whose count depends on
 # the batch, and the top-k combine), tensor parallelism (all-reduce order and algorithm depend on message size).
-DETERMINISTIC_TYPES = (*llama.MODEL_TYPES, *gemma.MODEL_TYPES, *gemma2.MODEL_TYPES, *phi3.MODEL_TYPES,
-                       *olmo2.MODEL_TYPES, *granite.MODEL_TYPES, *starcoder2.MODEL_TYPES)
 
 
 class DeterministicUnsupported(ValueError):
@@ -154,13 +151,13 @@ def build_deterministic(model: torch.nn.Module, kv_cache: KVCache, use_triton: b
     """The fused decoder with batch-invariant GEMMs and attention. No fallback: a model the fused layers cannot
     run, or whose first step fails on the device, raises DeterministicUnsupported (naming the key).
     On CUDA that first step (`check`, before any graph capture) runs every weight's GEMM once, which runs the
-    fixed-row cuBLAS GEMM's self-check for each kind of weight and fixes its kernel (kernels/invariant_linear.py:
+    fixed-row cuBLAS GEMM's self-check for each kind of weight and fixes its kernel (kernels/invariant/linear.py:
     the choices are `fused.linear.paths`; a weight that fails runs the Triton GEMM, with a warning)."""
     reason = deterministic_reason(model.config) or unsupported_reason(model, max_model_len)
     if reason is not None:
         raise DeterministicUnsupported(f"engine.deterministic: {reason}; run without engine.deterministic (no reproducibility "
                          f"guarantee across batch sizes), or use a model the fused decoders serve")
-    fused = DECODERS[model.config.get_text_config().model_type][1](model, kv_cache, use_triton, deterministic=True)
+    fused = DECODERS[model.config.get_text_config().model_type](model, kv_cache, use_triton, deterministic=True)
     reason = fused.check(kv_cache)
     if reason is not None:
         raise DeterministicUnsupported(f"engine.deterministic: the batch-invariant decoder failed its first step on "

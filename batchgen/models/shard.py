@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.models.fp8 import Fp8Experts, Fp8Linear
+from batchgen.quant.linear import Fp8Experts, Fp8Linear
 
 
 SHARD_ATTR = "_batchgen_shard"  # set on a model by shard_model_: (rank, size); its weights are that rank's

@@ -3,7 +3,7 @@
 Starcoder2 keeps the pre-norm layer order of Llama but with GPT-style pieces: LayerNorm with weight and bias
 (`norm_epsilon`) instead of RMSNorm, biases on q/k/v/o, and a non-gated MLP c_fc -> GELU (tanh approximation,
 `gelu_pytorch_tanh`) -> c_proj with biases. Each residual add and the LayerNorm after it are one kernel
-(blocks.Norm "layer", kernels/layernorm.py: on CUDA the Triton kernel, rounding once from fp32 as torch's
+(blocks.Norm "layer", kernels/norm/layernorm.py: on CUDA the Triton kernel, rounding once from fp32 as torch's
 layer_norm does, its sums in its own order; on CPU torch's own add and layer_norm, the eager module's bits); the
 MLP runs torch's linear/GELU (blocks.PlainMLP), the eager module's ops; the attention is the shared fused path
 (QKV GEMM with the fused bias, rotary + K/V write + paged attention). A config `sliding_window` is passed to the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.models.blocks import Norm, PlainMLP
-from batchgen.models.fp8 import linear_weight
+from batchgen.quant.linear import linear_weight
 from batchgen.models.llama import LlamaDecoder, module_reason, norm_eps, rope_reason
 
 MODEL_TYPES = ("starcoder2",)
@@ -38,6 +38,9 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 
 
 class Starcoder2Decoder(LlamaDecoder):
+    model_types = MODEL_TYPES
+    unsupported_reason = staticmethod(unsupported_reason)
+
     norm_kind = "layer"
 
     def _norm(self, module: torch.nn.Module) -> Norm:

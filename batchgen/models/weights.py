@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.models.fp8 import Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
+from batchgen.quant.linear import Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
 
 
 def fuse_linears(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
     """Concatenate the Linears' weights (and biases) along the output dim; rebind each as a view into it.
     Idempotent: weights already laid out back to back in one tensor are reused, not copied again. FP8 projections
-    (models/fp8.py Fp8Linear, all or none of `linears`) give an Fp8Weight over the fused fp8 weight, with their
+    (quant/linear.py Fp8Linear, all or none of `linears`) give an Fp8Weight over the fused fp8 weight, with their
     scales concatenated (`fuse_fp8`)."""
     reason = mixed_reason([linears])
     if reason is not None:

@@ -22,11 +22,11 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
-from batchgen.output.layout import resolved_job_path
+from batchgen.output.layout import CARD_MARKER, resolved_job_path
 from batchgen.output.damage import FINGERPRINT_FIX, load_json
 
 CARD_FILE = "README.md"
-MARKER = "<!-- dataset card written by batchgen: `batchgen report` rewrites it -->"
+MARKER = CARD_MARKER
 
 
 def _percentiles(values: np.ndarray) -> dict[str, float]:

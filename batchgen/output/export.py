@@ -75,7 +75,7 @@ def _json(obj: Any) -> str:
 
 
 def _spec(out_dir: Path):
-    from batchgen.job.spec import JobSpec
+    from batchgen.config import JobSpec
 
     path = resolved_job_path(out_dir)
     if not path.is_file():
@@ -83,11 +83,13 @@ def _spec(out_dir: Path):
     return JobSpec.model_validate(yaml.safe_load(path.read_text()))
 
 
-def _positions(spec, key_name: str, keys: set, result: ExportResult) -> dict | None:
+def _positions(spec, key_name: str, keys: set, result: ExportResult, open_source) -> dict | None:
     """key -> source position, or None (commit order) when the source cannot be read again."""
     if key_name == "row_idx" and spec.source.key_column is None:
         return None  # the key is the position
-    from batchgen.sources import open_source
+    if open_source is None:
+        result.order = "commit"
+        return None
 
     try:
         positions = {}
@@ -103,7 +105,7 @@ def _positions(spec, key_name: str, keys: set, result: ExportResult) -> dict | N
     return positions
 
 
-def _sorted_data(ledger: Ledger, spec, result: ExportResult) -> tuple[pa.Table | None, str, np.ndarray]:
+def _sorted_data(ledger: Ledger, spec, result: ExportResult, open_source) -> tuple[pa.Table | None, str, np.ndarray]:
     """All committed data rows in source order, the key column's name, and each row's commit time."""
     shards = _committed(ledger, "data")
     if not shards:
@@ -112,7 +114,7 @@ def _sorted_data(ledger: Ledger, spec, result: ExportResult) -> tuple[pa.Table |
     times = np.concatenate([np.full(t.num_rows, when) for t, when in shards])
     key_name = table.schema.names[0]
     keys = table[key_name].to_pylist()
-    positions = _positions(spec, key_name, set(keys), result)
+    positions = _positions(spec, key_name, set(keys), result, open_source)
     commit_index = np.arange(len(keys))
     if positions is not None:
         # a key the source no longer holds (edited since the run) goes last, in commit order
@@ -174,7 +176,9 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None) -> ExportResult:
+def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_source=None) -> ExportResult:
+    """`open_source` (sources.open_source, given by the caller: output/ sits below sources/) reads the job's source
+    again for the rows' source order; None: commit order."""
     out_dir, to = Path(out_dir), Path(to)
     if fmt not in FORMATS:
         raise JobError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
@@ -185,7 +189,7 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None) -> Exp
     spec = _spec(out_dir)
     result = ExportResult()
     ledger = mf.checked_ledger(out_dir)  # every record checked, no key in two records: each row exported once
-    table, key_name, times = _sorted_data(ledger, spec, result)
+    table, key_name, times = _sorted_data(ledger, spec, result, open_source)
     if fmt == "parquet":
         if table is None:
             raise JobError(f"{out_dir} has no committed completion rows to export")

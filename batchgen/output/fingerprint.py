@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import JobError
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.output.damage import FINGERPRINT_FIX, load_json
 
 FILE = "fingerprint.json"

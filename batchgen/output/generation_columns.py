@@ -17,7 +17,7 @@ from batchgen.engine.detokenizer import final_text, text_token_ids
 from batchgen.engine.reasoning import ReasoningMarkers
 from batchgen.output.arrow_columns import GridCell
 from batchgen.errors import JobError
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 
 TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 

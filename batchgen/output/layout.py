@@ -75,9 +75,11 @@ def _starts_with(path: Path, header: str) -> bool:
         return False
 
 
-def is_batchgen_card(path: Path) -> bool:
-    from batchgen.output.card import MARKER as CARD_MARKER
+# the dataset card's first line (output/card.py writes it): a README.md holding it is batchgen's
+CARD_MARKER = "<!-- dataset card written by batchgen: `batchgen report` rewrites it -->"
 
+
+def is_batchgen_card(path: Path) -> bool:
     try:
         return CARD_MARKER in path.read_text(errors="replace")
     except OSError:

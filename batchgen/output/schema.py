@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import JobError, RowError
-from batchgen.job.spec import JobSpec
+from batchgen.config import JobSpec
 from batchgen.output import generation_columns as gen
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",

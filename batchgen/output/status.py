@@ -116,13 +116,12 @@ def _read_workers(out_dir: Path) -> dict[str, _Worker]:
     return workers
 
 
-def _expected_rows(out_dir: Path) -> int | None:
+def _expected_rows(out_dir: Path, open_source) -> int | None:
     job = resolved_job_path(out_dir)
-    if not job.exists():
+    if not job.exists() or open_source is None:
         return None
     try:
-        from batchgen.sources import open_source
-        from batchgen.job.spec import SourceSpec
+        from batchgen.config import SourceSpec
 
         spec = SourceSpec.model_validate(yaml.safe_load(job.read_text())["source"])
         source = open_source(spec)
@@ -172,14 +171,16 @@ def _what_is_there(out_dir: Path) -> str:
     return f"it holds: {shown}"
 
 
-def describe(out_dir: Path) -> str:
+def describe(out_dir: Path, open_source=None) -> str:
+    """What is on disk in a job's output directory. `open_source` (sources.open_source, given by the caller: output/
+    sits below sources/) reads the job's source for its row count; None: progress without a total."""
     if not out_dir.is_dir():
         raise JobError(f"{out_dir} does not exist: no batchgen run has written there yet")
     workers = _read_workers(out_dir)
     if not workers:
         raise JobError(f"{out_dir} holds no batchgen output (no {mf.MANIFEST_DIR}/, logs, reports or worker "
                        f"locks); {_what_is_there(out_dir)}")
-    expected = _expected_rows(out_dir)
+    expected = _expected_rows(out_dir, open_source)
     total = sum(w.rows for w in workers.values())
     uncommitted = sum(w.uncommitted for w in workers.values())
     rows_remain = expected is None or total < expected

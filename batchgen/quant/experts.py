@@ -18,9 +18,9 @@ import re
 import torch
 
 from batchgen.errors import JobError
-from batchgen.kernels.fp8_quant import FP8_DTYPE
-from batchgen.models.fp8 import Fp8Experts
-from batchgen.models.fp8_scheme import Fp8Scheme
+from batchgen.kernels.fp8.quant import FP8_DTYPE
+from batchgen.quant.linear import Fp8Experts
+from batchgen.quant.scheme import Fp8Scheme
 
 # <owner: the layer's experts module>.<expert index>.<projection>.<tensor>
 EXPERT_KEY = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"

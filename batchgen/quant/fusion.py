@@ -8,11 +8,11 @@ spent ~0.44 ms a step on 224 quantiser and split-K reduction launches of a few m
   - outputs: a split-K GEMM whose output only a residual add + RMSNorm reads (o and down) hands that kernel its
     fp32 partials unsummed (kernels/splitk_common.SplitKPartials): one reduction launch less per such GEMM;
   - attention: the QKV GEMM's partials go unsummed to the decode attention kernel (it sums them as it loads q, k
-    and v), and that kernel quantises its output for the o GEMM (kernels/paged_decode.py, where each head is
+    and v), and that kernel quantises its output for the o GEMM (kernels/attention/paged_decode.py, where each head is
     whole quantisation groups): a reduction and a quantiser launch less a layer at decode steps.
 
-All give the unfused kernels' bits: the same arithmetic on the same rounded values (kernels/rmsnorm.py,
-kernels/gated_act.py, kernels/paged_decode.py). Each decision is made per weight and per step's rows, as fp8_linear makes its path's: on
+All give the unfused kernels' bits: the same arithmetic on the same rounded values (kernels/norm/rmsnorm.py,
+kernels/norm/gated_act.py, kernels/attention/paged_decode.py). Each decision is made per weight and per step's rows, as fp8_linear makes its path's: on
 the host from shapes alone (no sync; a CUDA graph captured for a batch size keeps it). Not asked for: without
 Triton (the torch references), in engine.deterministic (InvariantLinear: plain weights), and, for the outputs,
 on tensor-parallel shards (their o and down outputs are all-reduced first).
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import fp8_gemm
-from batchgen.kernels.fp8_quant import ActQuant, Fp8Weight, QuantizedActs
-from batchgen.kernels.splitk_common import SplitKPartials
-from batchgen.models.fp8 import linear as plain_or_fp8_linear
+from batchgen.kernels.fp8 import gemm as fp8_gemm
+from batchgen.kernels.fp8.quant import ActQuant, Fp8Weight, QuantizedActs
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
+from batchgen.quant.linear import linear as plain_or_fp8_linear
 
 
 @dataclass(frozen=True)

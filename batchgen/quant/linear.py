@@ -1,4 +1,4 @@
-"""FP8 linear weights: `Fp8Linear`, the module an FP8 checkpoint's projections load into (runner/fp8_loader.py),
+"""FP8 linear weights: `Fp8Linear`, the module an FP8 checkpoint's projections load into (quant/loader.py),
 `Fp8Weight`, what the fused decoders hold for such a projection (one or several fused), and `linear`, the one
 call the fused blocks make for every projection, bf16 or FP8.
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.fp8_gemm import fp8_linear
-from batchgen.kernels.fp8_quant import FP8_DTYPE, Fp8Weight, QuantizedActs
-from batchgen.kernels.splitk_common import SplitKPartials
-from batchgen.kernels.moe import fused_experts
+from batchgen.kernels.fp8.gemm import fp8_linear
+from batchgen.kernels.fp8.quant import FP8_DTYPE, Fp8Weight, QuantizedActs
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
+from batchgen.kernels.moe.experts import fused_experts
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
 
@@ -64,7 +64,7 @@ class Fp8Experts(torch.nn.Module):
     """A mixture-of-experts layer's experts kept in FP8, in place of transformers 5.x's experts module (same
     layout: gate_up [E, 2 I, H], the gate rows then the up rows; down [E, H, I]) with block scales [E, 2 I / group_n,
     H / group_k] and [E, H / group_n, I / group_k] (group_n must divide I: the gate and up blocks stay apart).
-    runner/fp8_loader.py fills it from the checkpoint's per-expert tensors; the fused MoE decoders read `weights()`;
+    quant/loader.py fills it from the checkpoint's per-expert tensors; the fused MoE decoders read `weights()`;
     its forward (transformers' sparse block: prefill of unfused paths, the fallback decode) runs the same
     kernels/moe.fused_experts."""
 
@@ -91,7 +91,7 @@ class Fp8Experts(torch.nn.Module):
         self.down_proj_scale = param(num_experts, -(-hidden // group_n), -(-inter // group_k), dtype=torch.float32)
 
     def weights(self) -> tuple[Fp8Weight, Fp8Weight]:
-        """(gate_up, down) as kernels/moe.py takes FP8 experts."""
+        """(gate_up, down) as kernels/moe/experts.py takes FP8 experts."""
         return tuple(Fp8Weight(w, s, self.group_n, self.group_k, self.act_quant, self.scale_ub)
                      for w, s in ((self.gate_up_proj, self.gate_up_proj_scale), (self.down_proj, self.down_proj_scale)))
 
@@ -107,10 +107,10 @@ class Fp8Experts(torch.nn.Module):
 
 def linear(x: torch.Tensor | QuantizedActs, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
            fp8_path: str = "auto", unreduced: bool = False) -> torch.Tensor | SplitKPartials:
-    """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8_gemm.py) for an
+    """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8/gemm.py) for an
     Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here. An
     Fp8Weight's GEMM also takes x already quantised (QuantizedActs) and, `unreduced`, may return split-K partials
-    (models/fp8_fusion.py)."""
+    (quant/fusion.py)."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight.weight, weight.scale, weight.group_n, weight.group_k, bias, weight.act_quant,
                           weight.scale_ub, path=fp8_path, unreduced=unreduced)

@@ -1,4 +1,4 @@
-"""Loading an FP8 checkpoint (models/fp8_scheme.py) with its projections kept in FP8: batchgen's own loader, not
+"""Loading an FP8 checkpoint (quant/scheme.py) with its projections kept in FP8: batchgen's own loader, not
 transformers' quantizers, whose FP8 layers (a) dequantise on a machine without a GPU, (b) call a kernel from the
 `kernels` package that the GPU image lacks, so CUDA-graph capture fails (measured on the H200), (c) need the
 `compressed_tensors` / `fbgemm_gpu` packages for those formats.
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from batchgen.errors import JobError
-from batchgen.models.fp8 import Fp8Linear
-from batchgen.models.fp8_scheme import Fp8Scheme, UnsupportedFp8, parse
-from batchgen.runner.fp8_experts import EXPERT_KEY, ExpertAssembler, model_key
+from batchgen.quant.linear import Fp8Linear
+from batchgen.quant.scheme import Fp8Scheme, UnsupportedFp8, parse
+from batchgen.quant.experts import EXPERT_KEY, ExpertAssembler, model_key
 
 _FP8_DTYPE_NAMES = {"F8_E4M3"}  # safetensors' name for float8_e4m3fn
 # tensors a checkpoint may carry that this loader reads past: static activation scales (activations are quantised
@@ -45,7 +45,7 @@ def fp8_scheme_or_error(config, path: str) -> Fp8Scheme:
 def check_fp8_checkpoint(config, path: str) -> Fp8Scheme | None:
     """The FP8 scheme of an FP8 checkpoint's config, None for other models; a scheme batchgen cannot run is a
     JobError naming model.path, from the config alone (run and validate call it before any weight loads)."""
-    from batchgen.models.fp8_scheme import is_fp8
+    from batchgen.quant.scheme import is_fp8
 
     return fp8_scheme_or_error(config, path) if is_fp8(config) else None
 

@@ -5,7 +5,7 @@ rows n.. are padding: seq_len 0 (attention writes zeros), their K/V go to the ca
 
 Static inputs live here; `replay` copies a step's values into them. Captured region: the model's decode
 forward (`models/registry.py` chose it: a fused decoder, or transformers' modules with Triton decode attention)
-and the greedy argmax (Triton, `kernels/argmax.py`); other sampling runs after, eagerly, on the graph's logits.
+and the greedy argmax (Triton, `kernels/sample/argmax.py`); other sampling runs after, eagerly, on the graph's logits.
 
 A graph records the GEMM kernels torch's BLAS back end chose at capture, and the better back end depends on
 the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
@@ -17,7 +17,7 @@ the faster. Caveats: each weight is timed alone, so one that fits in L2 is timed
 can pick either back end, and their GEMMs round differently (bf16 outputs may differ between runs). The choice is
 process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
 default. engine.deterministic's GEMMs pin their own library around every call, captured or eager
-(kernels/fixed_row_gemm.py; engine/config.py refuses `auto` and a library other than theirs).
+(kernels/invariant/fixed_row_gemm.py; engine/config.py refuses `auto` and a library other than theirs).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from batchgen.attention.interface import paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.engine.sizing import graph_buckets
-from batchgen.kernels import argmax
-from batchgen.kernels.fixed_row_gemm import preferred_blas
+from batchgen.kernels.sample import argmax
+from batchgen.kernels.invariant.fixed_row_gemm import preferred_blas
 from batchgen.models.base import DecodeForward
 
 

@@ -181,17 +181,17 @@ def load_model(source: str, dtype: str = "auto", device: str = "auto",
     """The weights from `model_source`'s answer, in eval mode on the device. `shard` (rank, size): only that
     tensor-parallel rank's part of the layers and LM head (models/shard.py), cut on the CPU, so moving it to
     the GPU copies the shard alone. Hazard: every rank still reads the whole checkpoint into host memory first.
-    An FP8 checkpoint (models/fp8_scheme.py) loads through runner/fp8_loader.py: its projections stay FP8, `dtype`
+    An FP8 checkpoint (quant/scheme.py) loads through quant/loader.py: its projections stay FP8, `dtype`
     is that of everything else (and of the activations)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from batchgen.models.fp8_scheme import is_fp8
+    from batchgen.quant.scheme import is_fp8
 
     dev = resolve_device(device)
     config = AutoConfig.from_pretrained(source)
     try:
         if is_fp8(config):
-            from batchgen.runner.fp8_loader import load_fp8_model
+            from batchgen.quant.loader import load_fp8_model
 
             # a tensor-parallel rank's shard is cut on the CPU (below), then moved
             model = load_fp8_model(source, config, resolve_dtype(dtype, dev),

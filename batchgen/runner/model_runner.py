@@ -19,7 +19,7 @@ import torch
 from batchgen.attention.interface import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.engine.batch import ScheduledBatch, StepOutput
-from batchgen.kernels.prefill_launch import PrefillWork, prefill_launch, prefill_work
+from batchgen.kernels.attention.prefill_launch import PrefillWork, prefill_launch, prefill_work
 from batchgen.models.registry import build_decode_forward
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays

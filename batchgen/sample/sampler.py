@@ -6,14 +6,14 @@ transformers' generate), frequency and presence penalties (as vLLM and OpenAI: o
 (min_new_tokens), temperature, top-k, top-p, min-p, then argmax (greedy) or Gumbel-max (sampling).
 
 Two implementations of the steps after suppression: `sample_ref` in torch (CPU, and the reference: a full sort
-for top-k/top-p), and on CUDA the sort-free Triton kernel `kernels/sample.py` (one program per row).
+for top-k/top-p), and on CUDA the sort-free Triton kernel `kernels/sample/draw.py` (one program per row).
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.sample import sample_rows
+from batchgen.kernels.sample.draw import sample_rows
 from batchgen.sample.grammar_mask import apply_token_bitmask
 from batchgen.sample.noise import uniform_noise
 from batchgen.sample.tensors import SamplingTensors

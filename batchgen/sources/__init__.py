@@ -8,12 +8,12 @@ from pathlib import Path
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow, is_output_dir
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 
 __all__ = ["SOURCE_TYPES", "Source", "SourceRow", "open_source"]
 
 # source.type -> (module, class, the extension of the files its paths name; None: the class reads spec.path itself).
-# A new input format is a module here and its line; job/spec.py's SourceSpec.type lists the same names.
+# A new input format is a module here and its line; config/schema.py's SourceSpec.type lists the same names.
 SOURCE_TYPES: dict[str, tuple[str, str, str | None]] = {
     "parquet": ("batchgen.sources.parquet", "ParquetSource", "parquet"),
     "jsonl": ("batchgen.sources.jsonl", "JsonlSource", "jsonl"),

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 from batchgen.output.damage import OutputDamaged, Problem
 from batchgen.output.manifest import checked_ledger
 from batchgen.output.shard_check import read_checked

@@ -12,7 +12,7 @@ from pathlib import Path
 from batchgen.errors import JobError
 from batchgen.hub import hub_offline, looks_local, offline_miss, require_hub
 from batchgen.sources.base import Source, SourceRow
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 
 SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 DATASET_LOCAL_HINT = ("Save it where the hub is reachable (datasets.load_dataset({name!r}).save_to_disk(DIR)) and "

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow, check_format
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 
 SCHEMA_SAMPLE_ROWS = 1000
 PROGRESS_SCAN_BYTES = 1 << 30  # count a JSONL source's rows for the progress bar up to this size

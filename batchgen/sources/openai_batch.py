@@ -30,7 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.errors import JobError
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 from batchgen.sources.base import Source, SourceRow
 from batchgen.sources.jsonl import JsonlSource
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow, check_format
-from batchgen.job.spec import SourceSpec
+from batchgen.config import SourceSpec
 
 BATCH_ROWS = 1024
 

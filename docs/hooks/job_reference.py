@@ -1,4 +1,4 @@
-"""The job-file reference, generated from the pydantic models (batchgen.job.spec.JobSpec and every section it
+"""The job-file reference, generated from the pydantic models (batchgen.config.JobSpec and every section it
 holds), so that it cannot drift from the code.
 
 Used two ways:
@@ -222,7 +222,7 @@ def _nested_models(tp) -> list[type[BaseModel]]:
 def walk(model: type[BaseModel] | None = None, prefix: str = "") -> list[Key]:
     """Every key of the job file, depth first, in declaration order."""
     if model is None:
-        from batchgen.job.spec import JobSpec
+        from batchgen.config import JobSpec
 
         model = JobSpec
     keys: list[Key] = []
@@ -277,7 +277,7 @@ SECTION_GUIDES = {
 
 
 def render() -> str:
-    from batchgen.job.spec import JobSpec
+    from batchgen.config import JobSpec
 
     keys = walk(JobSpec)
     out: list[str] = []

@@ -1,4 +1,4 @@
-"""Which launch the paged decode attention kernels (kernels/paged_decode.py) use for a batch's shape.
+"""Which launch the paged decode attention kernels (kernels/attention/paged_decode.py) use for a batch's shape.
 
 `default_launch` looks the shape up in a table of launches measured on the GPU (decode_launches.json beside this
 file, written by `bench/decode_attention_sweep.py --write-table`) and, for a head geometry the table does not hold,
@@ -38,9 +38,6 @@ class DecodeLaunch:
     mma: bool = True
     # the grid's order: (sequences, KV heads, splits), or, True, (KV heads, sequences, splits)
     heads_first: bool = False
-    # > 1 (MHA models only, a power of two dividing the KV heads): that many KV heads a program, each token's
-    # slices of them read as one contiguous run (kernels/paged_decode_heads.py; CUDA cores, heads_first unused)
-    heads_per_program: int = 1
 
 
 @dataclass(frozen=True)
@@ -166,7 +163,6 @@ _LAUNCH_KEYS = {
     "num_stages": (lambda v: v is None or (type(v) is int and v >= 1), "null or an int >= 1"),
     "mma": (lambda v: isinstance(v, bool), "a bool"),
     "heads_first": (lambda v: isinstance(v, bool), "a bool"),
-    "heads_per_program": (lambda v: type(v) is int and _pow2(v), "a power of two"),
 }
 assert set(_LAUNCH_KEYS) == {f.name for f in fields(DecodeLaunch)}
 
@@ -196,10 +192,6 @@ def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
         _check_keys(raw, _ENTRY_KEYS, where)
         _check_keys(raw["launch"], _LAUNCH_KEYS, where, "launch.")
         entry = TableEntry(**{**raw, "launch": DecodeLaunch(**raw["launch"])})
-        heads = entry.launch.heads_per_program
-        if heads > 1 and (entry.group != 1 or entry.num_kv_heads % heads or entry.launch.heads_first):
-            raise ValueError(f"{where}: key 'launch.heads_per_program' is {heads}: for MHA (group 1) only, dividing "
-                             f"the KV heads, without heads_first")
         key = (entry.head_dim, entry.num_kv_heads, entry.group, entry.num_seqs)
         if key in seen:
             raise ValueError(f"{where}: key 'num_seqs': (head_dim, num_kv_heads, group, num_seqs) {key} is also "

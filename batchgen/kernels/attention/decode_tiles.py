@@ -1,17 +1,17 @@
 """The Triton pieces the paged decode kernels share: rotary loads (with or without Qwen3's / Gemma3's per-head q/k
 norm, from the QKV projection or its split-K partials), the online softmax over a split's K/V tiles, and a split's
-partials to and from the fp32 workspace. Used by kernels/paged_decode.py (per KV head),
-kernels/paged_decode_heads.py (several MHA heads a program) and kernels/invariant_attention.py (one query row at a
-time, whose batch invariance is exactly attend_tiles' fixed tile order)."""
+partials to and from the fp32 workspace. Used by kernels/attention/paged_decode.py (per KV head) and
+kernels/invariant/attention.py (one query row at a time, whose batch invariance is exactly attend_tiles' fixed tile
+order)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from batchgen.kernels.paged_prefill import full_dot, paged_kv_tile, softcapped
-from batchgen.kernels.rope_kv import qk_norm_rounded, rotate_rounded, row_sums
-from batchgen.kernels.splitk_common import sum_splits
+from batchgen.kernels.attention.paged_prefill import full_dot, paged_kv_tile, softcapped
+from batchgen.kernels.attention.rope_kv import qk_norm_rounded, rotate_rounded, row_sums
+from batchgen.kernels.fp8.splitk_common import sum_splits
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def rotated_load(ptrs, partner_ptrs, mask, cos, sin, sign):
 @triton.jit
 def normed_rotated(x, xp, cos, sin, sign, w_ptr, d, partner, norm_eps, HEAD_DIM: tl.constexpr,
                    UNIT_OFFSET: tl.constexpr, LOG2_HALF_D: tl.constexpr):
-    """Heads RMS-normalised, then rotated, as kernels/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P], one head
+    """Heads RMS-normalised, then rotated, as kernels/attention/rope_kv.py's QKNorm rounds them: rows of x ([R, D_P], one head
     a row, activation dtype; masked columns 0) and their rotate-half partners xp (x[partner[d]]), each normalised
     with the row's rstd and the norm weight (w_ptr: HEAD_DIM values) at d and at partner[d], then rotated. The
     row's fp32 sum of squares in rope_kv's fixed order (the two halves' squares added, then a pairwise tree over
@@ -131,7 +131,7 @@ def attend_tiles(q, k_cache_ptr, v_cache_ptr, table_ptr, start, end, h, scale, s
     increasing order (table_ptr: the sequence's block-table row) -> (acc [GROUP_P, D_P] fp32 unnormalised, running
     max m [GROUP_P], running sum l [GROUP_P]). GROUP_P >= 16: the products by full_dot (tensor cores; fp32:
     IEEE); below, broadcast products summed on CUDA cores. Shared by the decode kernel (per split) and the
-    batch-invariant one (kernels/invariant_attention.py), whose invariant is exactly this fixed tile order. q as
+    batch-invariant one (kernels/invariant/attention.py), whose invariant is exactly this fixed tile order. q as
     paged_prefill.query_operand gives it (bf16 queries over an fp8 cache: fp16)."""
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)

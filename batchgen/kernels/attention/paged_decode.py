@@ -2,9 +2,8 @@
 
 Split-K over the context: program (seq, kv_head, split) (or (kv_head, seq, split): DecodeLaunch.heads_first)
 streams its slice of the sequence's K/V once for all G query heads that share that KV head (GQA), keeping an
-online softmax; a second kernel merges the splits. MHA models may instead take several KV heads a program
-(DecodeLaunch.heads_per_program: kernels/paged_decode_heads.py). The launch (splits, tile, warps, stages, those
-options) comes from `default_launch` (kernels/decode_launch.py: a measured table, else a heuristic) unless the
+online softmax; a second kernel merges the splits. The launch (splits, tile, warps, stages, those
+options) comes from `default_launch` (kernels/attention/decode_launch.py: a measured table, else a heuristic) unless the
 caller gives one. With one split (enough sequences to fill the GPU) the split kernel normalises and writes the
 output itself, and no merge kernel runs. The grid depends only on (num_seqs, num_kv_heads, NUM_SPLITS)
 and every piece of metadata is read from device tensors, so a step can be captured in a CUDA graph and
@@ -14,15 +13,14 @@ Gemma2/Gemma3 layers: `sliding_window` W (a query at position p sees keys p - W 
 and transformers' sliding masks) narrows every split's range to the window, so K/V outside it are never read;
 `softcap` c maps each score s to c * tanh(s / c) before the softmax.
 
-`paged_decode_rope_attention` also does rope_kv's work (kernels/rope_kv.py) in the same kernel, saving a
+`paged_decode_rope_attention` also does rope_kv's work (kernels/attention/rope_kv.py) in the same kernel, saving a
 launch per layer: queries are rotated as they are loaded from the QKV projection, and the program whose
 split holds the new token rotates its key, writes key and value to the token's cache slot, and attends to
 them from registers (no program reads that slot in this step, so the write races with nothing). With a
 `QKNorm` (Qwen3, Gemma3) each query head and the new key are first RMS-normalised over the head dim, with
 rope_kv's rounding (the same Triton helpers: rope_kv.qk_norm_rounded, then rotate_rounded) and its fixed order of
 the fp32 sum of squares (rope_kv.row_sums: the same bits for power-of-two head dims); the values are not
-normalised. The several-heads kernel (MHA only) has no q/k
-norm: `_launch` refuses that combination.
+normalised.
 """
 
 from __future__ import annotations
@@ -33,15 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
-from batchgen.kernels.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated,
+from batchgen.kernels.attention.decode_launch import DecodeLaunch, default_launch  # noqa: F401 (callers import it from here)
+from batchgen.kernels.attention.decode_tiles import (attend_tiles, fold_new_key, merge_partials, normed_rotated,
                                           projection_load, rope_tables, split_program, store_partials)
-from batchgen.kernels.fp8_quant import (ActQuant, QuantizedActs, group_quant_buffers, quantize_store_heads,
+from batchgen.kernels.fp8.quant import (ActQuant, QuantizedActs, group_quant_buffers, quantize_store_heads,
                                        quantize_store_row)
-from batchgen.kernels.paged_decode_heads import decode_heads_kernel
-from batchgen.kernels.paged_prefill import query_operand
-from batchgen.kernels.rope_kv import QKNorm, as_cached, rotate_rounded
-from batchgen.kernels.splitk_common import TL_DTYPES, SplitKPartials
+from batchgen.kernels.attention.paged_prefill import query_operand
+from batchgen.kernels.attention.rope_kv import QKNorm, as_cached, rotate_rounded
+from batchgen.kernels.fp8.splitk_common import TL_DTYPES, SplitKPartials
 
 
 # heads_first: one compiled kernel for both grid orders; stride_bt: an eager step's block tables are as wide as
@@ -206,8 +203,8 @@ def paged_decode_rope_attention(
     quant: ActQuant | None = None,  # the output GEMM's input quantisation, done here where the launch can
 ) -> torch.Tensor | QuantizedActs:  # [B, H, D], or [B, H D] quantised
     """rope_kv (its q/k norm included) followed by paged_decode_attention, in one kernel. FP8 hand-offs
-    (models/fp8_fusion.py): qkv may be a split-K GEMM's unsummed partials (summed as its reduction kernel would,
-    as they are loaded; the several-heads kernel reduces them first), and with `quant` the output comes back as
+    (quant/fusion.py): qkv may be a split-K GEMM's unsummed partials (summed as its reduction kernel would,
+    as they are loaded), and with `quant` the output comes back as
     QuantizedActs, bit for bit as quantize_groups would quantise it, where each head is whole quantisation groups
     (head_dim a power of two and a multiple of quant.group) and the launch has one KV head a program; else as a
     tensor, for the GEMM to quantise."""
@@ -231,27 +228,15 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_heads // num_kv_heads
-    heads = launch.heads_per_program
-    if heads < 1 or (heads > 1 and launch.heads_first):
-        raise ValueError(f"DecodeLaunch: heads_per_program {heads} with heads_first {launch.heads_first}: at least 1, "
-                         f"and the heads-first grid order is for one KV head a program")
-    if heads > 1 and (group != 1 or num_kv_heads % heads or heads & (heads - 1)):
-        raise ValueError(f"DecodeLaunch.heads_per_program {heads}: for MHA models (one query head a KV head; here "
-                         f"{group}) with a power of two dividing the {num_kv_heads} KV heads")
-    if heads > 1 and qk_norm is not None:
-        raise ValueError(f"DecodeLaunch.heads_per_program {heads}: the several-heads kernel has no q/k norm "
-                         f"(Qwen3, Gemma3); one KV head a program")
     group_p = triton.next_power_of_2(group)
-    if launch.mma and heads == 1:
+    if launch.mma:
         group_p = max(16, group_p)  # tl.dot needs >= 16 rows
     d_p = max(16, triton.next_power_of_2(head_dim))
     assert k_cache.stride(3) == 1 and num_splits & (num_splits - 1) == 0
     partials = q_src if isinstance(q_src, SplitKPartials) else None
-    if partials is not None and heads > 1:  # the several-heads kernel reads a tensor
-        q_src, partials = partials.reduce(), None
     act_dtype = q_src.dtype if partials is None else partials.dtype
     src = q_src if partials is None else partials.part  # [B, N], or [S, B, N] contiguous
-    quantise = quant is not None and heads == 1 and d_p == head_dim and head_dim % quant.group == 0
+    quantise = quant is not None and d_p == head_dim and head_dim % quant.group == 0
     dev = src.device
     if quantise:  # the kernels write the quantised output only
         oq, oscale = group_quant_buffers(num_seqs, num_heads * head_dim, quant.group, dev)
@@ -278,32 +263,22 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
                   (quant.scale_ub or 0.0) if quantise else 0.0)
     quant_flags = dict(ACT_DTYPE=TL_DTYPES[act_dtype], OUT_GROUP=quant.group if quantise else 0,
                        HAS_UB=quantise and quant.scale_ub is not None)
-    if heads > 1:
-        decode_heads_kernel[(num_seqs, num_kv_heads // heads, num_splits)](
-            q_src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots, scale,
-            softcap or 1.0, sliding_window or 0, stride_qb, stride_qh, out.stride(0), out.stride(1), stride_cs,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            HEADS=heads, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-            **options,
-        )
-    else:
-        grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
-        has_bias = partials is not None and partials.bias is not None
-        _decode_split_kernel[grid](
-            src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots,
-            *(qk_norm[:2] if qk_norm is not None else (src, 0.0)),
-            partials.bias if has_bias else src, src.stride(0) if partials is not None else 0, *quant_args,
-            scale, softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
-            out.stride(1), stride_cs,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-            NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_WINDOW=sliding_window is not None, HAS_QK_NORM=qk_norm is not None,
-            QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
-            QKV_SPLITS=0 if partials is None else src.shape[0], HAS_QKV_BIAS=has_bias,
-            LOG2_HALF_D=(d_p // 2).bit_length() - 1, **quant_flags, **options,
-        )
+    grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
+    has_bias = partials is not None and partials.bias is not None
+    _decode_split_kernel[grid](
+        src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots,
+        *(qk_norm[:2] if qk_norm is not None else (src, 0.0)),
+        partials.bias if has_bias else src, src.stride(0) if partials is not None else 0, *quant_args,
+        scale, softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
+        out.stride(1), stride_cs,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, FUSE_ROPE=rope is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_QK_NORM=qk_norm is not None,
+        QK_UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
+        QKV_SPLITS=0 if partials is None else src.shape[0], HAS_QKV_BIAS=has_bias,
+        LOG2_HALF_D=(d_p // 2).bit_length() - 1, **quant_flags, **options,
+    )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             acc, m, l, out, out.stride(0), out.stride(1), *quant_args,

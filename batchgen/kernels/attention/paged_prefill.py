@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.prefill_launch import PrefillWork
+from batchgen.kernels.attention.prefill_launch import PrefillWork
 
 try:
     import triton
@@ -38,7 +38,7 @@ if triton is not None:
     def full_dot(a, b):
         """a @ b: bf16 / fp16 / fp8 operands on tensor cores; fp32 operands in IEEE fp32 (FMAs on CUDA cores,
         slower), where Triton's default would round them to TF32 (~1e-3 relative error, measured on the H200:
-        an fp32 model's attention would not be fp32). Shared with the decode kernels (kernels/decode_tiles.py)."""
+        an fp32 model's attention would not be fp32). Shared with the decode kernels (kernels/attention/decode_tiles.py)."""
         if a.dtype == tl.float32:
             return tl.dot(a, b, input_precision="ieee")
         else:
@@ -62,7 +62,7 @@ if triton is not None:
                       BLOCK_SIZE: tl.constexpr):
         """K and V [BLOCK_N, D_P] of KV head h at token positions pos [BLOCK_N] of one sequence (table_ptr: its
         block-table row), zeros where not pos_ok or past the head dim. Shared with the decode kernels
-        (kernels/decode_tiles.py)."""
+        (kernels/attention/decode_tiles.py)."""
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         row = block * stride_kn + (pos % BLOCK_SIZE) * stride_kb + h * stride_kh  # [BLOCK_N]
         kv_mask = pos_ok[:, None] & d_ok[None, :]

@@ -1,4 +1,4 @@
-"""How the paged prefill attention kernel (kernels/paged_prefill.py) is cut and launched for a step, on the host.
+"""How the paged prefill attention kernel (kernels/attention/paged_prefill.py) is cut and launched for a step, on the host.
 
 `prefill_launch` is the one place that picks a launch from the step's shape; `prefill_work` cuts the step's
 queries into work items of that launch's block_m tokens; `PrefillWork` carries the two together from the runner to

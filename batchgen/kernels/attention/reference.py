@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 
 KV_FP8 = torch.float8_e4m3fn  # engine.kv_cache_dtype: fp8 (scale 1: values past FP8_MAX saturate)
-FP8_MAX = 448.0  # its largest finite value (kernels/rope_kv.py's as_cached saturates there too)
+FP8_MAX = 448.0  # its largest finite value (kernels/attention/rope_kv.py's as_cached saturates there too)
 FP16_MAX = 65504.0  # bf16 queries over an fp8 cache attend in fp16, clamped here (kernels: query_operand)
 
 
 def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `dtype` stores it: an fp8 cache saturates at +-FP8_MAX, clamped here so that every device
-    and kernel (kernels/rope_kv.py's as_cached) rounds a value past it alike."""
+    and kernel (kernels/attention/rope_kv.py's as_cached) rounds a value past it alike."""
     if dtype == KV_FP8:
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
     return x.to(dtype)

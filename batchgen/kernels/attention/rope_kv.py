@@ -16,7 +16,7 @@ eager model rounds them; with `rotate_fp32` (OLMo2, whose rotary tables stay fp3
 fp32 and rounded once.
 
 On CUDA decode steps (without rotate_fp32) the decode attention kernel does this work itself
-(kernels/paged_decode.py: paged_decode_rope_attention, through the same rotate_rounded and qk_norm_rounded);
+(kernels/attention/paged_decode.py: paged_decode_rope_attention, through the same rotate_rounded and qk_norm_rounded);
 this kernel serves packed steps, the deterministic path and OLMo2.
 """
 
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels.paged_attention_ref import write_kv
+from batchgen.kernels.attention.reference import write_kv
 
 try:
     import triton
@@ -41,7 +41,7 @@ class QKNorm(NamedTuple):
     weights: torch.Tensor  # [2, D] contiguous: the q norm's weight, then the k norm's
     eps: float  # both norms' (the decoders check that they agree)
     # False: Qwen3's rounding (the normalised row rounded, then times w); True: Gemma3's ((1 + w) in fp32, the
-    # product rounded once), as kernels/rmsnorm.py's unit_offset
+    # product rounded once), as kernels/norm/rmsnorm.py's unit_offset
     unit_offset: bool = False
 
 
@@ -159,7 +159,7 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
                 qk_norm: QKNorm | None = None, rotate_fp32: bool = False) -> torch.Tensor:
     """qkv: [T, (H + 2 Hkv) D]; cos/sin: [T, D]; caches: [num_blocks, block_size, Hkv, D]; qk_norm: optional
     per-head RMSNorm before the rotation. Returns q [T, H, D]."""
-    from batchgen.kernels.rmsnorm import rmsnorm_ref
+    from batchgen.kernels.norm.rmsnorm import rmsnorm_ref
 
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)

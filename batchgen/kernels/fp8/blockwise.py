@@ -1,5 +1,5 @@
 """FP8 GEMMs through cuBLASLt's block-wise scaling: torch._scaled_mm with 1x128 activation and 128x128 weight
-block scales, fp8_gemm's "blockwise" path (kernels/fp8_gemm.py picks it; README "FP8 checkpoints").
+block scales, fp8_gemm's "blockwise" path (kernels/fp8/gemm.py picks it; README "FP8 checkpoints").
 
   - where it applies (`blockwise_scaled_mm_fits`): 128x128 block weight scales, bf16 activations, K and N multiples
     of 16 as _scaled_mm needs, and K / 128 a multiple of 4 for cuBLASLt's 128x128 scale layout;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.fp8_quant import linear_ref, quantize_groups, quantize_groups_ref, quantize_weight
+from batchgen.kernels.fp8.quant import linear_ref, quantize_groups, quantize_groups_ref, quantize_weight
 
 
 # The probe's answer per CUDA device index: the one piece of mutable module state here, on purpose. The probe

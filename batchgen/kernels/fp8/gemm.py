@@ -6,7 +6,7 @@ README "FP8 checkpoints"):
     fp32, activations as they are;
   - "rowwise": per-channel weight scales on CUDA, bf16 activations, K and N multiples of 16: x quantised per token
     (fp8_quant.quantize_rows), then torch._scaled_mm with row-wise scales (cuBLASLt on sm90; bf16 output only);
-  - "blockwise": cuBLASLt's block-wise torch._scaled_mm where it fits and its probe passes (kernels/fp8_blockwise.py);
+  - "blockwise": cuBLASLt's block-wise torch._scaled_mm where it fits and its probe passes (kernels/fp8/blockwise.py);
   - "triton" (every other block scale: other block sizes, per-row blocks of fused parts, fp16/fp32 activations,
     GPUs or torch builds without block-wise _scaled_mm; and per-channel scales with fp16/fp32 activations):
     `block_scaled_matmul`, two launches as vLLM's w8a8_block_fp8_matmul: x quantised ONCE per GEMM per token and
@@ -16,7 +16,7 @@ README "FP8 checkpoints"):
     re-quantised the same [BLOCK_M, 128] tile with fp32 divides, N / BLOCK_N times; at M >= 256 that elementwise
     work dominated.)
   - "splitk" (block scales, M <= SPLITK_MAX_ROWS or a shape's SPLITK_SHAPE_ROWS, ahead of "blockwise" and
-    "triton"): the same quantiser, then kernels/fp8_splitk.py's split-K GEMM (programs over row tiles x column
+    "triton"): the same quantiser, then kernels/fp8/splitk.py's split-K GEMM (programs over row tiles x column
     tiles x K ranges of whole scale blocks, >= 2 per SM, fp32 partials summed in a fixed order by a second kernel),
     for decode, where the one-program-per-column-tile GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the
     H200 (session 11, W1 at 32 rows, forced paths in one run): split-K 5.27 s against the Triton GEMM's 6.20 s;
@@ -40,11 +40,11 @@ from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels import fp8_blockwise
-from batchgen.kernels.fp8_quant import (CHANNEL_ACT_GROUP, ActQuant, Fp8Weight, QuantizedActs, gemm_operands,
+from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+from batchgen.kernels.fp8.quant import (CHANNEL_ACT_GROUP, ActQuant, Fp8Weight, QuantizedActs, gemm_operands,
                                         linear_ref, quantize_groups, quantize_rows)
-from batchgen.kernels.fp8_splitk import num_sms as _num_sms, splitk_matmul
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.fp8.splitk import num_sms as _num_sms, splitk_matmul
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 try:
     import triton
@@ -80,7 +80,7 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
     (6144, 4096): {32: GemmConfig(16, 32, 8, 4, 4)},  # q/k/v fused: 0.0182 ms vs the default's 0.0220 at M 32
     (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
 }
-# The split-K GEMM (kernels/fp8_splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
+# The split-K GEMM (kernels/fp8/splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
 # a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
 # the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS lists the
 # weight's shape.
@@ -122,7 +122,7 @@ def gemm_config(m: int, n: int, k: int, num_sms: int | None = None) -> GemmConfi
 
 
 if triton is not None:
-    from batchgen.kernels.fp8_splitk import scaled_block_tile
+    from batchgen.kernels.fp8.splitk import scaled_block_tile
 
     @triton.jit
     def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_asm,

@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 
-from batchgen.kernels.fp8_quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
+from batchgen.kernels.fp8.quant import CHANNEL_ACT_GROUP, gemm_operands, quantize_groups
 # the split rule, tile epilogue and reduce (splitk_common.py); num_sms and split_sizes re-exported (fp8_gemm and the
 # benches import them here)
-from batchgen.kernels.splitk_common import (SplitKPartials, block_m_for, device_has_tma, device_sms, num_sms,
+from batchgen.kernels.fp8.splitk_common import (SplitKPartials, block_m_for, device_has_tma, device_sms, num_sms,
                                            split_count, split_sizes, store_tile)
 
 try:

@@ -1,4 +1,4 @@
-"""The split-K machinery of kernels/fp8_splitk.py (the FP8 W8A8 GEMM for decode-sized M: <= 32 rows by default,
+"""The split-K machinery of kernels/fp8/splitk.py (the FP8 W8A8 GEMM for decode-sized M: <= 32 rows by default,
 more for the weight shapes fp8_gemm.SPLITK_SHAPE_ROWS lists), kept apart from its FP8 specifics.
 
 The scheme: program (row tile, column tile, split) accumulates in fp32 over its range of K blocks; with SPLITS > 1
@@ -12,7 +12,7 @@ at most twice as many splits (among those, the count that spreads the programs m
 never fewer than MIN_BLOCKS_PER_SPLIT blocks a split.
 
 The reduction may instead run inside the kernel that reads the GEMM's output next (`SplitKPartials`, summed by
-`sum_splits`, the reduction kernel's own arithmetic: kernels/rmsnorm.py sums them in its residual add + norm).
+`sum_splits`, the reduction kernel's own arithmetic: kernels/norm/rmsnorm.py sums them in its residual add + norm).
 """
 
 from __future__ import annotations

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.paged_attention_ref import paged_attention_ref
+from batchgen.kernels.attention.reference import paged_attention_ref
 
 try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.decode_tiles import attend_tiles, merge_partials, store_partials
-    from batchgen.kernels.paged_prefill import query_operand
+    from batchgen.kernels.attention.decode_tiles import attend_tiles, merge_partials, store_partials
+    from batchgen.kernels.attention.paged_prefill import query_operand
 except ImportError:  # installs without Triton (CPU) use query_attention_rows
     triton = None
 

@@ -34,7 +34,7 @@ choice is process-global, so it is set for the call and restored after (`preferr
 `graph_blas_library` values that would contradict it.
 
 Hazards: that a vendor kernel's rows are independent is an assumption, checked per weight on the device at build
-time (kernels/invariant_linear.py, which falls back to the Triton GEMM for a weight that fails). The bits hold
+time (kernels/invariant/linear.py, which falls back to the Triton GEMM for a weight that fails). The bits hold
 for one GPU kind (architecture and SM count: a MIG slice or a GPU with another SM count may pick other kernels)
 and one torch/cuBLAS build; torch's matmul flags (allow_tf32, allow_bf16_reduced_precision_reduction) must stay
 as they are in the process. Two GPUs of the same kind with the same software agree.

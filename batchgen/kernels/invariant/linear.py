@@ -1,7 +1,7 @@
 """InvariantLinear: engine.deterministic's GEMM, with F.linear's signature, one per decoder (its `linear`).
 
-CPU: `linear_rows` (one GEMV per row, kernels/invariant_matmul.py). CUDA: per kind of weight (`gemm_key`), the
-fixed-row cuBLAS GEMM (kernels/fixed_row_gemm.py) where it passed a self-check on this device, else the Triton
+CPU: `linear_rows` (one GEMV per row, kernels/invariant/matmul.py). CUDA: per kind of weight (`gemm_key`), the
+fixed-row cuBLAS GEMM (kernels/invariant/fixed_row_gemm.py) where it passed a self-check on this device, else the Triton
 batch-invariant GEMM (`matmul_invariant`), slower, but invariant by construction.
 
 The self-check (`row_dependence`), because the row independence of a vendor kernel is an assumption: for the
@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
-from batchgen.kernels.fixed_row_gemm import BLAS_LIBRARY, FIXED_ROWS, cublas_fixed_rows
-from batchgen.kernels.invariant_matmul import linear_rows, matmul_invariant
+from batchgen.kernels.invariant.fixed_row_gemm import BLAS_LIBRARY, FIXED_ROWS, cublas_fixed_rows
+from batchgen.kernels.invariant.matmul import linear_rows, matmul_invariant
 
 FIXED = "fixed-row " + BLAS_LIBRARY  # InvariantLinear.paths' values
 TRITON = "triton"

@@ -1,7 +1,7 @@
 """Batch-invariant GEMM (`engine.deterministic`): y = x @ w.T (+ bias), where row i of y is bitwise the same
 whatever the other rows of x are and however many there are (M). The Triton kernel here is invariant by
 construction; on CUDA the decoders run cuBLAS at a fixed row count instead where its self-check passes
-(kernels/invariant_linear.py InvariantLinear, kernels/fixed_row_gemm.py) and this kernel for weights where it does
+(kernels/invariant/linear.py InvariantLinear, kernels/invariant/fixed_row_gemm.py) and this kernel for weights where it does
 not (and under TRITON_INTERPRET=1 in tests).
 
 Why the default GEMMs are not: cuBLAS / cuBLASLt pick a kernel, a tile and a split-K factor per shape, so the

@@ -9,20 +9,20 @@ the up rows), down [E, H, I]; any strides (transposed layouts are views, never c
 
 Steps (every shape a function of T, K, E and block_m only: capturable in CUDA graphs at a fixed batch bucket,
 no host synchronisation, no data-dependent shape):
-  1. the alignment (kernels/moe_routing.py `align_pairs`): the pairs sorted by expert, each expert's run padded
+  1. the alignment (kernels/moe/routing.py `align_pairs`): the pairs sorted by expert, each expert's run padded
      to a multiple of block_m; the GEMM grid is sized by the worst case and blocks past `num_padded` exit at once.
   2. `grouped_gemm` gate_up: row p of the output [S, 2 I] is h[p // K] @ gate_up[e]^T (fp32 accumulate, rounded to
      the activation dtype: one GEMM's rounding).
-  3. the gated activation over [S, 2 I] (kernels/gated_act.py): [S, I].
+  3. the gated activation over [S, 2 I] (kernels/norm/gated_act.py): [S, I].
   4. `grouped_gemm` down with the routing weight: row p is round(act[p] @ down[e]^T) * w[p], the product in fp32
      and stored in promote(activation dtype, weight dtype): bf16 weights (Qwen's, rounded by its router) give a
      bf16 product, fp32 weights (Mixtral's) an fp32 one, as transformers' `proj_out * sample_weights` rounds.
-  5. the combine (kernels/moe_routing.py `combine`): [S, H] viewed [T, K, H] summed over k (torch's sum: fp32
+  5. the combine (kernels/moe/routing.py `combine`): [S, H] viewed [T, K, H] summed over k (torch's sum: fp32
      accumulation, rounded once to the activation dtype), exactly transformers' grouped_mm / batched_mm experts
      forward.
 The router (its GEMM, softmax, top-k, renormalise, round) stays torch's ops (models/moe.py).
 FP8 experts (an Fp8Weight each, weight [E, N, Kd] float8_e4m3fn with block scales [E, N / group_n, Kd / group_k]):
-on CUDA W8A8 as the dense FP8 GEMMs (kernels/fp8_gemm.py): the GEMM's input rows quantised once per token and
+on CUDA W8A8 as the dense FP8 GEMMs (kernels/fp8/gemm.py): the GEMM's input rows quantised once per token and
 group of group_k columns (fp8_quant.quantize_groups: h's T rows for gate_up, the S activation rows for down), and
 each k block's fp8 x fp8 product scaled by the row's and the weight block's scales in the grouped GEMM (BLOCK_K =
 group_k); on CPU (and without Triton) the reference dequantises the hit experts' weights and runs as for plain
@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.fp8_quant import Fp8Weight, dequantize_weight, linear_ref, quantize_groups
-from batchgen.kernels.gated_act import gated_act, gated_act_ref
-from batchgen.kernels.moe_routing import Alignment, align_pairs, combine
+from batchgen.kernels.fp8.quant import Fp8Weight, dequantize_weight, linear_ref, quantize_groups
+from batchgen.kernels.norm.gated_act import gated_act, gated_act_ref
+from batchgen.kernels.moe.routing import Alignment, align_pairs, combine
 
 try:
     import triton

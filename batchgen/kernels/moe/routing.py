@@ -1,4 +1,4 @@
-"""The MoE experts' regrouping around their grouped GEMMs (kernels/moe.py): the (token, k) pairs aligned by expert
+"""The MoE experts' regrouping around their grouped GEMMs (kernels/moe/experts.py): the (token, k) pairs aligned by expert
 into padded row blocks, and the combine of each token's K expert rows back into one row. Each is one Triton launch,
 with the torch ops as reference, CPU path and fallback.
 

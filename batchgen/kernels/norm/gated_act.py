@@ -6,7 +6,7 @@ tanh-approximated GELU (Gemma's `gelu_pytorch_tanh`). Rounded as transformers' e
 then the product.
 
 `quant` (the fused decoders ask for it where the down projection's FP8 GEMM quantises its input per token and
-group, models/fp8_fusion.py; CUDA only): the product, rounded to the activation dtype as it would be stored, is
+group, quant/fusion.py; CUDA only): the product, rounded to the activation dtype as it would be stored, is
 quantised as quantize_groups would quantise the stored tensor (fp8_quant.quantize_store_row: the same arithmetic)
 and returned as QuantizedActs: the down GEMM's quantiser is gone.
 """
@@ -18,13 +18,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, group_quant_buffers
+from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs, group_quant_buffers
 
 try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.fp8_quant import quantize_store_row
+    from batchgen.kernels.fp8.quant import quantize_store_row
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 

@@ -30,7 +30,7 @@ try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.rmsnorm import add_residual_row
+    from batchgen.kernels.norm.rmsnorm import add_residual_row
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 

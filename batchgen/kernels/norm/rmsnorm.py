@@ -16,7 +16,7 @@ before the add, as the eager `residual + out * m` rounds it.
 Rows may be strided (x: a column slice of a wider tensor, such as the q part of a fused QKV output), and `out`
 may be x itself: each program reads its whole row before it writes it (no residual then).
 
-Two hand-offs with the FP8 GEMMs around it (the fused decoders ask for them, models/fp8_fusion.py; CUDA only):
+Two hand-offs with the FP8 GEMMs around it (the fused decoders ask for them, quant/fusion.py; CUDA only):
   - `quant`: the normalised row, rounded to the activation dtype as it would be stored, is quantised per token and
     group as quantize_groups would quantise the stored tensor (fp8_quant.quantize_store_row: the same arithmetic)
     and handed over as QuantizedActs, in place of the activation-dtype output: the next GEMM's quantiser is gone;
@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.fp8_quant import ActQuant, QuantizedActs, group_quant_buffers
-from batchgen.kernels.splitk_common import SplitKPartials
+from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs, group_quant_buffers
+from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 try:
     import triton
     import triton.language as tl
 
-    from batchgen.kernels.fp8_quant import quantize_store_row
-    from batchgen.kernels.splitk_common import TL_DTYPES, sum_splits
+    from batchgen.kernels.fp8.quant import quantize_store_row
+    from batchgen.kernels.fp8.splitk_common import TL_DTYPES, sum_splits
 except ImportError:  # installs without Triton (CPU) use the reference
     triton = None
 
