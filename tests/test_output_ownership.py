@@ -62,8 +62,8 @@ def test_fresh_refusal_names_the_first_entries_and_counts_the_rest(tmp_path):
 def test_a_source_in_the_outputs_data_folder_is_refused_and_fresh_deletes_nothing(tmp_path, tiny_model_dir):
     job = _project(tmp_path, tiny_model_dir, "data/rows.jsonl")  # output.dir: . -- the layout
     before = _tree(tmp_path)
-    for extra in ((), ("--fresh",)):
-        result = run_cli("run", str(job), *extra)
+    for command in (("validate",), ("run",), ("run", "--fresh")):  # validate refuses what run refuses
+        result = run_cli(command[0], str(job), *command[1:])
         assert result.returncode == 2, result.stderr
         assert "lies in" in result.stderr and "data" in result.stderr and "output folder of its own" in result.stderr
         assert _tree(tmp_path) == before

@@ -35,7 +35,10 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     from batchgen.attention.kv_cache import KVGeometry
     from batchgen.runner.loader import resolve_device
 
+    from batchgen.job import placement
+
     resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
+    placement.check(Path(spec.output.dir), spec.source.path, None)  # a source among batchgen's files, as run
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     source = open_source(spec.source)
     schema = OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run
