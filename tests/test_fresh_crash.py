@@ -111,6 +111,10 @@ def test_after_a_kill_inside_fresh_the_next_run_ends_with_every_row_exactly_once
     out = shutil.copytree(finished, tmp / f"cli-{step}-{next_run}")
     killed = _kill_at(step, "--", "run", str(job), "-o", str(out), "--fresh", "--no-progress")
     assert killed.returncode == 137, killed.stderr
+    if pending:  # the readers say what to do instead of reporting shards without records as damage
+        for command in ("status", "verify", "repair"):
+            told = run_cli(command, str(out))
+            assert told.returncode == 2 and "--fresh` of" in told.stderr and "was interrupted" in told.stderr, told
     again = run_cli("run", str(job), "-o", str(out), *(["--fresh"] if next_run == "--fresh" else []))
     assert again.returncode == 0, again.stderr
     assert ("interrupted; finishing it" in again.stderr) == pending

@@ -33,7 +33,7 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
-from batchgen.output.layout import resolved_job_path
+from batchgen.output.layout import refuse_pending_fresh, resolved_job_path
 from batchgen.output.ledger import Ledger
 from batchgen.output.shard_check import read_checked
 
@@ -186,6 +186,7 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_s
         raise JobError("--errors is for --format openai (the other formats hold completion rows only)")
     if not (out_dir / mf.MANIFEST_DIR).is_dir():
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+    refuse_pending_fresh(out_dir)
     spec = _spec(out_dir)
     result = ExportResult()
     ledger = mf.checked_ledger(out_dir)  # every record checked, no key in two records: each row exported once

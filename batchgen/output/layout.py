@@ -151,3 +151,13 @@ def resolved_job_path(out_dir: Path) -> Path:
     if not path.exists() and legacy.is_file() and not (out_dir / MARKER_FILE).exists():
         return legacy
     return path
+
+
+def refuse_pending_fresh(out_dir: Path) -> None:
+    """JobError when a `--fresh` of this output was interrupted: its files are half moved aside (output/fresh.py),
+    and only the next run of the job finishes that; a reader would see shards without records."""
+    if (Path(out_dir) / FRESH_PENDING_DIR).is_dir():
+        from batchgen.errors import JobError
+
+        raise JobError(f"a `batchgen run --fresh` of {out_dir} was interrupted before it finished; run the job again "
+                       f"(with or without --fresh) to finish it, then read the output")

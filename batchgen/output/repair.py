@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.output.layout import refuse_pending_fresh
 from batchgen.output.keyset import KeySet
 from batchgen.output.ledger import MANIFEST_DIR
 from batchgen.output.lock import WorkerLock
@@ -168,6 +169,7 @@ class _Repair:
 
 def repair(out_dir: Path) -> RepairResult:
     out_dir = Path(out_dir)
+    refuse_pending_fresh(out_dir)
     locks = []
     try:
         for tag in sorted(_tags(out_dir)):

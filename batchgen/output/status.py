@@ -17,7 +17,7 @@ import yaml
 
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
-from batchgen.output.layout import resolved_job_path
+from batchgen.output.layout import refuse_pending_fresh, resolved_job_path
 from batchgen.output.lock import is_held
 
 STALLED_AFTER_S = 600  # a running worker without a commit for this long is flagged
@@ -176,6 +176,7 @@ def describe(out_dir: Path, open_source=None) -> str:
     sits below sources/) reads the job's source for its row count; None: progress without a total."""
     if not out_dir.is_dir():
         raise JobError(f"{out_dir} does not exist: no batchgen run has written there yet")
+    refuse_pending_fresh(out_dir)
     workers = _read_workers(out_dir)
     if not workers:
         raise JobError(f"{out_dir} holds no batchgen output (no {mf.MANIFEST_DIR}/, logs, reports or worker "

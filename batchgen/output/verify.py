@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.output.layout import refuse_pending_fresh
 from batchgen.output.damage import Problem, what_to_do
 from batchgen.output.ledger import MANIFEST_DIR, Ledger, read_ledger
 from batchgen.output.shard_check import inspect, key_texts
@@ -83,6 +84,7 @@ def verify(out_dir: Path) -> Verification:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise JobError(f"{out_dir} does not exist")
+    refuse_pending_fresh(out_dir)
     if not (out_dir / MANIFEST_DIR).is_dir() and not (out_dir / "data").is_dir():
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ or data/ folder)")
     ledger = read_ledger(out_dir)
