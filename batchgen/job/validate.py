@@ -47,7 +47,6 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
                  f"columns: {', '.join(source.columns)}")
     tokenizer, config = tokenizer_and_config(spec)
-    _check_weights(spec)
     from batchgen.quant.loader import check_fp8_checkpoint
 
     fp8 = check_fp8_checkpoint(config, spec.model.path)
@@ -64,6 +63,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
         reason = deterministic_reason(config)
         if reason is not None:
             raise JobError(f"engine.deterministic: {reason}")
+    _check_weights(spec)  # after the refusals run makes from the config alone, in run's order
     context = spec.engine.context_length(config)
     geo = KVGeometry.from_config(config)
     lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "
