@@ -25,6 +25,7 @@ from batchgen.output.schema import OutputSchema, fits
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
+from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
 from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
@@ -97,26 +98,7 @@ class JobLoop:
         self.engine_setup_s = 0.0
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
         self.engine_builds: list[dict] = []  # the Triton builds of the engine's set-up (meter.totals.builds: later)
-        from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
-        from batchgen.quant.loader import check_fp8_checkpoint
-
-        check_fp8_checkpoint(config, spec.model.path)  # an FP8 scheme batchgen cannot run: refused before loading
-        reason = tensor_parallel_reason(config, spec.engine.tensor_parallel_size)
-        if reason is not None:  # before any weight loads
-            raise JobError(f"engine.tensor_parallel_size {spec.engine.tensor_parallel_size}: {reason}")
-        reason = deterministic_reason(config) if spec.engine.deterministic else None
-        if reason is not None:  # before any weight loads (the model-level checks: models/registry.py)
-            raise JobError(f"engine.deterministic: {reason}; run without it (no reproducibility guarantee across "
-                           f"batch sizes and worker counts)")
-        try:
-            spec.sampling.check_vocab(config.get_text_config().vocab_size)
-        except ValueError as e:
-            raise JobError(f"sampling.{e}") from None
-        context = spec.engine.context_length(config)
-        max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
-        if max_prompt < 1:
-            raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
-                           f"in the model's context of {context} tokens")
+        max_prompt = preflight.max_prompt_tokens(spec, config)  # before any weight loads
         self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
         check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
                                            tokenizer, __version__))
@@ -162,29 +144,8 @@ class JobLoop:
         except (DeterministicUnsupported, KVCacheUnsupported) as e:  # a model or device the settings cannot run on
             raise JobError(str(e)) from None
         except (torch.OutOfMemoryError, MemoryError) as e:
-            cpu = self.device.type == "cpu"
-            knobs = ("engine.num_kv_blocks (now {}) or engine.cpu_kv_cache_bytes (now {})".format(
-                spec.engine.num_kv_blocks, spec.engine.cpu_kv_cache_bytes) if cpu else
-                     f"engine.gpu_memory_utilization (now {spec.engine.gpu_memory_utilization}), "
-                     f"engine.max_num_batched_tokens (now {spec.engine.max_num_batched_tokens}) or "
-                     f"engine.max_num_seqs (now {spec.engine.max_num_seqs}), set engine.num_kv_blocks"
-                     + ("" if spec.engine.kv_cache_dtype == "fp8" else
-                        ", or halve the K/V cache: engine.kv_cache_dtype: fp8"))
-            raise JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
-                           f"Lower {knobs}, or use a smaller model.dtype") from None
-        # Say what actually runs, so no engine key is silently without effect.
-        graphs = self.engine.runner.graphs
-        graph_note = f"on to {graphs.max_batch} seqs (pool {graphs.pool_bytes / 2**30:.2f} GiB)" if graphs else "off"
-        print(f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
-              f"{spec.engine.block_size}; {self.engine.capacity.describe()}; CUDA graphs {graph_note}"
-              f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
-              f"{', compiled' if graphs and spec.engine.compile else ''}; "
-              f"decode forward {self.engine.runner.decode_forward.name}; "
-              f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
-              f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
-              f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}"
-              f"{'; K/V cache fp8' if spec.engine.kv_cache_dtype == 'fp8' else ''}"
-              f"{self._fp8_paths()}", file=sys.stderr)
+            raise self._out_of_memory(e) from None
+        print(self._startup_line(), file=sys.stderr)
         if spec.engine.deterministic:  # (one device per worker: deterministic mode refuses tensor parallelism)
             from batchgen.output.numerics import numerics_stack, record_or_compare
 
@@ -210,6 +171,36 @@ class JobLoop:
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
+
+    def _out_of_memory(self, e: BaseException) -> JobError:
+        """The engine's set-up ran out of memory: the knobs that size it, with their values."""
+        engine = self.spec.engine
+        if self.device.type == "cpu":
+            knobs = (f"engine.num_kv_blocks (now {engine.num_kv_blocks}) or engine.cpu_kv_cache_bytes (now "
+                     f"{engine.cpu_kv_cache_bytes})")
+        else:
+            knobs = (f"engine.gpu_memory_utilization (now {engine.gpu_memory_utilization}), "
+                     f"engine.max_num_batched_tokens (now {engine.max_num_batched_tokens}) or "
+                     f"engine.max_num_seqs (now {engine.max_num_seqs}), set engine.num_kv_blocks"
+                     + ("" if engine.kv_cache_dtype == "fp8" else ", or halve the K/V cache: engine.kv_cache_dtype: fp8"))
+        return JobError(f"out of memory while setting up the engine on {self.device}: {str(e).splitlines()[0]}. "
+                        f"Lower {knobs}, or use a smaller model.dtype")
+
+    def _startup_line(self) -> str:
+        """What actually runs, so that no engine key is silently without effect."""
+        spec, tp = self.spec, self.tp
+        graphs = self.engine.runner.graphs
+        graph_note = f"on to {graphs.max_batch} seqs (pool {graphs.pool_bytes / 2**30:.2f} GiB)" if graphs else "off"
+        return (f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
+                f"{spec.engine.block_size}; {self.engine.capacity.describe()}; CUDA graphs {graph_note}"
+                f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"
+                f"{', compiled' if graphs and spec.engine.compile else ''}; "
+                f"decode forward {self.engine.runner.decode_forward.name}; "
+                f"async pipeline {'on' if self.engine.async_pipeline else 'off'}"
+                f"{f'; tensor parallel {tp.size} ranks' if tp is not None else ''}"
+                f"{'; deterministic: batch-invariant GEMMs and attention' if spec.engine.deterministic else ''}"
+                f"{'; K/V cache fp8' if spec.engine.kv_cache_dtype == 'fp8' else ''}"
+                f"{self._fp8_paths()}")
 
     def _fp8_paths(self) -> str:
         """"; " and which FP8 GEMMs run, for an FP8 checkpoint's start-up line (else "")."""

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
 from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
@@ -49,31 +50,18 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     tokenizer, config = tokenizer_and_config(spec)
     from batchgen.quant.loader import check_fp8_checkpoint
 
+    max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it
     fp8 = check_fp8_checkpoint(config, spec.model.path)
     if fp8 is not None:
         lines.append(f"weights: {fp8.describe()}")
     text = config.get_text_config()
-    try:
-        spec.sampling.check_vocab(text.vocab_size)
-    except ValueError as e:
-        raise JobError(f"sampling.{e}") from None
-    if spec.engine.deterministic:  # what run refuses from the config alone (models/registry.py)
-        from batchgen.models.registry import deterministic_reason
-
-        reason = deterministic_reason(config)
-        if reason is not None:
-            raise JobError(f"engine.deterministic: {reason}")
     _check_weights(spec)  # after the refusals run makes from the config alone, in run's order
     context = spec.engine.context_length(config)
     geo = KVGeometry.from_config(config)
     lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "
                  f"{text.num_attention_heads} heads ({geo.num_kv_heads} KV), context {context} tokens, "
                  f"vocab {text.vocab_size}")
-    max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
-    if max_prompt < 1:  # run's refusal (job/loop.py), with the same message
-        raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
-                       f"in the model's context of {context} tokens")
-    renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max(max_prompt, 1))
+    renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)
     lengths, rejects, shown = [], {}, []
     for i, row in enumerate(source):
         if i >= sample_rows:
