@@ -145,3 +145,12 @@ def test_fresh_is_refused_while_another_worker_of_the_output_is_running_and_name
     assert result.returncode == 2, result.stderr
     assert f"worker 1 of 2 (pid {os.getpid()}) is running" in result.stderr and "nothing was deleted" in result.stderr
     assert len(read_rows(out)) == NUM_ROWS
+
+
+def test_a_finished_run_leaves_no_lock_file_and_files_others_can_read(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+    assert run_cli("run", str(job)).returncode == 0
+    out = tmp_path / "out"
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".lock-")]
+    assert (out / "fingerprint.json").stat().st_mode & 0o044 == (out / "job.resolved.yaml").stat().st_mode & 0o044

@@ -178,6 +178,7 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
         if spec.output.report and result.interrupted_by is None:
             write_report_or_say_why(out_dir)
+        lock.remove()  # a finished worker leaves no lock file behind (a waiting start opens a new one)
         return result
     except BaseException:
         if lock is not None:

@@ -141,7 +141,7 @@ class DirectoryLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        self.remove()  # no .lock-dir left between starts (a waiter finds it gone and opens a new one)
 
     def release(self) -> None:
         if self._fd >= 0:

@@ -187,4 +187,4 @@ def repair(out_dir: Path) -> RepairResult:
         return job.result
     finally:
         for lock in locks:
-            lock.release()
+            lock.remove()  # repair leaves no lock file behind
