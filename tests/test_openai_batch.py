@@ -41,6 +41,7 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
         _request("req-f", {"messages": chat, "logit_bias": {"5": -100}}),  # OpenAI's token ids: rejected
         "{not json",
         _request("req-g", {"prompt": "Hello"}, url="/v1/completions"),  # another endpoint than the file's
+        _request("req-h", {"messages": chat, "tools": [{"type": "function"}]}),  # unsupported: named as sent
     ]
     job = _job(tmp_path, tiny_model_dir, lines)
     result = runner.invoke(app, ["run", str(job), "--no-progress"])
@@ -57,6 +58,7 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
     assert rejects["req-d"]["error_class"] == "bad_sampling" and "presence_penalty" in rejects["req-d"]["message"]
     assert rejects["req-f"]["error_class"] == "bad_sampling" and "OpenAI token ids" in rejects["req-f"]["message"]
     assert rejects["req-g"]["error_class"] == "malformed_row" and "/v1/completions" in rejects["req-g"]["message"]
+    assert rejects["req-h"]["error_class"] == "bad_sampling" and "body.tools" in rejects["req-h"]["message"]
     assert sum(r["error_class"] == "malformed_row" for r in rejects.values()) == 2  # the broken line too
 
     result = runner.invoke(app, ["export", str(tmp_path / "out"), "--format", "openai", "--to",
@@ -65,7 +67,7 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
     results = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     errors = [json.loads(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
     ids = [x["custom_id"] for x in results + errors]
-    assert len(ids) == len(set(ids)) == 8  # every line exactly once (the broken line by its position)
+    assert len(ids) == len(set(ids)) == 9  # every line exactly once (the broken line by its position)
     assert [x["custom_id"] for x in results] == ["req-a", "req-b", "req-c", "req-e"]  # file order
     assert len(results[2]["response"]["body"]["choices"]) == 2
 

@@ -10,8 +10,8 @@ rejects its line: its keys are ids of OpenAI's tokenizers, not of the job's mode
 (every line runs the job's model; one notice), user, metadata, store, stream: false, logprobs false,
 response_format {type: text}. Honoured (issue 14: structured output): response_format {type: json_object} and
 {type: json_schema, json_schema: {name, schema, strict}} -> the row's response_format (the schema; name and
-strict are not needed: every completion follows the schema). Anything else is passed on under its own name and
-rejects its line.
+strict are not needed: every completion follows the schema). Anything else is passed on as `body.<name>` and
+rejects its line naming that field.
 A line that is not such a request (not JSON, no custom_id or body, another method or endpoint than the
 file's first line) is a `malformed_row` reject.
 Bounded: a body.n above OpenAI's own limit (MAX_N) rejects its line as `bad_sampling` naming n (each sample
@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.errors import JobError
+from batchgen.sampling_params import SamplingParams
 from batchgen.config import SourceSpec
 from batchgen.sources.base import Source, SourceRow
 from batchgen.sources.jsonl import JsonlSource
@@ -74,7 +75,10 @@ def body_sampling(body: dict) -> dict:
             value = _response_format(value)
         if name == "n" and isinstance(value, (int, float)) and value > MAX_N:  # refused by name, never allocated
             name = f"n ({value} is more than {MAX_N}, OpenAI's own limit on n)"
-        out[RENAMED.get(name, name)] = value
+        name = RENAMED.get(name, name)
+        if name not in SamplingParams.model_fields and " " not in name:
+            name = f"body.{name}"  # unsupported: its reject names the request's own field (body.tools)
+        out[name] = value
     return out
 
 
