@@ -15,7 +15,7 @@ PositiveInt = Annotated[int, Field(gt=0)]
 MAX_LOGPROBS = 20  # top log-probs per position (vLLM's and OpenAI's limit)
 
 
-# issue 14: structured output
+# structured output
 class ResponseFormat(BaseModel):
     """What every completion must be: a JSON object, a JSON Schema's instance, a regex's match, one of the
     choices, or a sentence of an EBNF grammar (xgrammar's dialect). Only the field of its `type` is set.
@@ -75,7 +75,7 @@ class SamplingParams(BaseModel):
     top_k: Annotated[int, Field(ge=0)] = 0
     min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    # issue 14: OpenAI penalties, as vLLM applies them: the logits of tokens the completion holds (prompt
+    # OpenAI penalties, as vLLM applies them: the logits of tokens the completion holds (prompt
     # tokens do not count) lose frequency_penalty x their count and presence_penalty once
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -87,13 +87,13 @@ class SamplingParams(BaseModel):
     n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
     seed: int = 0
     ignore_eos: bool = False
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     # log-probs are the model's own: log_softmax of the raw fp32 logits, before penalties, temperature, filters
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # K: the sampled token's + top K
     prompt_logprobs: bool = False  # one per prompt token (the first is None): the prompt scored by the model
     # reasoning models: after this many tokens inside the think block, its end marker is forced next
     thinking_budget: Annotated[int, Field(ge=0)] | None = None
-    # issue 14: structured output
+    # structured output
     response_format: ResponseFormat | None = None  # every completion follows it (sample/grammar.py)
 
     @field_validator("stop", mode="before")
@@ -123,7 +123,7 @@ class SamplingParams(BaseModel):
         if self.max_new_tokens == 0 and not self.prompt_logprobs:
             raise ValueError("max_new_tokens: 0 generates nothing; it is allowed only to score prompts, with "
                              "prompt_logprobs: true")
-        # issue 14: structured output: the grammar decides every token, also where the completion ends
+        # structured output: the grammar decides every token, also where the completion ends
         if self.response_format is not None and (self.min_new_tokens or self.thinking_budget is not None):
             raise ValueError("response_format decides where a completion ends and which token comes next: it "
                              "cannot be combined with min_new_tokens > 0 or thinking_budget")

@@ -3,7 +3,7 @@
 The scheduler runs `batchgen bench --workload mixed`'s requests (batchgen.bench.mixed.mixed_workload: 256
 sequences, 8,192 tokens a step, a 56,000-block cache as on the H200) with a fake runner that samples token 7, and
 counts the steps: how many hold prompt tokens (mixed steps, run eagerly) and how many prompt tokens each, how many
-are decode only and how many rows those hold. At admission_group 1 it gives the H200 run's counts (session 15:
+are decode only and how many rows those hold. At admission_group 1 it gives the H200 run's counts (2026-12-02:
 1,414 mixed steps of ~1,450 prompt tokens, 3,305 decode steps of 212 rows, without the warm-up's). Which group is
 fastest is the GPU's to say (`batchgen bench --workload mixed --ab-set engine.admission_group=K`).
 

@@ -3,9 +3,10 @@ cache fastest, for the kernel the fused decoders run (rotary + K/V write + paged
 `paged_decode_rope_attention`), at each (sequences, context) shape asked for, against the heuristic launch
 (`kernels/decode_launch.heuristic_launch`, what `default_launch` gives without a table entry).
 
-Gemma2-9B (8 KV heads of 256) and Phi-3-mini (32 of 96) ran their decode attention at 2.05x and 1.71x their K/V
-bytes on the H200 with the launch tuned for Llama's 8 x 128 (bench/RESULTS.md, session 9); this measures what
-`default_launch` should pick per head size and program count.
+Gemma2-9B (8 KV heads of 256) and Phi-3-mini (32 of 96) ran their decode attention at 2.05x and 1.71x their K/V bytes
+on the H200 with the launch tuned for Llama's 8 x 128 (2026-12-01,
+bench/results/2026-12-01-logprobs-moe-deterministic-cost.md); this measures what `default_launch` should pick per head
+size and program count.
 
     python3 bench/decode_attention_sweep.py --geometries llama-8b,gemma2-9b,phi3-mini \\
         --shapes 32:768,256:160,256:512 --compile-workers 12 --json sweep.json \\
@@ -15,8 +16,8 @@ Each launch is timed from CUDA-graph replay (bench/profile_decode.graph_ms) over
 scattered as a long run leaves them; the calls cycle through copies of the cache, >= 200 MB together, so no call
 reads K/V left in L2 by the one before); `kv_x` is the time over the K/V bytes at the copy bandwidth measured here.
 A context LO-HI is ragged (every length from LO to HI, shuffled): a long run's decode batches look like that, and a
-launch that wins at every uniform length can lose there (session 16: block_n 32 / 2 warps, the fastest at uniform
-contexts 160-2,048, spent 13 % more decode attention time on the mixed load than session 6's 128 / 4). Compiling a
+launch that wins at every uniform length can lose there (2026-12-02: block_n 32 / 2 warps, the fastest at uniform
+contexts 160-2,048, spent 13 % more decode attention time on the mixed load than the earlier 128 / 4). Compiling a
 launch takes ~1-2 s (the full grid: 42 launches a shape, 70 where few programs add 8-16 splits; 12 workers compiled
 55 in 14-21 s on the H200), so before timing a shape `--compile-workers N` processes run every candidate once,
 filling Triton's on-disk kernel cache, and the timing loop's compiles are cache hits (N 0 or 1: no workers; each

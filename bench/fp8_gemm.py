@@ -62,7 +62,7 @@ LARGE = [GemmConfig(*c) for c in ((64, 64, 8, 4, 3), (64, 128, 8, 4, 3), (64, 12
 # BLOCK_M, SPLITS of the reduction)
 SPLITK_TILES = ((32, 4, 4, False), (32, 4, 6, False), (64, 4, 4, False), (64, 4, 6, False), (128, 4, 4, False),
                 (128, 8, 4, False), (64, 4, 4, True), (64, 4, 6, True), (128, 4, 4, True), (128, 8, 6, True))
-# above 64 rows (issue 19: the FP8 job's 256-512) fewer tiles, each with row tiles of 64 and of 128 (BLOCK_M 128 x
+# above 64 rows (the FP8 job's 256-512) fewer tiles, each with row tiles of 64 and of 128 (BLOCK_M 128 x
 # BLOCK_N 128 x 128-byte K tiles over 4 stages: 128 KiB of shared memory, within a Hopper SM's 227)
 SPLITK_TILES_LARGE_M = ((64, 4, 4, True), (64, 8, 4, True), (128, 4, 4, True), (128, 8, 4, True), (64, 4, 4, False),
                         (128, 8, 4, False))

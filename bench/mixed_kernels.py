@@ -6,7 +6,7 @@ two checkouts and `--compare A.json B.json` ranks the kernels (and the idle befo
 spent: the tool that finds a regression between two commits when their schedules are the same. Kernel times do not
 depend on Triton's disk cache; the idle does (a build in the loop is idle before the kernel built).
 
-It uses only what every batchgen since session 6 has (Engine, EngineConfig, SamplingParams, bench.seed's
+It uses only what every batchgen since 2026-12-01 has (Engine, EngineConfig, SamplingParams, bench.seed's
 build_model, bench.mixed's mixed_workload), so it profiles an older checkout too: run it with that checkout's
 folder first on PYTHONPATH (the script's own folder, bench/, holds no batchgen), e.g.
 
@@ -17,7 +17,7 @@ folder first on PYTHONPATH (the script's own folder, bench/, holds no batchgen),
 Its default warm-up is what every checkout's bench had (two of the load's requests, four tokens each), so it is the
 same for both sides of a comparison; those two prompts' full blocks stay in the prefix cache for the profiled run.
 On a machine whose Triton cache is empty that leaves builds inside the profiled run, seen as idle before the kernel
-built (session 17: 4.06 s before `_prefill_kernel`); `--warmup load` warms up on the load's first 64 requests as
+built (2026-12-02: 4.06 s before `_prefill_kernel`); `--warmup load` warms up on the load's first 64 requests as
 `batchgen bench --workload mixed` does (prompts reversed, outputs cut to 64 tokens), so the idle is the load's own.
 Needs a CUDA GPU (the compare mode does not).
 """

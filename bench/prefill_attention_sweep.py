@@ -3,7 +3,8 @@ step's causal attention fastest on the GPU (kernels/attention/paged_prefill.py),
 sweep (BASELINE: 16 tokens an item, 64-key tiles, 4 warps, 2 stages) and the one prefill_launch picks today (the
 default), and how far each is from the causal-attention FLOP floor. On the H200, 4 prompts of 2,048 tokens took
 25.1 ms of attention over Llama-3.1-8B's 32 layers at the baseline launch before the kernel's unmasked tiles and
-exp2, 4.6x their 5.5 ms of FLOPs; 14.2 ms after, 13.2 at the launch now chosen (bench/RESULTS.md, session 15).
+exp2, 4.6x their 5.5 ms of FLOPs; 14.2 ms after, 13.2 at the launch now chosen (2026-12-02,
+bench/results/2026-12-02-prefill-kernels-fp8-job.md).
 
     python3 bench/prefill_attention_sweep.py --shapes 8192x68,8192x2048,2048x2048,2048x512+1536 --json sweep.json
 
@@ -154,7 +155,7 @@ class Step:
                                    sliding_window=self.geometry.window, softcap=self.geometry.softcap)
 
 
-BASELINE = PrefillLaunch(block_m=16, block_n=64, num_warps=4, num_stages=2)  # every step's launch before session 15
+BASELINE = PrefillLaunch(block_m=16, block_n=64, num_warps=4, num_stages=2)  # every step's launch before 2026-12-02
 
 
 def grid(block_ms: list[int], block_ns: list[int], warps: list[int], stages: list[int]) -> list[PrefillLaunch]:

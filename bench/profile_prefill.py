@@ -12,7 +12,8 @@ its causal attention FLOPs, at the matmul rate measured in the same run.
 
 A shape TOKENSxLEN is one step of TOKENS prompt tokens from prompts of LEN tokens (the last one cut short);
 TOKENSxLEN/DxC adds D decode rows at context C (their prompts prefilled first): the mixed load's typical mixed
-step is one ~1,450-token prompt beside ~250 decode rows at a median context of 1,365 (bench/RESULTS.md, session 15);
+step is one ~1,450-token prompt beside ~250 decode rows at a median context of 1,365 (2026-12-02,
+bench/results/2026-12-02-prefill-kernels-fp8-job.md);
 5800x1450/250x1365 is the step that admitting four prompts at once would make (do bigger GEMMs pay for fewer,
 larger mixed steps?). Its floor adds the decode rows' GEMM FLOPs (LM head included) and their K/V bytes at the copy
 bandwidth.

@@ -1,7 +1,8 @@
-"""Where the keys a step writes differ by path, bit for bit: rope_kv (default tiles, one token a program), the
-fused decode kernel (one and two splits) and rope_kv_ref (torch eager), at Qwen3-8B's (128-dim) and Gemma3's
-(256-dim) heads, fp32 and bf16, with and without the q/k norm; counts of values differing from rope_kv's and the
-first few. Session 20 on the H200: in bf16 rope_kv alone differs (its rotation contracted into an FMA).
+"""Where the keys a step writes differ by path, bit for bit: rope_kv (default tiles, one token a program), the fused
+decode kernel (one and two splits) and rope_kv_ref (torch eager), at Qwen3-8B's (128-dim) and Gemma3's (256-dim)
+heads, fp32 and bf16, with and without the q/k norm; counts of values differing from rope_kv's and the first few. On
+the H200 (2026-12-03, bench/results/2026-12-03-fp8-kv-fp16-tiles.md): in bf16 rope_kv alone differs (its rotation
+contracted into an FMA).
 
     python3 bench/qk_rotation_bits.py [cuda|cpu]    (cpu: under TRITON_INTERPRET=1)
 """

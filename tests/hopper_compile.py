@@ -1,7 +1,7 @@
 """Hopper compile mode for the interpreter scripts (conftest.run_under_interpreter): every Triton kernel launch is
 first compiled for an H100 / H200 (sm_90, through ptxas, as on the GPU: no GPU needed), then run by Triton's
 interpreter as before; a build needing more shared memory than an sm_90 block has is refused, as the GPU refuses it
-when loading. Why: the interpreter accepts code that the GPU compiler refuses (session 13: a jit
+when loading. Why: the interpreter accepts code that the GPU compiler refuses (2026-12-02: a jit
 helper's `CACHE: tl.constexpr = ""` default passed every CPU test and broke every split decode launch on the
 GPU: "'str' object has no attribute 'type'"), so a CPU-only change could land with the GPU path broken.
 

@@ -57,7 +57,7 @@ def test_bench_refuses_an_unknown_variant_before_building_a_model():
 
 
 def test_the_seed_floor_of_llama_8b_counts_weights_kv_and_prefill():
-    """W1's floor with session 7's ceilings (4.25 TB/s, 793 TFLOP/s): 4.55 s, as bench/RESULTS.md reports."""
+    """W1's floor at ceilings measured on the H200 (4.25 TB/s, 793 TFLOP/s): 4.55 s, as bench/results/ reports."""
     from batchgen.bench.seed import Ceilings, floor_seconds
 
     floor = floor_seconds(model_config("llama-8b"), 32, 256, 1024, Ceilings(4.25e12, 793e12))
@@ -171,8 +171,8 @@ def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
 
 
 def test_an_ab_summary_also_gives_b_over_a_without_the_runs_that_built_kernels_in_their_loop():
-    """Session 17: the first run of a fresh machine built Triton kernels in its loop (2.1-2.4 s) and ran 3-14 %
-    slower than its twin; that run says nothing about its variant."""
+    """On the H200 (2026-12-02) the first run of a fresh machine built Triton kernels in its loop (2.1-2.4 s)
+    and ran 3-14 % slower than its twin; that run says nothing about its variant."""
     from batchgen.bench.ab import COLD_BUILD_S, variant_means
     from batchgen.bench.job import ab_summary
 
@@ -205,7 +205,7 @@ def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
     assert window_tok_s(log, 1000, 0.45, 0.55) == pytest.approx(2500.0)
     assert window_tok_s(log, 1000, 0.9, 1.0) == pytest.approx(1250.0)
     assert window_tok_s(log, 1000, 0.999, 1.0) is None  # one record: no rate
-    # a short run's final record at the last periodic record's time (a job bench run failed on it, session 16)
+    # a short run's final record at the last periodic record's time (a job bench run failed on it)
     records.append({**records[-1], "rows_done": 1000})
     records[-2]["rows_done"] = 990
     log.write_text("\n".join(json.dumps(r) for r in records[-2:]))
@@ -239,7 +239,8 @@ def test_the_job_bench_splits_a_loop_into_decode_mixed_and_idle_shares_of_its_wa
 
 
 def test_the_mixed_kernel_diff_ranks_kernels_by_how_much_more_time_the_second_run_spent(monkeypatch):
-    """bench/mixed_kernels.py --compare: the tool that found session 16's decode attention regression."""
+    """bench/mixed_kernels.py --compare: the tool that found the mixed load's decode attention regression
+    (bench/results/2026-12-02-mixed-regression-decode-launch.md)."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))

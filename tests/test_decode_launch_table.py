@@ -70,7 +70,7 @@ def test_a_table_launch_is_the_nearest_entrys_tile_with_scaled_or_explicit_split
 
 def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
     """default_launch's rules without a table entry (commit 5f5654f's; c7ac56f's short tiles for >= 1,024
-    programs were taken back in session 16: slower on ragged batches), verbatim."""
+    programs were taken back on 2026-12-02: slower on ragged batches), verbatim."""
     import triton
 
     splits = 1

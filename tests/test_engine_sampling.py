@@ -52,7 +52,7 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible():
 
 def test_n_samples_of_one_token_all_finish():
     """A leader that finishes at its first token (max_new_tokens 1, or EOS first) still starts its siblings:
-    before session 16 they were never queued and generate() stepped forever."""
+    they were once never queued and generate() stepped forever."""
     model = make_model("llama")
     prompt = random_prompts((35,), seed=9)[0]
     engine = _engine(model)

@@ -269,7 +269,7 @@ def test_the_fused_decode_kernels_q_k_norm_writes_rope_kvs_key_bits_under_triton
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="session 20 on the H200: in bf16 rope_kv's rotation is not rounded as eager "
+@pytest.mark.xfail(strict=True, reason="on the H200 (2026-12-03): in bf16 rope_kv's rotation is not rounded as eager "
                    "(LLVM folds the fp32 products into bf16 ones, ptxas contracts a product and the sum into "
                    "fma.rn.bf16x2), the fused decode kernel's is (its keys equal torch's); with or without a q/k norm. "
                    "Fix to verify on the GPU: rope_kv launched with enable_fp_fusion=False (its PTX then rounds each "

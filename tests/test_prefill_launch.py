@@ -107,9 +107,9 @@ def test_the_sweeps_check_mode_finds_every_launch_equal_to_the_reference_under_t
 
 
 def test_per_step_values_do_not_multiply_the_prefill_kernels_builds():
-    """Session 17: on an empty Triton cache, a second build of the prefill kernel (the work list's address not
-    16-byte aligned) and of the rotary + K/V write kernel (a token count not divisible by 16) ran inside the timed
-    loop, ~1 s each. Neither value is specialised on; the block-table width never was."""
+    """On an H200 (2026-12-02), on an empty Triton cache, a second build of the prefill kernel (the work list's
+    address not 16-byte aligned) and of the rotary + K/V write kernel (a token count not divisible by 16) ran inside
+    the timed loop, ~1 s each. Neither value is specialised on; the block-table width never was."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter's functions keep no specialisation flags")

@@ -295,6 +295,6 @@ def _random_run(seed: int, async_pipeline: bool) -> str | None:
 def test_random_loads_finish_every_sample_at_its_length_sync_and_async():
     """Followers (n > 1, some done at their first token), shared prefixes, tiny token budgets, caches that force
     preemption, admission groups above and below max_num_seqs: nothing hangs, nothing is lost or cut short (a
-    fuzz like this found the lost-siblings hang of session 16)."""
+    fuzz like this found a lost-siblings hang)."""
     problems = [p for seed in range(300) for a in (False, True) if (p := _random_run(seed, a))]
     assert problems == []

@@ -1,13 +1,13 @@
 """A B B A comparisons of bench runs: each variant's mean of one figure, over all its runs and over its warm ones.
 
-A run is cold when Triton built kernels inside its timed loop for more than COLD_BUILD_S seconds: on a fresh
-machine Triton's disk cache is empty, so the first run of a command builds every kernel specialisation the warm-up
-did not reach (a decode launch for a batch's tail, a prefill pointer's alignment), ~0.8 s each. Session 17 measured
-it twice on the H200: the mixed load's first A run 68.25 s against 66.08 for the last (2.1 s of builds), the job's
-first run at 256 sequences 19,065 tok/s against 22,118 (2.4 s). Such a run says nothing about its variant, so the
-summaries also give B/A over the warm runs alone (with the cold run, usually the first A, left out, A B B A no
-longer cancels a drift over the command: read it beside the plain B/A). Runs without a `triton_compile_s` count
-as warm.
+A run is cold when Triton built kernels inside its timed loop for more than COLD_BUILD_S seconds: on a fresh machine
+Triton's disk cache is empty, so the first run of a command builds every kernel specialisation the warm-up did not
+reach (a decode launch for a batch's tail, a prefill pointer's alignment), ~0.8 s each. Measured twice on the H200
+(2026-12-02, bench/results/2026-12-02-admission-groups-mixed-job.md): the mixed load's first A run 68.25 s against
+66.08 for the last (2.1 s of builds), the job's first run at 256 sequences 19,065 tok/s against 22,118 (2.4 s). Such a
+run says nothing about its variant, so the summaries also give B/A over the warm runs alone (with the cold run,
+usually the first A, left out, A B B A no longer cancels a drift over the command: read it beside the plain B/A). Runs
+without a `triton_compile_s` count as warm.
 """
 
 from __future__ import annotations

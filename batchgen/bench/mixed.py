@@ -14,7 +14,7 @@ Before the timed run, a warm-up: the load's first WARMUP_REQUESTS requests (prom
 cache the timed prompts can hit) with their outputs cut to WARMUP_TOKENS, so that the kernels the load meets
 (prefill launches for short and long prompts, decode rows of mixed steps at every split count as the batch drains)
 are built before the clock starts; Triton builds still left in the timed run are counted (`triton_compile_s`).
-Before session 16 the warm-up was two 4-token requests, and a run's time depended on whether an earlier process had
+Until 2026-12-02 the warm-up was two 4-token requests, and a run's time depended on whether an earlier process had
 filled Triton's disk cache. The step kinds are the timed run's alone (its longest idle stretch is not reported: a
 maximum cannot be split by a difference of counters).
 
@@ -48,7 +48,7 @@ def mixed_floor_seconds(config, num_params: int, prompt_lens: list[int], output_
     every token's GEMM FLOPs (2 a parameter: a prompt token through the layers, an output token through the layers
     and the LM head, the first output token's layers counted with its prompt) at the matmul rate, whichever is
     longer (a step's prefill tokens share its weight reads), plus every token's K/V reads at the copy bandwidth.
-    At 256 sequences the FLOPs are the longer. Before session 9 the floor was the decode steps' weight reads plus
+    At 256 sequences the FLOPs are the longer. Before 2026-12-01 the floor was the decode steps' weight reads plus
     the prefill FLOPs through every parameter; on the 2,000-request load both give ~100 s."""
     head_dim = config.hidden_size // config.num_attention_heads
     embed = config.vocab_size * config.hidden_size

@@ -112,13 +112,13 @@ class OutputSpec(_Strict):
     keep_prompt: bool = False
     keep_token_ids: bool = False  # also store each completion's token ids (list<int32>; a stop token id is kept, as counted)
     report: bool = True  # when a run ends: README.md (dataset card), reports/*.png and reports/index.html
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     # auto: the tokenizer's <think> / </think> tokens if it has them, else none; with markers, `completion` holds
     # the answer only, `reasoning` the think block's text, `num_reasoning_tokens` its length
     reasoning: Literal["auto", "none"] | ReasoningSpec = "none"
 
 
-# issue 14: structured output
+# structured output
 class JobSampling(SamplingParams):
     """The job's `sampling:` section: SamplingParams plus what only a job can say (it names a source column)."""
 

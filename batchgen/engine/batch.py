@@ -28,7 +28,7 @@ class SeqSampling:
     repetition_penalty: float  # 1.0 -> off
     seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
     suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
-    # issue 14: OpenAI penalties and logit bias (see SamplingParams)
+    # OpenAI penalties and logit bias (see SamplingParams)
     presence_penalty: float = 0.0  # 0.0 -> off
     frequency_penalty: float = 0.0  # 0.0 -> off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits first
@@ -44,10 +44,10 @@ class SeqSampling:
     @property
     def uses_penalty_table(self) -> bool:
         return needs_penalty_table(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
     forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)
-    # issue 14: structured output: the row's grammar state (sample/grammar.py GrammarState), or None. Its
+    # structured output: the row's grammar state (sample/grammar.py GrammarState), or None. Its
     # bitmask for this step is filled by the engine only once the previous step's token is known (with the
     # async pipeline: after this step's forward is dispatched), then handed to the runner for the sampling.
     grammar: object | None = field(default=None, compare=False)
@@ -67,7 +67,7 @@ class SeqSchedule(NamedTuple):
     # Async pipeline: the last input token was sampled by the step still in flight and is not known here.
     # It is a placeholder (0); the runner replaces it on the device by that step's sampled token at this row.
     carry_from: int | None = None
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     # Prompt log-probs: input_token_ids[prompt_logprob_offset + j] is scored against prompt_logprob_targets[j],
     # the prompt token after it (for a chunk's last position: the first token of the next chunk). Empty: none.
     prompt_logprob_offset: int = 0
@@ -90,10 +90,10 @@ class ScheduledBatch:
     num_decode_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     num_samples: int = 0  # sequences with `sampling` (one sampled token each), kept by the scheduler
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     num_logprob_seqs: int = 0  # sequences asking for log-probs (prompt or sampled): 0 -> the runner skips them
     num_forced: int = 0  # sequences with a forced token (thinking budget)
-    num_constrained: int = 0  # issue 14: structured output: sampling rows with a grammar
+    num_constrained: int = 0  # structured output: sampling rows with a grammar
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +109,7 @@ class StepOutput:
     log-probs that rows asked for. Room for grammar state."""
 
     token_ids: list[int]  # one per sequence with `sampling`, in `ScheduledBatch.seqs` order
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     # R = sampling rows with `logprobs >= 0`, in batch order; K = the largest `logprobs` among them (a row
     # keeps its own first K). None when no row of the step asked.
     logprobs: np.ndarray | None = None  # [R] float32: the sampled (or forced) token's log-prob

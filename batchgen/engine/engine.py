@@ -126,7 +126,7 @@ class Engine:
         self.num_generated_tokens = 0
         self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables, updates)
         self._in_flight = None  # async pipeline: (batch, InFlight) dispatched and not yet applied
-        # issue 14: structured output: compiled response formats (built by the first request with one), and
+        # structured output: compiled response formats (built by the first request with one), and
         # the host's time advancing matchers' masks into bitmasks
         self._grammars: GrammarCache | None = None
         self.grammar_s = 0.0
@@ -193,7 +193,7 @@ class Engine:
         if len(seeds) != params.n:
             raise ValueError(f"{len(seeds)} sample seeds for n={params.n}")
         thinking = self._thinking_budget(params)
-        grammars = self._grammar_states(params)  # issue 14: structured output (ValueError: a bad format)
+        grammars = self._grammar_states(params)  # structured output (ValueError: a bad format)
         reqs = [Request(
             request_id=f"{request_id}#{i}", prompt_id=request_id, prompt_token_ids=prompt_ids, params=params,
             seed=seeds[i],
@@ -220,7 +220,7 @@ class Engine:
                              f"{len(markers.end_ids)} tokens {list(markers.end_ids)}")
         return markers
 
-    # issue 14: structured output
+    # structured output
     def _grammar_states(self, params: SamplingParams) -> list | None:
         """One matcher per sample of a constrained prompt (compiling its format on first use), else None.
         A row ends where its grammar may end on one of its own stop tokens: EOS (unless ignore_eos) and
@@ -302,7 +302,7 @@ class Engine:
         if self._in_flight is not None:
             prev_batch, prev_step = self._in_flight
             self._apply(prev_batch, self.runner.collect(prev_step))
-        if batch and batch.num_constrained:  # issue 14: the masks need the tokens just applied (sample/grammar.py)
+        if batch and batch.num_constrained:  # the masks need the tokens just applied (sample/grammar.py)
             step = self.runner.sample_deferred(step, self._bitmask(batch))
         self._in_flight = (batch, step) if batch else None
         return self._collect(self.scheduler.take_finished())

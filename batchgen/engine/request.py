@@ -74,7 +74,7 @@ class Request:
     # (-1: none), and whether its history has been sent to that row since the slot was assigned
     penalty_slot: int = -1
     penalty_history_sent: bool = False
-    # issue 14: logprobs / reasoning
+    # logprobs / reasoning
     output_logprobs: list[float] = field(default_factory=list)  # one per output token (params.logprobs set)
     # K per output token, as row views of each step's [R, K] arrays (no Python tuple per value: at 256 rows and
     # K = 5 those cost ~0.8 ms a step on the loop's thread, and ~5 ms a row when pyarrow converted them)
@@ -86,7 +86,7 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     num_scored_prompt_positions: int = 0
     thinking: ThinkingBudget | None = None  # params.thinking_budget set: the think block's state
-    # issue 14: structured output: params.response_format's matcher (sample/grammar.py GrammarState), own to
+    # structured output: params.response_format's matcher (sample/grammar.py GrammarState), own to
     # this sample. Invariant: it has accepted exactly output_token_ids (a preempted sequence keeps its tokens
     # and recomputes their KV only, so its matcher stays as it is)
     grammar: object | None = None
@@ -150,7 +150,7 @@ class Request:
         self.token_ids.append(token_id)
         if self.thinking is not None:
             self.thinking.append(token_id)
-        # issue 14: structured output: the mask allowed only tokens the grammar accepts here
+        # structured output: the mask allowed only tokens the grammar accepts here
         if self.grammar is not None:
             if self.grammar.dead_end:
                 stops = list(self.params.stop_token_ids)

@@ -21,7 +21,7 @@ class Sample:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     error: str | None = None  # finish_reason "error": why (this sample alone failed; the others are whole)
     error_class: str | None = None  # with `error`: too_long_for_cache, empty_prompt, grammar_error, ...
-    # issue 14: logprobs / reasoning (SamplingParams.logprobs set; raw-logit log_softmax, fp32)
+    # logprobs / reasoning (SamplingParams.logprobs set; raw-logit log_softmax, fp32)
     logprobs: list[float] | None = None  # one per token_ids entry: that token's log-prob
     # SamplingParams.logprobs K > 0: per token, the K most likely tokens, best first (None when K is 0 or unset)
     top_logprob_ids: np.ndarray | None = None  # [T, K] int32

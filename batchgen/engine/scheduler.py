@@ -171,7 +171,7 @@ class Scheduler:
                     # the slot's first sampling step: every token is known (no carry-over right after admission)
                     penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
                     logprobs=-1 if p.logprobs is None else p.logprobs, forced_token_id=forced,
-                    grammar=req.grammar,  # issue 14: structured output (fixed for the request's life)
+                    grammar=req.grammar,  # structured output (fixed for the request's life)
                 )
                 if first_penalised:
                     assert carry_from is None, "a penalty history with a token in flight"
@@ -188,7 +188,7 @@ class Scheduler:
             batch.num_logprob_seqs += 1
         if sampling is not None and sampling.forced_token_id >= 0:
             batch.num_forced += 1
-        if sampling is not None and sampling.grammar is not None:  # issue 14: structured output
+        if sampling is not None and sampling.grammar is not None:  # structured output
             batch.num_constrained += 1
         if samples and num_new == 1:
             batch.num_decode_tokens += 1

@@ -36,7 +36,7 @@ class RowSampling:
             raise JobError(f"source.sampling_column {self.column!r} is not a column of the source; columns: "
                            f"{', '.join(columns)}")
         self._cache: dict[str, SamplingParams] = {}
-        # issue 14: structured output
+        # structured output
         self.format_column = spec.sampling.response_format_column
         if self.format_column is not None and self.format_column not in columns:
             raise JobError(f"sampling.response_format_column {self.format_column!r} is not a column of the source; "
@@ -111,7 +111,7 @@ class RowSampling:
             raise RowError("bad_sampling", f"{where}: {', '.join(changed)} decide the output columns: set them "
                                            f"in the job's sampling: section, not per row")
         if params.response_format is not None and params.response_format != self.job.response_format:
-            from batchgen.sample.grammar import check_response_format  # issue 14: structured output
+            from batchgen.sample.grammar import check_response_format  # structured output
 
             try:
                 check_response_format(params.response_format, key=f"{where}: response_format")

@@ -25,7 +25,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, use_triton: bool = False) 
     """logits: [S, V] (any float dtype). Returns [S] int64 token ids. Its kernels are the profiler's
     `batchgen.sample` range (bench/job profiles split a step's GPU time by it)."""
     with torch.profiler.record_function("batchgen.sample"):
-        # issue 14: structured output: grammar-masked tokens are -inf before penalties, temperature, filters
+        # structured output: grammar-masked tokens are -inf before penalties, temperature, filters
         if st.grammar_rows is not None:
             assert st.grammar_bitmask is not None, "a constrained row without its bitmask"
             rows = None if st.grammar_rows.shape[0] == logits.shape[0] else st.grammar_rows

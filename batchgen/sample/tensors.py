@@ -38,7 +38,7 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    # issue 14: structured output: the constrained rows and their bitmasks, applied to the logits before
+    # structured output: the constrained rows and their bitmasks, applied to the logits before
     # everything else (sample/grammar_mask.py); the bitmask is set by the runner once the host has filled it
     grammar_rows: torch.Tensor | None = None  # [G] int64 rows with a grammar, in bitmask order; None: none
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit set = token allowed
@@ -87,7 +87,7 @@ class SamplingTensors:
             arrays["suppress_rows"] = np.array([i for i, r in enumerate(rows) for _ in r.suppressed_token_ids],
                                                dtype=np.int64)
             arrays["suppress_token_ids"] = np.array([t for r in rows for t in r.suppressed_token_ids], dtype=np.int64)
-        # issue 14: structured output
+        # structured output
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             arrays["grammar_rows"] = np.array(constrained, dtype=np.int64)
@@ -112,5 +112,5 @@ class SamplingTensors:
             any_top_k=any(0 < r.top_k < vocab_size and r.temperature > 0 for r in rows),
             any_top_p=any(r.top_p < 1.0 and r.temperature > 0 for r in rows),
             any_min_p=any(r.min_p > 0.0 and r.temperature > 0 for r in rows),
-            grammar_rows=tensors.get("grammar_rows"),  # issue 14: structured output
+            grammar_rows=tensors.get("grammar_rows"),  # structured output
         )

@@ -56,12 +56,16 @@ _NOISE = [
 
 def _clean(text: str) -> str:
     lines = []
-    for line in text.splitlines():
+    source = text.splitlines()
+    for i, line in enumerate(source):
         pattern, repl = _NOISE[0]
-        if pattern.match(line):
+        heading = bool(pattern.match(line))
+        if heading:
             line = pattern.sub(repl, line)
-            if len(line.split()) < 6:  # a group heading such as "structured output"
-                continue
+        # a group heading such as "structured output": a short first line with more below it, no sentence
+        heading = heading or (i == 0 and len(source) > 1 and not re.search(r"[.:;,()`]", line))
+        if heading and len(line.split()) < 6:
+            continue
         if line.strip():
             lines.append(line.strip())
     text = " ".join(lines)

@@ -68,20 +68,21 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 
 
 # The head size the heuristic's launches were measured at (Llama's 128). Wider heads take proportionally fewer keys
 # a tile, so that a tile holds as many elements per warp as the measured launch, or registers spill: Gemma2's
-# 256-dim heads at Llama's block_n 128 ran at 2.05x their K/V bytes on the H200 (session 9).
+# 256-dim heads at Llama's block_n 128 ran at 2.05x their K/V bytes on the H200 (2026-12-01,
+# bench/results/2026-12-01-logprobs-moe-deterministic-cost.md).
 MEASURED_HEAD_DIM = 128
 
 
 def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
     """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
-    Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at
-    64 / 2 warps. 256 seqs (2,048 programs): 1 split at 128 / 4. Where every sequence has the same context, block_n
-    32 / 2 warps / 2 stages is within 5 % of the fastest launch at every context (at 160 tokens 53 µs against 64
-    for 128 / 4), but a long run's batches are ragged, and there the short tiles lose: lengths 32-3,072 took 462
-    µs against 396-404 for 128 / 4 / 3 stages, and on the mixed load they cost 13 % more decode attention kernel
-    time (session 16, bench/RESULTS.md: the few long sequences left at the end of a launch stream too slowly
-    through 32-key tiles). Wider heads: the same launch with block_n scaled by MEASURED_HEAD_DIM / padded head
-    dim. `num_splits`: the caller's (None: default_num_splits)."""
+    Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at 64 /
+    2 warps. 256 seqs (2,048 programs): 1 split at 128 / 4. Where every sequence has the same context, block_n 32 / 2
+    warps / 2 stages is within 5 % of the fastest launch at every context (at 160 tokens 53 µs against 64 for 128 /
+    4), but a long run's batches are ragged, and there the short tiles lose: lengths 32-3,072 took 462 µs against
+    396-404 for 128 / 4 / 3 stages, and on the mixed load they cost 13 % more decode attention kernel time
+    (2026-12-02, bench/results/2026-12-02-mixed-regression-decode-launch.md: the few long sequences left at the end of
+    a launch stream too slowly through 32-key tiles). Wider heads: the same launch with block_n scaled by
+    MEASURED_HEAD_DIM / padded head dim. `num_splits`: the caller's (None: default_num_splits)."""
     num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
     padded = 1 << (head_dim - 1).bit_length()  # triton.next_power_of_2 (head_dim >= 1)
     narrow = max(1, padded // MEASURED_HEAD_DIM)  # 2 for 256-dim heads

@@ -104,7 +104,8 @@ if triton is not None:
 
     # Values that vary from step to step are not specialised on (one build, not one per value class): the block-
     # table width (paged_decode.py), and the work list's address, whose 16-byte alignment depends on where the step's
-    # arrays land (session 17: a second build mid-run, ~1 s on an empty Triton cache; its loads are two scalars)
+    # arrays land (measured 2026-12-02: a second build mid-run, ~1 s on an empty Triton cache; its loads are two
+    # scalars)
     @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["work_ptr"])
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, work_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,

@@ -37,7 +37,8 @@ class PrefillLaunch:
                 raise ValueError(f"PrefillLaunch.{name} is {getattr(self, name)}, not one of {choices}")
 
 
-# Measured on the H200 (bench/prefill_attention_sweep.py, Llama-8B heads, session 15; ms over 32 layers):
+# Measured on the H200 (bench/prefill_attention_sweep.py, Llama-8B heads, 2026-12-02,
+# bench/results/2026-12-02-prefill-kernels-fp8-job.md; ms over 32 layers):
 # - steps whose longest query is shorter than LONG_PROMPT (a job's refills, decode-heavy mixed steps): 16 tokens an
 #   item on 32-key tiles, 8,192 tokens of 68-token prompts 2.62 ms against 3.58 with 64-key tiles (the launch
 #   before the sweep) and 3.28-4.66 for every larger item;
@@ -49,8 +50,8 @@ LONG_PROMPT = 512  # the longest query, in tokens, from which a step takes LONG_
 LONG_PROMPT_LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=8, num_stages=3)
 # The long launch's tiles fit a Hopper SM's shared memory (227 KiB a block) only for query rows of at most this
 # many bytes (its head dim padded to a power of two x the activations' element size): Llama's 128 dims in bf16
-# take 131,328 bytes; 256 dims in bf16 (Gemma's) or 128 in fp32 take 262,400 (sm_90 compiles, session 15's
-# review), a launch Triton refuses. Wider rows keep the short launch (98,304 bytes at 128 x bf16).
+# take 131,328 bytes; 256 dims in bf16 (Gemma's) or 128 in fp32 take 262,400 (sm_90 compiles,
+# 2026-12-02), a launch Triton refuses. Wider rows keep the short launch (98,304 bytes at 128 x bf16).
 LONG_LAUNCH_MAX_ROW_BYTES = 256
 
 

@@ -87,8 +87,8 @@ if triton is not None:
             x = a + b
         return tl.reshape(x, [x.shape[0]])
 
-    # the step's token count is not specialised on (divisible by 16 or not: one build, not two; session 17 saw the
-    # second built mid-run); it only bounds the last tile's rows
+    # the step's token count is not specialised on (divisible by 16 or not: one build, not two; a run of 2026-12-02
+    # built the second mid-run); it only bounds the last tile's rows
     @triton.jit(do_not_specialize=["num_tokens"])
     def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                         qk_norm_ptr, norm_eps, num_tokens,
@@ -175,7 +175,7 @@ def rope_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ma
 
 def rope_kv_launch(num_tokens: int) -> tuple[int, int]:
     """(BLOCK_T, num_warps) for a step of `num_tokens` tokens. Measured on the H200 (bench/rope_kv_sweep.py,
-    Llama-8B heads, session 15): 16-token tiles on 8 warps were the fastest at 256 and 8,192 tokens and within
+    Llama-8B heads, 2026-12-02): 16-token tiles on 8 warps were the fastest at 256 and 8,192 tokens and within
     0.4 % of the fastest at 2,048 (3.45 / 15.56 / 55.3 us a call against the one-token-a-program launch's 8.96 /
     62.9 / 240: 2.6-4.3x); below 256 tokens (the deterministic path's and OLMo2's decode steps) 4-token tiles on
     one warp, so that a small step still spreads over the SMs (at 256 tokens 4.16 us, 2.2x the old launch; smaller

@@ -19,7 +19,7 @@ README "FP8 checkpoints"):
     "triton"): the same quantiser, then kernels/fp8/splitk.py's split-K GEMM (programs over row tiles x column
     tiles x K ranges of whole scale blocks, >= 2 per SM, fp32 partials summed in a fixed order by a second kernel),
     for decode, where the one-program-per-column-tile GEMMs stream the weight at 1.0-1.4 TB/s. Measured on the
-    H200 (session 11, W1 at 32 rows, forced paths in one run): split-K 5.27 s against the Triton GEMM's 6.20 s;
+    H200 (2026-12-01, W1 at 32 rows, forced paths in one run): split-K 5.27 s against the Triton GEMM's 6.20 s;
     cuBLAS block-wise did not pass its probe there.
 
 Where the kernel that writes a GEMM's input quantises it itself (`input_quant` says how, for a weight and M: the
@@ -81,17 +81,17 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
     (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
 }
 # The split-K GEMM (kernels/fp8/splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
-# a GPU run measured it faster end to end (W1's 32 rows, session 11: 5.27 s vs the Triton GEMM's 6.20 s). Above it
+# a GPU run measured it faster end to end (W1's 32 rows, 2026-12-01: 5.27 s vs the Triton GEMM's 6.20 s). Above it
 # the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS lists the
 # weight's shape.
 SPLITK_MAX_ROWS = 32
 # (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
 # bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its
-# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Session 18 on the H200 (`bash bench/gpu_proofs.sh
-# fp8splitk`, M 64 / 128 / 256 / 512, µs a call split-K default vs cuBLASLt): qkv 13.7 vs 15.2 at 64, 17.8 vs 15.2
-# at 128; o 10.9 vs 14.8, then 17.7 vs 14.9; down 34.2 vs 41.8, then 47.6 vs 41.8; gate_up loses at 64 already
-# (49.2 vs 36.8). At 256-512 rows cuBLASLt wins every shape (qkv 24.0 vs 15.8, down 80.0 vs 42.0 at 256): there
-# the GEMMs are no longer a stream of the weight. Where cuBLASLt block-wise is off, a listed shape's split-K
+# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Measured on the H200 on 2026-12-02 (`bash
+# bench/gpu_proofs.sh fp8splitk`, M 64 / 128 / 256 / 512, µs a call split-K default vs cuBLASLt): qkv 13.7 vs 15.2 at
+# 64, 17.8 vs 15.2 at 128; o 10.9 vs 14.8, then 17.7 vs 14.9; down 34.2 vs 41.8, then 47.6 vs 41.8; gate_up loses at
+# 64 already (49.2 vs 36.8). At 256-512 rows cuBLASLt wins every shape (qkv 24.0 vs 15.8, down 80.0 vs 42.0 at 256):
+# there the GEMMs are no longer a stream of the weight. Where cuBLASLt block-wise is off, a listed shape's split-K
 # replaces the Triton GEMM (column `triton ms`: slower than split-K at every M measured).
 SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {
     (6144, 4096): 64,  # Llama-8B q/k/v fused

@@ -60,10 +60,10 @@ def splitk_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) ->
     """Default launch config: 64-column tiles; splits: splitk_common.split_count (>= 2 programs per SM, dividing
     K's scale blocks evenly where that costs at most twice as many, the count spreading the programs most evenly
     over the SMs; 1 where the column tiles alone do: gate_up; never under 8 blocks a split); with one split,
-    128-column tiles where there are still as many as SMs (gate_up at M 32 / 64, session 19's sweep: 39.0 vs
-    40.5 us, 39.4 vs 49.7); 4 warps, 4 stages (the H200 sweep of session 13,
+    128-column tiles where there are still as many as SMs (gate_up at M 32 / 64, the 2026-12-02 sweep: 39.0 vs
+    40.5 us, 39.4 vs 49.7); 4 warps, 4 stages (an H200 sweep of 2026-12-02,
     bench/fp8_gemm.py --sweep: 4 stages at least as fast as 5 or 6 at every Llama-8B shape, M 16-64); weight
-    tiles by TMA (session 15's sweep at M = 32, these tiles: qkv 13.6 vs 14.4 us, o 11.0 vs 12.1, down 26.2 vs
+    tiles by TMA (a 2026-12-02 sweep at M = 32, these tiles: qkv 13.6 vs 14.4 us, o 11.0 vs 12.1, down 26.2 vs
     27.0; gate_up 40.1 vs 39.8, a tie)."""
     block_n = 64
     splits = split_count(m, n, -(-k // block_k), block_n, sms)

@@ -54,7 +54,7 @@ def split_count(m: int, n: int, k_blocks: int, block_n: int, sms: int) -> int:
     spread most evenly over the SMs (sm_balance; ties: the fewest), unless there is none (K's blocks
     with few small divisors: Qwen2-7B's down, 148 = 4 x 37), then that least, split unevenly (split_sizes: the
     last split shorter, none empty). At most k_blocks // MIN_BLOCKS_PER_SPLIT splits: a split of fewer blocks
-    than that never fills its software pipeline (measured on an H200, session 13: Llama-8B's o projection at
+    than that never fills its software pipeline (measured on an H200, 2026-12-02: Llama-8B's o projection at
     M = 32, 4 splits of 8 blocks 11.8 us against 8 splits of 4 blocks 12.8 us; 2 programs per SM asked for 8)."""
     tiles = -(-n // block_n) * -(-m // block_m_for(m))
     if tiles >= 2 * sms:
@@ -70,7 +70,7 @@ def split_count(m: int, n: int, k_blocks: int, block_n: int, sms: int) -> int:
 def sm_balance(programs: int, sms: int) -> float:
     """Average over busiest SM's share of `programs` equal programs dealt over `sms` SMs (1.0: every SM runs as
     many). A memory-bound GEMM ends with its busiest SM: Llama-8B's down at 32 rows, 64 column tiles, 448
-    programs in 7 splits (0.85) against 512 in 8 (0.97) measured 26.0 vs 24.8 us on an H200 (session 19)."""
+    programs in 7 splits (0.85) against 512 in 8 (0.97) measured 26.0 vs 24.8 us on an H200 (2026-12-02)."""
     return programs / (-(-programs // sms) * sms)
 
 

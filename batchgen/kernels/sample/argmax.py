@@ -1,9 +1,10 @@
 """Greedy argmax over the vocabulary (Triton), for the graphed decode step, and its torch reference.
 
-torch's argmax over [B, V] logits runs one thread block per row: at B = 32 and V = 128,256 that is 32 blocks
-reading 8 MB, ~35 µs of an H200 step where the bytes take ~3 µs (bench/RESULTS.md, session 3). Here the
-vocabulary is cut into chunks: program (row, chunk) finds its chunk's maximum and first index of it, and a
-second kernel picks, per row, the first chunk holding the row's maximum.
+torch's argmax over [B, V] logits runs one thread block per row: at B = 32 and V = 128,256 that is 32 blocks reading 8
+MB, ~35 µs of an H200 step where the bytes take ~3 µs (2026-11-29,
+bench/results/2026-11-29-cublaslt-w1-transformers.md). Here the vocabulary is cut into chunks: program (row, chunk)
+finds its chunk's maximum and first index of it, and a second kernel picks, per row, the first chunk holding the row's
+maximum.
 
 Same result as `torch.argmax` for finite logits, ties included (the lowest index of the maximum wins:
 strict `>` across blocks and chunks, `tie_break_left` within a block). Rows of -inf give index 0, as
