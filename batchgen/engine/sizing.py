@@ -111,7 +111,7 @@ def capacity(on_cuda: bool, max_num_seqs: int | None, max_num_batched_tokens: in
     else:
         fit = int(ROW_SHARE * budget_bytes) // max(1, costs.per_seq_bytes) - 1
         seqs = bucket_at_most(min(MAX_AUTO_SEQS, max(1, fit)), MAX_AUTO_SEQS)
-        reason = "graphs and sampler rows to " + str(seqs) if seqs == MAX_AUTO_SEQS else \
+        reason = "auto's largest batch" if seqs == MAX_AUTO_SEQS else \
             f"graphs and sampler rows in {ROW_SHARE:.0%} of the memory after the weights"
     tokens = max_num_batched_tokens if max_num_batched_tokens is not None else batched_tokens_for(seqs)
     return Capacity(seqs, tokens, max_num_seqs is None, max_num_batched_tokens is None, reason)

@@ -190,7 +190,7 @@ class JobLoop:
         """What actually runs, so that no engine key is silently without effect."""
         spec, tp = self.spec, self.tp
         graphs = self.engine.runner.graphs
-        graph_note = f"on to {graphs.max_batch} seqs (pool {graphs.pool_bytes / 2**30:.2f} GiB)" if graphs else "off"
+        graph_note = f"on to {graphs.max_batch} seqs" if graphs else "off"
         return (f"batchgen: engine on {self.engine.device}: {self.engine.kv_cache.num_blocks} KV blocks of "
                 f"{spec.engine.block_size}; {self.engine.capacity.describe()}; CUDA graphs {graph_note}"
                 f"{'' if graphs or not spec.engine.cuda_graphs else ' (CUDA only)'}"

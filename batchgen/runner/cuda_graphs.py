@@ -91,7 +91,6 @@ class DecodeGraphs:
         self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
         self.bucket_blas: dict[int, str | None] = {}  # the BLAS back end each bucket was captured with
         self.pool = None
-        self.pool_bytes = 0  # device memory the capture took (the pool, and the allocator's blocks it grew)
 
     def bucket_for(self, num_seqs: int) -> int | None:
         for b in self.buckets:
@@ -112,7 +111,6 @@ class DecodeGraphs:
         if reason is not None:
             warnings.warn(f"batchgen: {reason}; decode graphs use torch.argmax", stacklevel=2)
         greedy = argmax.greedy_argmax if reason is None else argmax.argmax_ref
-        reserved_before = torch.cuda.memory_reserved(self.kv_cache.k_cache.device)
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -131,7 +129,6 @@ class DecodeGraphs:
                 self._graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        self.pool_bytes = torch.cuda.memory_reserved(self.kv_cache.k_cache.device) - reserved_before
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                seq_lens: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
