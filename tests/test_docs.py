@@ -22,7 +22,17 @@ import job_reference  # noqa: E402
 
 DOC_FILES = sorted([*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *DOCS.rglob("*.yaml"), REPO / "README.md",
                     REPO / "mkdocs.yml"])
-HISTORY = re.compile(r"\bsessions? \d{1,2}\b|GPU-minute|\.devrun", re.IGNORECASE)
+HISTORY = re.compile(r"\bsessions? \d{1,2}\b|GPU-minut[e]|\.devru[n]", re.IGNORECASE)
+# numbered work periods, device-time budgets and private scripts, as `git grep -nE` is given them (the brackets keep
+# this file from matching itself)
+BUILD_HISTORY = re.compile(r"[Ss]ession[s]? ?[0-9]|GPU-minut[e]|device[- ]minut[e]|\.devru[n]/")
+# tracked files allowed to match BUILD_HISTORY, and why
+BUILD_HISTORY_ALLOWED = {
+    "bench/device_assets.sh": "creates the ignored private-setup folder and the setup script device commands source",
+    "bench/gpu_proofs.sh": "being edited (the setup script it sources may stay named: device_assets.sh writes it)",
+    "batchgen/engine/config.py": "being edited",
+    "batchgen/bench/job.py": "being edited",
+}
 
 
 def _all_paths(model, prefix: str = "") -> list[str]:
@@ -81,6 +91,42 @@ def test_the_docs_speak_of_the_product_not_of_how_it_was_built():
     found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in DOC_FILES
              for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_no_tracked_file_speaks_of_numbered_work_periods_budgets_or_private_scripts():
+    """README, docs, bench (results included), tests, the package, jobs: dates, commits and public commands instead of
+    numbered work periods, device-time budgets or private setup scripts (the allowed files are listed above, with why)."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    found = []
+    for rel in filter(None, listed.stdout.split("\0")):
+        path = REPO / rel
+        if rel in BUILD_HISTORY_ALLOWED or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{rel}:{i}: {line.strip()[:160]}" for i, line in enumerate(text.splitlines(), 1)
+                  if BUILD_HISTORY.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_benchmark_figures_in_the_readme_are_the_current_ones_of_bench_results():
+    readme = (REPO / "README.md").read_text()
+    results = (REPO / "bench" / "RESULTS.md").read_text()
+    assert "](bench/RESULTS.md)" in readme
+    section = readme[readme.index("## Performance"):]
+    section = section[:section.index("\n## ", 1)]
+    figures = re.findall(r"\*\*([^*]+)\*\*", section)
+    assert len(figures) >= 6
+    missing = [f for f in figures if f not in results]
+    assert not missing, f"README figures not in bench/RESULTS.md's current table: {missing}"
+    for link in re.findall(r"\]\((results/[^)]+)\)", results):
+        assert (REPO / "bench" / link).is_file(), link
 
 
 def test_the_quick_start_job_file_is_valid(tmp_path):
