@@ -54,7 +54,7 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
 # without them) resumes, and turning one on (or changing it) is refused
 SAMPLING_OFF = {"logprobs": None, "prompt_logprobs": False, "thinking_budget": None, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "logit_bias": [],
-                "response_format": None, "response_format_column": None}  # issue 14: structured output
+                "response_format": None, "response_format_column": None}  # structured output
 
 
 def _sampling(spec: JobSpec) -> dict[str, Any]:
