@@ -5,55 +5,55 @@
 # The logs and JSON reports go to $LOGS (/tmp/gpu_proofs_logs) and, after every step, into one archive
 # $OUT/proofs.tgz (the device returns at most 8 files from $OUT).
 #   bash bench/gpu_proofs.sh tests      # every @pytest.mark.gpu test (~7 min; two files need `datasets`: skipped)
-#   bash bench/gpu_proofs.sh newtests   # the GPU tests of session 10's kernels: decode attention (q/k norm fused), FP8
+#   bash bench/gpu_proofs.sh newtests   # the GPU tests of the 2026-12-01 kernels: decode attention (q/k norm fused), FP8
 #                                       # paths forced by engine.fp8_gemm, the fused LayerNorm
-#   bash bench/gpu_proofs.sh logprobs   # issue 14: job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
-#   bash bench/gpu_proofs.sh moe        # issue 15: qwen3-30b-a3b seed workload (1,024 new; ~1 min)
-#   bash bench/gpu_proofs.sh moejob     # issue 15: qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~7 min)
-#   bash bench/gpu_proofs.sh fp8moe     # issue 19: FP8 MoE GPU tests, then qwen3-30b-a3b W1 in FP8 (never run; ~5 min?)
-#   bash bench/gpu_proofs.sh fp8moejob  # issue 19: qwen3-30b-a3b job at 256 seqs in FP8 (never run; ~6 min?)
-#   bash bench/gpu_proofs.sh longrun    # issue 18: a 20,000-row job's window rates (middle vs last tenths; ~8 min)
-#   bash bench/gpu_proofs.sh sweep      # issue 15: decode attention launches (starcoder2-7b, qwen2-7b, starcoder2-3b, gemma2-9b,
+#   bash bench/gpu_proofs.sh logprobs   # job path, plain (A) vs sampling.logprobs=5 (B), ABBA (~6 min)
+#   bash bench/gpu_proofs.sh moe        # qwen3-30b-a3b seed workload (1,024 new; ~1 min)
+#   bash bench/gpu_proofs.sh moejob     # qwen3-30b-a3b job at 256 seqs (61 GB saved and loaded: ~7 min)
+#   bash bench/gpu_proofs.sh fp8moe     # FP8 MoE GPU tests, then qwen3-30b-a3b W1 in FP8 (never run; ~5 min?)
+#   bash bench/gpu_proofs.sh fp8moejob  # qwen3-30b-a3b job at 256 seqs in FP8 (never run; ~6 min?)
+#   bash bench/gpu_proofs.sh longrun    # a 20,000-row job's window rates (middle vs last tenths; ~8 min)
+#   bash bench/gpu_proofs.sh sweep      # decode attention launches (starcoder2-7b, qwen2-7b, starcoder2-3b, gemma2-9b,
 #                                       # phi3-mini, olmo2-7b at 32:768 and
 #                                       # 256:512 (12 compile workers; at most 5.5 min), the winners merged into
 #                                       # batchgen/kernels/attention/decode_launches.json, which is copied to $OUT
-#   bash bench/gpu_proofs.sh families   # issue 15: W1 of every dense geometry but llama-8b, the launch table as committed
+#   bash bench/gpu_proofs.sh families   # W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
-#   bash bench/gpu_proofs.sh blas       # issue 15: W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
+#   bash bench/gpu_proofs.sh blas       # W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
 #                                       # BLAS choice, same run (~4 min)
-#   bash bench/gpu_proofs.sh profiles   # issue 15: decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
-#   bash bench/gpu_proofs.sh fp8        # issue 19: block-wise tests and probe, FP8 W1 (default vs block-wise), FP8 and bf16
+#   bash bench/gpu_proofs.sh profiles   # decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
+#   bash bench/gpu_proofs.sh fp8        # block-wise tests and probe, FP8 W1 (default vs block-wise), FP8 and bf16
 #                                       # jobs at 256 (~8 min)
-#   bash bench/gpu_proofs.sh fp8profile # issue 19: an FP8 W1 decode step's kernels, block-wise and split-K (~3 min)
-#   bash bench/gpu_proofs.sh fp8big     # issue 19: W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
-#   bash bench/gpu_proofs.sh fp8bigjob  # issue 19: the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
+#   bash bench/gpu_proofs.sh fp8profile # an FP8 W1 decode step's kernels, block-wise and split-K (~3 min)
+#   bash bench/gpu_proofs.sh fp8big     # W1 of Llama-3.1-70B geometry in FP8 on one GPU (~4 min)
+#   bash bench/gpu_proofs.sh fp8bigjob  # the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
-#   bash bench/gpu_proofs.sh tp         # issue 19, two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
+#   bash bench/gpu_proofs.sh tp         # two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
-#   bash bench/gpu_proofs.sh fp8splitk  # issue 19: split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py
+#   bash bench/gpu_proofs.sh fp8splitk  # split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py
 #                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
 #                                       # SPLITK_SHAPE_ROWS literal says which shapes take split-K at the FP8 job's
 #                                       # sizes (~8 min?; SPLITK_SWEEP_ROWS narrows it)
 #   bash bench/gpu_proofs.sh fp8kv      # engine.kv_cache_dtype: fp8: its GPU tests, then the job at 256 seqs, default (A)
 #                                       # vs an fp8 K/V cache (B), A B B A (~7 min)
-#   bash bench/gpu_proofs.sh refill     # issue 18: job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
+#   bash bench/gpu_proofs.sh refill     # job at 256 seqs, penalty 1.0 and 1.1, the checkout in .prev (A) vs this
 #                                       # one (B), A B B A, with each run's decode / mixed / idle shares (~8 min)
-#   bash bench/gpu_proofs.sh prefill    # issue 18: a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
+#   bash bench/gpu_proofs.sh prefill    # a prefill step's kernels against its FLOP floor (8192 tokens of 68- and
 #                                       # 2,048-token prompts, the mixed load's mixed step: 1,450 prompt tokens beside 250
 #                                       # decode rows), then the mixed 2,000-request load with its step kinds (~5 min)
-#   bash bench/gpu_proofs.sh mixedab    # issue 18: the mixed load (MIXED_REQUESTS, default 1,000) from the checkout in
+#   bash bench/gpu_proofs.sh mixedab    # the mixed load (MIXED_REQUESTS, default 1,000) from the checkout in
 #                                       # .prev and from this one, in MIXED_ORDER (default .prev . . .prev; ~7 min):
-#                                       # session 15 found it 7 % slower than session 6 (.prev: git archive 241f28b)
-#   bash bench/gpu_proofs.sh mixedprof  # issue 18: the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
+#                                       # it was measured 7 % slower on 2026-12-02 than on 2026-12-01 (.prev: git archive 241f28b)
+#   bash bench/gpu_proofs.sh mixedprof  # the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
 #                                       # requests, default 400) from .prev and this checkout, then compared (~4 min);
 #                                       # MIXED_PROF_WARMUP=load: warmed up on the load (idle without builds)
-#   bash bench/gpu_proofs.sh admission  # issue 18: the mixed load (MIXED_REQUESTS, default 1,000), engine.admission_group
+#   bash bench/gpu_proofs.sh admission  # the mixed load (MIXED_REQUESTS, default 1,000), engine.admission_group
 #                                       # 1 (A) vs ADMISSION_GROUP (B, default 4), A B B A on fresh engines (~6 min)
-#   bash bench/gpu_proofs.sh fp8job     # issue 19: the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
+#   bash bench/gpu_proofs.sh fp8job     # the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
 #                                       # step kinds and idle gaps (~7 min each: one command each, FP8_WEIGHTS=bf16 | fp8)
-#   bash bench/gpu_proofs.sh detcheck   # issue 20: GPU tests, fixed-row GEMM bench, a deterministic step's kernels
-#   bash bench/gpu_proofs.sh detcost    # issue 20: job at 256 seqs, default (A) vs deterministic (B), A B B A
-#   bash bench/gpu_proofs.sh det        # issue 20: bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
+#   bash bench/gpu_proofs.sh detcheck   # GPU tests, fixed-row GEMM bench, a deterministic step's kernels
+#   bash bench/gpu_proofs.sh detcost    # job at 256 seqs, default (A) vs deterministic (B), A B B A
+#   bash bench/gpu_proofs.sh det        # bench/deterministic_gpu.sh identity checks (16 vs 256, kill/resume)
 #   bash bench/gpu_proofs.sh autotests  # engine.max_num_seqs auto: the GPU tests of decode graphs (to 1,024 rows), W1
 #   bash bench/gpu_proofs.sh autojob    # the job at default settings (auto) against 256 and 512 sequences, 4,000 rows,
 #                                       # in the order auto 256 512 auto (~9.5 min)
@@ -124,7 +124,7 @@ for section in "${sections[@]}"; do
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
-    fp8) # the block-wise _scaled_mm with rows padded to 4 (its probe said no in session 11), then W1 by the default
+    fp8) # the block-wise _scaled_mm with rows padded to 4 (its probe said no on 2026-12-01), then W1 by the default
          # (split-K at <= 32 rows) against block-wise forced, and the job (M = 256: block-wise where the probe passes)
          step fp8_tests 120 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -rfE -p no:cacheprovider \
            -k "blockwise or probe or block_scaled or group_quantiser or per_channel"

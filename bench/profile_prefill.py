@@ -1,5 +1,5 @@
 """Where a prefill (mixed) step's time goes on the GPU, against its FLOP floor (Llama-3.1-8B geometry, random bf16
-weights): the eager packed forward that serves every step with prompt tokens (issue 18: a job's 17 mixed steps
+weights): the eager packed forward that serves every step with prompt tokens (a job's 17 mixed steps
 took 12 % of its loop at 1.58x their prompt tokens' GEMM FLOPs; the mixed load's 2 M prompt tokens make it most
 of that workload's gap to its floor).
 

@@ -365,7 +365,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     # otherwise equal runs 25 % slower.
     # (A warm-up of 64 rows and 8 new tokens left the first timed run 12 % slower in its first window: some
     # kernels specialise on shapes only a full wave reaches, so the warm-up runs one wave and a refill. With 32 new
-    # tokens the first timed run was still 20-25 % slower end to end than the same run later (H200, session 9:
+    # tokens the first timed run was still 20-25 % slower end to end than the same run later (H200, 2026-12-01:
     # 15,993 vs 21,986 tok/s, its steady state unaffected): contexts grow to the prompt + new_tokens, past any the
     # warm-up reached, so the warm-up now generates the timed run's full new_tokens.)
     seq_values = [x.strip() if x.strip() == "auto" else int(x) for x in seqs.split(",")]

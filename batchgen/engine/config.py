@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
     fused_decoder: bool = True  # decode steps of models with a fused decoder (models/registry.py) run it
     compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
     # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs timed at
-    # start-up (not yet shown to win end to end: bench/RESULTS.md, session 7). engine.deterministic pins its own
+    # start-up (not shown to win end to end: bench/results/2026-12-01-penalty-compile-artefact-gpu-busy.md). engine.deterministic pins its own
     # (cuBLASLt, kernels/invariant/fixed_row_gemm.py) for every GEMM, eager and graphed: only that one or None goes with it
     graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
     # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA

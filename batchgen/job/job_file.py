@@ -39,7 +39,7 @@ def _openai_batch_defaults(raw: dict, base: Path) -> None:
 
 
 def _check_response_format(spec: JobSpec, path: Path) -> None:
-    """issue 14: structured output: a schema, regex or grammar xgrammar refuses stops the job here, before any
+    """structured output: a schema, regex or grammar xgrammar refuses stops the job here, before any
     model loads (run and validate), naming the key and xgrammar's reason."""
     if spec.sampling.response_format is None:
         return

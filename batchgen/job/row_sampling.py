@@ -5,7 +5,7 @@ job's `sampling:` section is (unknown field, wrong type, out of range); a bad on
 job's settings (Parquet struct columns give absent fields as null).
 A row's own `seed` replaces the job's as the root of its samples' seeds.
 
-issue 14: structured output: `sampling.response_format_column` names a column holding a JSON Schema per row (JSON
+structured output: `sampling.response_format_column` names a column holding a JSON Schema per row (JSON
 text, or an object); it replaces the row's response_format (type json_schema). Null or empty: the job's (or the
 row's sampling_column's) format. A value that is not JSON, not an object, or a schema xgrammar refuses rejects
 its row as `bad_response_format`, with xgrammar's reason; each distinct value is checked once.

@@ -51,7 +51,7 @@ class InFlight:
     busy: BusyWindow | None = None
 
 
-# issue 14: structured output
+# structured output
 @dataclass
 class DeferredStep:
     """A dispatched step whose forward is queued but whose sampling waits for its constrained rows' bitmasks
@@ -93,7 +93,7 @@ class ModelRunner:
         self.staging = StepStaging(device, self.compute_stream)
         self._out_host = [torch.empty(256, dtype=torch.int64, pin_memory=True) for _ in range(2)] if cuda else []
         self._out_next = 0
-        # issue 14: structured output: host bitmasks [G, ceil(V / 32)] int32, pinned A/B on CUDA. A slot is
+        # structured output: host bitmasks [G, ceil(V / 32)] int32, pinned A/B on CUDA. A slot is
         # refilled two steps later, after the host collected the step between, whose D2H copy follows this
         # slot's H2D copy on the compute stream: the copy out of it is done by then.
         self._bitmask_host: list[torch.Tensor] = []
@@ -161,7 +161,7 @@ class ModelRunner:
         with torch.cuda.stream(self.compute_stream):
             return self._dispatch(batch, bitmask)
 
-    # issue 14: structured output
+    # structured output
     def bitmask_buffer(self, num_rows: int) -> torch.Tensor:
         """A host int32 [num_rows, ceil(V / 32)] buffer for a step's bitmasks (pinned on CUDA), to fill and pass
         to `dispatch` / `sample_deferred` of that step; contents undefined."""
@@ -243,13 +243,13 @@ class ModelRunner:
             sample_logits = logits[:num_sampled]
             tokens = None if batch.num_constrained else sample_logits.argmax(dim=-1) if sampling is None else \
                 sample(sample_logits, sampling, self.use_triton)
-        if batch.num_constrained:  # issue 14: structured output: sampled below, from the masked logits
+        if batch.num_constrained:  # structured output: sampled below, from the masked logits
             deferred = DeferredStep(logits, sampling, num_sampled, forced_d, lp_inputs, busy)
             return deferred if bitmask is None else self._sample(deferred, bitmask)
         return self._finish_step(tokens, logits, num_sampled, sampling, forced_d, lp_inputs, busy)
 
     def _sample(self, step: DeferredStep, bitmask: torch.Tensor) -> InFlight:
-        """issue 14: structured output: the masked draw of a step with constrained rows, then the rest."""
+        """Structured output: the masked draw of a step with constrained rows, then the rest."""
         step.sampling.grammar_bitmask = bitmask.to(self.device, non_blocking=True)  # pinned -> no host wait
         tokens = sample(step.logits[:step.num_sampled], step.sampling, self.use_triton)
         return self._finish_step(tokens, step.logits, step.num_sampled, step.sampling, step.forced, step.lp_inputs,

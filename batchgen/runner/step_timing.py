@@ -1,4 +1,4 @@
-"""StepTiming: where the device's time goes, by kind of step (issue 18: a job's loop step was ~3 ms longer than
+"""StepTiming: where the device's time goes, by kind of step (a job's loop step was ~3 ms longer than
 its steady decode step, and nothing said whether prefill, refills or a waiting device took it).
 
 Two kinds of step: "decode" (one token per sequence, every sequence samples: replayed from a CUDA graph where

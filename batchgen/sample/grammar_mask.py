@@ -1,4 +1,4 @@
-"""Token bitmasks on the logits (issue 14: structured output): masked tokens become -inf before the sampler's
+"""Token bitmasks on the logits (structured output): masked tokens become -inf before the sampler's
 penalties, temperature and filters. The bitmasks come from sample/grammar.py (xgrammar's layout: int32 words,
 bit t % 32 of word t // 32 set = token t allowed).
 

@@ -8,7 +8,7 @@ rejects that line as `bad_sampling` naming the field. Mapped: max_tokens / max_c
 max_new_tokens, temperature, top_p, n, stop, seed, presence_penalty, frequency_penalty. A non-empty logit_bias
 rejects its line: its keys are ids of OpenAI's tokenizers, not of the job's model. Accepted and ignored: model
 (every line runs the job's model; one notice), user, metadata, store, stream: false, logprobs false,
-response_format {type: text}. Honoured (issue 14: structured output): response_format {type: json_object} and
+response_format {type: text}. Honoured (structured output): response_format {type: json_object} and
 {type: json_schema, json_schema: {name, schema, strict}} -> the row's response_format (the schema; name and
 strict are not needed: every completion follows the schema). Anything else is passed on as `body.<name>` and
 rejects its line naming that field.

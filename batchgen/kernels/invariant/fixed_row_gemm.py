@@ -18,7 +18,7 @@ Every call's A operand is thus a contiguous [FIXED_ROWS, K] tensor at an address
 CUDA allocator gives 512-byte aligned blocks; torch tells cuBLASLt the operands' alignment, up to 256 bytes), its
 output a fresh allocation, its weight and bias the layer's own: one kernel per weight, always.
 
-Why 256: the job workload (issue 20: 256 sequences, max_num_seqs 256) decodes 256 rows a step, so its decode
+Why 256: the job workload (256 sequences, max_num_seqs 256) decodes 256 rows a step, so its decode
 GEMMs are one call each, the same cuBLASLt GEMM the default mode's 256-row graph runs, with no padding and no
 copies (the GEMMs were ~6 ms of the default's ~10 ms step on an H200). Smaller batches pay the padding: a step
 of M rows costs the 256-row GEMM plus a zero-fill, a copy in and a copy out per GEMM. W1 (32 sequences) is the
