@@ -32,7 +32,7 @@ ALLOWED = {
     "prompts.py": {"config", "errors", "sandbox"},
     "sandbox.py": {"errors"},
     "output": {"output", "config", "engine.detokenizer", "engine.reasoning", "errors"},
-    "sources": {"sources", "config", "output", "prompts", "errors", "hub"},
+    "sources": {"sources", "config", "output", "prompts"} | LOWER,
     # the job runner: the composition root of a run
     "job": {"job", "config", "sources", "output", "prompts", "engine", "runner", "models", "quant", "attention", "sample",
             "kernels", "distributed"} | LOWER,
