@@ -71,7 +71,27 @@ def describe(record: dict) -> str:
     return f"{who}{of} (pid {record['pid']})"
 
 
-class WorkerLock:
+class _HeldLock:
+    """An flock held on `path` through `_fd` (-1 once released)."""
+
+    path: Path
+    _fd: int = -1
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+    def remove(self) -> None:
+        """Delete the file while holding it, then release: a run that opened the old file meanwhile (or waits on
+        it) finds it gone and opens a new one."""
+        if self._fd >= 0:
+            self.path.unlink(missing_ok=True)
+        self.release()
+
+
+class WorkerLock(_HeldLock):
     def __init__(self, out_dir: Path, tag: str, *, count: int | None = None, unit_rows: int | None = None) -> None:
         self.path = lock_path(out_dir, tag)
         self.record = {"pid": os.getpid(), "worker": int(tag[1:]) if tag[1:].isdigit() else None, "count": count,
@@ -106,23 +126,11 @@ class WorkerLock:
         self.record.update(count=count, unit_rows=unit_rows)
         self._write()
 
-    def release(self) -> None:
-        if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
-
-    def remove(self) -> None:
-        """Delete the lock file, then release: a run that opened the old file meanwhile sees it is gone."""
-        if self._fd >= 0:
-            self.path.unlink(missing_ok=True)
-        self.release()
-
 
 DIRECTORY_LOCK_FILE = ".lock-dir"
 
 
-class DirectoryLock:
+class DirectoryLock(_HeldLock):
     """An exclusive flock on OUT/.lock-dir, waited for: held while a run starts (worker lock, partition check,
     an interrupted --fresh finished) and through a --fresh's renames; never while rows are generated. A file,
     not the folder itself: NFS emulates flock with POSIX locks, which a read-only directory fd cannot take."""
@@ -142,18 +150,6 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.remove()  # no .lock-dir left between starts (a waiter finds it gone and opens a new one)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
-
-    def remove(self) -> None:
-        """Delete the file while holding it, then release: a waiter then finds it gone and opens a new one."""
-        if self._fd >= 0:
-            self.path.unlink(missing_ok=True)
-        self.release()
 
 
 def running_workers(out_dir: Path, except_path: Path | None = None) -> list[dict]:
