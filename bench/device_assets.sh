@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# What a GPU machine of the device tool lacks, prepared here (the development machine) in ignored folders that a
-# device call carries (`carry: [".whl", ".bench-assets", ".devrun"]`):
+# What a bare GPU machine lacks for the benchmarks, prepared on the development machine in ignored folders to copy
+# beside the checkout on the GPU machine (.whl, .bench-assets, .bench-env):
 #   .whl/               wheels of the dependencies the GPU image does not ship (pydantic, xgrammar, jsonschema and
 #                       theirs), at the versions of this checkout's .venv, for CPython 3.12 on x86-64 Linux
 #   .bench-assets/tokenizer   SmolLM2's tokenizer and chat template, from the GGUF embedded in the package
-#   .devrun/setup.sh    sourced first by every device command: installs the wheels to /tmp/site, sets PYTHONPATH,
+#   .bench-env/setup.sh    sourced first by every GPU command: installs the wheels to /tmp/site, sets PYTHONPATH,
 #                       prints the GPU's clocks and the commit
 # Usage (repository root, after `make install`): bash bench/device_assets.sh
-# Then, for example: run(command="source .devrun/setup.sh; OUT=$OUT TOK=.bench-assets/tokenizer bash
-# bench/gpu_proofs.sh sweep", carry=[".whl", ".bench-assets", ".devrun"]).
+# Then, on the GPU machine, for example: source .bench-env/setup.sh; OUT=/tmp/out bash bench/gpu_proofs.sh sweep
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || { echo "device_assets: no $PY: run \`make install\` first (or set PY)" >&2; exit 1; }
 mkdir -p .git/info && touch .git/info/exclude
-for p in /.whl/ /.bench-assets/ /.devrun/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
-mkdir -p .whl .bench-assets .devrun
+for p in /.whl/ /.bench-assets/ /.bench-env/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
+mkdir -p .whl .bench-assets .bench-env
 PACKAGES="pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi jsonschema attrs
           jsonschema-specifications referencing rpds-py"
 for name in $PACKAGES; do
@@ -27,11 +26,11 @@ for name in $PACKAGES; do
     -d .whl "$name==$version"
 done
 "$PY" -c "from pathlib import Path; from batchgen.bench.job import tokenizer_dir; tokenizer_dir(None, Path('.bench-assets'))"
-cat > .devrun/setup.sh <<'SETUP'
+cat > .bench-env/setup.sh <<'SETUP'
 # sourced at the start of every device command (written by bench/device_assets.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 SETUP
-du -sh .whl .bench-assets .devrun
+du -sh .whl .bench-assets .bench-env

@@ -60,7 +60,7 @@
 #   bash bench/gpu_proofs.sh autoone    # both in one command: the job at auto, 256, 512 (3,000 rows), W1, the graph tests
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
 # (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and
-# .devrun/setup.sh, to source first in every device command.
+# .bench-env/setup.sh, to source first in every GPU command.
 set -u
 OUT=${OUT:-/tmp/gpu_proofs}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/gpu_proofs_logs}; mkdir -p "$LOGS"

@@ -5,7 +5,7 @@ loads (for the job workload, which runs `batchgen run` on a folder).
   fp8          block-wise: 128x128 weight blocks, per-token-group-of-128 activations (transformers'
                FineGrainedFP8Config, `quant_method: fp8`; Qwen3-FP8 / DeepSeek): the Triton block-scaled GEMM
   fp8-channel  per-channel weight scales, per-token activations (compressed-tensors FP8_DYNAMIC): _scaled_mm
-Weights are normal(0, 0.02) like transformers' init, quantised by kernels/fp8_quant.quantize_weight; the floor
+Weights are normal(0, 0.02) like transformers' init, quantised by kernels/fp8/quant.quantize_weight; the floor
 counts one byte per projection weight (bench/geometries.py decode_bytes projection_bytes=1).
 """
 

@@ -99,7 +99,7 @@ class EngineConfig(BaseModel):
             if conflict:
                 raise ValueError(f"engine.deterministic runs the fused decoders' batch-invariant kernels on one "
                                  f"device; {key} cannot be combined with it (its reductions depend on the batch)")
-        # Its GEMMs pin their own library (kernels/fixed_row_gemm.BLAS_LIBRARY, this field's default) around every
+        # Its GEMMs pin their own library (kernels/invariant/fixed_row_gemm.BLAS_LIBRARY, this field's default) around every
         # call, eager and graphed alike: another value here would be silently ignored, so it is refused.
         default = type(self).model_fields["graph_blas_library"].default
         if self.graph_blas_library not in (None, default):

@@ -48,7 +48,7 @@ def blockwise_scaled_mm_supported(device_index: int) -> bool:
     else:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("batchgen: the block-wise _scaled_mm probe ran inside a CUDA-graph capture; call "
-                               "kernels.fp8_blockwise.blockwise_scaled_mm_supported(device) before capturing")
+                               "kernels.fp8.blockwise.blockwise_scaled_mm_supported(device) before capturing")
         why_not = _probe_blockwise(torch.device("cuda", device_index))
     _BLOCKWISE_SUPPORTED[device_index] = not why_not
     if why_not:
