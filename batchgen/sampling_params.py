@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
+# No model's context holds more tokens; the model's own context (EngineConfig.max_model_len or the config's
+# max_position_embeddings) bounds it further, checked where the config is read (the engine, validate, run).
+MAX_NEW_TOKENS = 1 << 24
 MAX_LOGPROBS = 20  # top log-probs per position (vLLM's and OpenAI's limit)
 
 
@@ -95,6 +98,15 @@ class SamplingParams(BaseModel):
     thinking_budget: Annotated[int, Field(ge=0)] | None = None
     # structured output
     response_format: ResponseFormat | None = None  # every completion follows it (sample/grammar.py)
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens_fits_a_context(cls, value: int) -> int:
+        if value > MAX_NEW_TOKENS:
+            raise ValueError(f"more than {MAX_NEW_TOKENS}, more tokens than any model's context holds; the "
+                             f"model's context (engine.max_model_len or its max_position_embeddings) bounds it "
+                             f"further, minus the prompt's tokens")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from batchgen.engine.config import EngineConfig
 from batchgen.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Field(gt=0)]
-
-# No model's context holds more tokens; the model's own context (engine.max_model_len or the config's
-# max_position_embeddings) bounds it further, checked where the config is read (validate, run).
-MAX_NEW_TOKENS = 1 << 24
 
 
 class _Strict(BaseModel):
@@ -124,15 +120,6 @@ class JobSampling(SamplingParams):
 
     # a column holding a JSON Schema per row (JSON text): that row's response_format (type json_schema)
     response_format_column: str | None = None
-
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new_tokens_fits_a_context(cls, value: int) -> int:
-        if value > MAX_NEW_TOKENS:
-            raise ValueError(f"more than {MAX_NEW_TOKENS}, more tokens than any model's context holds; the "
-                             f"model's context (engine.max_model_len or its max_position_embeddings) bounds it "
-                             f"further, minus the prompt's tokens")
-        return value
 
     @model_validator(mode="after")
     def _column_rows_end_by_grammar(self) -> JobSampling:
