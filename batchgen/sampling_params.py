@@ -27,11 +27,16 @@ class ResponseFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-    json_schema: dict[str, Any] | None = None  # type json_schema: the schema itself (a JSON object)
-    regex: str | None = None  # type regex
-    choices: tuple[str, ...] | None = None  # type choice: the completion is exactly one of them
-    grammar: str | None = None  # type grammar: EBNF with a `root` rule
+    type: Literal["json_object", "json_schema", "regex", "choice", "grammar"] = Field(description=(
+        "json_object (any JSON object), json_schema (an instance of json_schema), regex (a full match of regex), "
+        "choice (exactly one of choices) or grammar (a sentence of an EBNF grammar)."))
+    json_schema: dict[str, Any] | None = Field(None, description=(
+        "type json_schema: the JSON Schema itself (an object)."))
+    regex: str | None = Field(None, description="type regex: the regular expression the whole completion matches.")
+    choices: tuple[str, ...] | None = Field(None, description=(
+        "type choice: the strings the completion may be (exactly one of them)."))
+    grammar: str | None = Field(None, description=(
+        "type grammar: an EBNF grammar with a `root` rule (xgrammar's dialect)."))
 
     @model_validator(mode="after")
     def _its_field_only(self) -> ResponseFormat:
@@ -71,33 +76,55 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: Annotated[int, Field(ge=0)] = 256  # 0: scoring only (needs prompt_logprobs)
-    min_new_tokens: Annotated[int, Field(ge=0)] = 0  # EOS and stop ids are suppressed before this many tokens
-    temperature: Annotated[float, Field(ge=0)] = 0.7
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    # OpenAI penalties, as vLLM applies them: the logits of tokens the completion holds (prompt
-    # tokens do not count) lose frequency_penalty x their count and presence_penalty once
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    # {token id: bias} in the job file and the API; kept as (id, bias) pairs sorted by id, so the model stays
-    # immutable and hashable
-    logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]], ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings; a single string is one stop string
-    stop_token_ids: tuple[int, ...] = ()
-    n: PositiveInt = 1  # samples per prompt (they share the prompt's KV blocks)
-    seed: int = 0
-    ignore_eos: bool = False
-    # logprobs / reasoning
+    max_new_tokens: Annotated[int, Field(ge=0)] = Field(256, description=(
+        "Tokens to generate at most per completion (the model's context bounds it too). 0 scores the prompt "
+        "only (needs prompt_logprobs: true)."))
+    min_new_tokens: Annotated[int, Field(ge=0)] = Field(0, description=(
+        "EOS and stop_token_ids cannot end a completion before this many tokens."))
+    temperature: Annotated[float, Field(ge=0)] = Field(0.7, description="Softmax temperature; 0 is greedy.")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description=(
+        "Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p; 1.0 turns it "
+        "off."))
+    top_k: Annotated[int, Field(ge=0)] = Field(0, description=(
+        "Draw from the k most likely tokens only; 0 turns it off."))
+    min_p: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, description=(
+        "Drop tokens whose probability is below min_p times the most likely token's; 0.0 turns it off."))
+    repetition_penalty: Annotated[float, Field(gt=0)] = Field(1.0, description=(
+        "Divide positive logits (multiply negative ones) of tokens already in the prompt or the completion by "
+        "this value (transformers' and vLLM's definition); 1.0 turns it off."))
+    # OpenAI's penalties, as vLLM applies them
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = Field(0.0, description=(
+        "Subtract this once from the logit of every token the completion already holds (OpenAI's definition; "
+        "prompt tokens do not count); 0 turns it off."))
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = Field(0.0, description=(
+        "Subtract this times the token's count in the completion from its logit (OpenAI's definition; prompt "
+        "tokens do not count); 0 turns it off."))
+    # kept as (id, bias) pairs sorted by id, so the model stays immutable and hashable
+    logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]], ...] = Field(
+        (), description="{token id: bias}: added to that token's logit at every step.")
+    stop: tuple[str, ...] = Field((), description=(
+        "Stop strings: a completion ends before the first one it produces (not part of its text). One string "
+        "is one stop string."))
+    stop_token_ids: tuple[int, ...] = Field((), description=(
+        "Token ids that end a completion, besides EOS. The id that ended a completion is not part of its text."))
+    n: PositiveInt = Field(1, description="Completions per prompt (they share the prompt's K/V cache blocks).")
+    seed: int = Field(0, description=(
+        "The job's seed. Each sample's seed derives from (seed, row key, sample index), so a resumed or "
+        "re-sharded run samples every row as an uninterrupted one."))
+    ignore_eos: bool = Field(False, description=(
+        "Keep generating past EOS until max_new_tokens (benchmarks, length-controlled data)."))
     # log-probs are the model's own: log_softmax of the raw fp32 logits, before penalties, temperature, filters
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # K: the sampled token's + top K
-    prompt_logprobs: bool = False  # one per prompt token (the first is None): the prompt scored by the model
-    # reasoning models: after this many tokens inside the think block, its end marker is forced next
-    thinking_budget: Annotated[int, Field(ge=0)] | None = None
-    # structured output
-    response_format: ResponseFormat | None = None  # every completion follows it (sample/grammar.py)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(None, description=(
+        "K: store each generated token's log-prob and the top K alternatives (0: the sampled token's alone); "
+        "null: none. The model's own log-probs, before penalties, temperature and filters."))
+    prompt_logprobs: bool = Field(False, description=(
+        "Also store one log-prob per prompt token (the first is null): the prompt scored by the model."))
+    thinking_budget: Annotated[int, Field(ge=0)] | None = Field(None, description=(
+        "Reasoning models: after this many tokens inside the think block, its end marker is forced next; "
+        "null: no budget."))
+    response_format: ResponseFormat | None = Field(None, description=(
+        "Constrain every completion to a format (JSON, a JSON Schema, a regex, a choice, a grammar); null: "
+        "free text."))
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel, Field
 
 from batchgen.config import JobSpec
 
@@ -31,29 +33,53 @@ BUILD_HISTORY_ALLOWED: dict[str, str] = {  # path -> why it may; none today
 }
 
 
-def _all_paths(model, prefix: str = "") -> list[str]:
-    """Every key a job file may hold, walked from the pydantic models directly (not through the generator)."""
-    paths = []
+def _nested(annotation) -> list[type[BaseModel]]:
+    """The section models a field's type holds (a model, or one inside a union or Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _nested(arg)]
+
+
+def _described_paths(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """{key path: its Field description} of every key a job file may hold, walked from the pydantic models
+    directly (not through the generator)."""
+    paths = {}
     for name, field in model.model_fields.items():
         path = f"{prefix}{field.alias or name}"
-        paths.append(path)
-        for sub in job_reference._nested_models(field.annotation):
-            paths += _all_paths(sub, f"{path}.")
+        paths[path] = (field.description or "").strip()
+        for sub in _nested(field.annotation):
+            paths.update(_described_paths(sub, f"{path}."))
     return paths
 
 
-def test_every_job_file_key_is_in_the_generated_reference_with_a_description():
+def test_every_job_file_key_has_a_field_description_and_is_in_the_generated_reference():
+    described = _described_paths(JobSpec)
+    assert len(described) > 80  # the walk reaches the nested sections (sampling.response_format.type, ...)
+    assert {"sampling.response_format.type", "output.reasoning.start", "engine.async"} <= set(described)
+    undescribed = [path for path, text in described.items() if not text]
+    assert not undescribed, f"job-file keys with no Field(description=...): {undescribed}"
     keys = {k.path: k for k in job_reference.walk(JobSpec)}
-    expected = _all_paths(JobSpec)
-    assert sorted(keys) == sorted(expected)
-    assert len(expected) > 80  # the walk reaches the nested sections (sampling.response_format.type, ...)
-    undescribed = [p for p in expected if not keys[p].description.strip()]
-    assert not undescribed, f"keys with no Field(description=...), source comment or docs/hooks/job_keys.yaml entry: " \
-                            f"{undescribed}"
+    assert sorted(keys) == sorted(described)
     page = job_reference.render()
-    for path in expected:
+    for path, text in described.items():
         shown = f"## `{path}`" if keys[path].type == "section" else f"| `{path}` |"
         assert shown in page, path
+        assert job_reference._cell(" ".join(text.split())) in page, path  # the description itself, as a cell
+
+
+def test_the_description_walk_finds_a_key_without_one():
+    class Inner(BaseModel):
+        bare: int = 0
+
+    class Outer(BaseModel):
+        said: Inner | None = Field(None, description="a section")
+
+    assert _described_paths(Outer) == {"said": "a section", "said.bare": ""}
+
+
+def test_the_reference_is_generated_from_the_models_alone():
+    assert not (DOCS / "hooks" / "job_keys.yaml").exists()
+    assert job_reference.walk(JobSpec)[0].description == JobSpec.model_fields["name"].description
 
 
 def test_the_reference_says_nothing_of_how_the_code_was_built():
@@ -61,16 +87,12 @@ def test_the_reference_says_nothing_of_how_the_code_was_built():
     assert not HISTORY.search(page) and not re.search(r"\bissue \d+", page)
 
 
-def test_job_keys_yaml_names_only_keys_that_exist():
-    keys = {k.path for k in job_reference.walk(JobSpec)}
-    stale = set(yaml.safe_load(job_reference.SUPPLEMENT.read_text())) - keys
-    assert not stale, f"docs/hooks/job_keys.yaml describes keys the job file no longer has: {sorted(stale)}"
-
-
-def test_a_comment_above_a_field_and_one_after_it_both_describe_it():
-    comments = job_reference._class_comments(job_reference._declaring_class(JobSpec.model_fields["source"]
-                                                                            .annotation, "worker_unit_rows"))
-    assert "units of this many consecutive rows" in comments["worker_unit_rows"]
+def test_descriptions_leave_measurements_to_the_performance_page():
+    """A description says what a key does, its units and default behaviour; figures measured on a machine (tok/s,
+    speed-ups, dated runs) belong to docs/guide/performance.md."""
+    measured = re.compile(r"tok/s|\d\s*%|\d(?:\.\d+)?\s*[x×]\b|\b20\d\d-\d\d-\d\d\b|bench/|RESULTS")
+    found = {path: text for path, text in _described_paths(JobSpec).items() if measured.search(text)}
+    assert not found, found
 
 
 def test_readme_is_at_most_250_lines():

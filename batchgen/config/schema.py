@@ -23,25 +23,43 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str  # local folder, hub id, or package:NAME (a Python package shipping weights)
-    gguf_file: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    path: str = Field(description="The model: a local folder, a Hugging Face hub id, or package:NAME (an installed "
+                                  "Python package that ships weights, like the default job's SmolLM2).")
+    gguf_file: str | None = Field(None, description=(
+        "A GGUF file inside model.path (or inside the hub repository): dequantised once and cached under "
+        "$BATCHGEN_CACHE/gguf/ (default ~/.cache/batchgen), keyed by the file's content."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weights and activations: auto is float32 on CPU and bfloat16 on GPU. For an FP8 checkpoint, everything "
+        "but its FP8 projections."))
+    device: str = Field("auto", description=(
+        "Where the model runs: auto (a GPU if there is one, each worker of --gpus its own; else the CPU), cpu, "
+        "cuda or cuda:N."))
 
 
 class SourceSpec(_Strict):
-    path: str | list[str]  # files, globs, a save_to_disk folder, or a hub dataset name
-    # inferred from the path when omitted; batchgen_output: another job's output directory (chained jobs)
-    type: Literal["parquet", "jsonl", "hf", "batchgen_output", "openai_batch"] | None = None
-    split: str = "train"
-    name: str | None = None  # hub dataset configuration
-    streaming: bool = True
-    key_column: str | None = None  # row identity; without it, the row's position in the source
-    sampling_column: str | None = None  # a column of per-row `sampling:` overrides (JSON object); job/row_sampling.py
-    limit: PositiveInt | None = None
-    # Rows are dealt to workers in units of this many consecutive rows. None: sized from the source's row
-    # count so that every worker gets rows (job/workers.py sized_for), 1,024 for large sources.
-    worker_unit_rows: PositiveInt | None = None
+    path: str | list[str] = Field(description=(
+        "The input: a file, a glob, a list of them, a datasets save_to_disk folder, a hub dataset name, or "
+        "another job's output directory."))
+    type: Literal["parquet", "jsonl", "hf", "batchgen_output", "openai_batch"] | None = Field(None, description=(
+        "The input's format; null infers it from the path (.parquet, .jsonl, an output directory, ...). "
+        "batchgen_output reads another job's output directory (chained jobs); openai_batch an OpenAI batch "
+        "input file."))
+    split: str = Field("train", description=(
+        "hf sources: the split to read; a split that does not exist is an error listing those that do."))
+    name: str | None = Field(None, description="hf sources: the dataset's configuration (subset) name.")
+    streaming: bool = Field(True, description=(
+        "hf hub datasets: stream rows instead of downloading the whole dataset first."))
+    key_column: str | None = Field(None, description=(
+        "A column whose values identify the rows (one value a row): the output's key, by which a resumed run "
+        "knows what is done. null: the row's position in the source."))
+    sampling_column: str | None = Field(None, description=(
+        "A column of per-row `sampling:` overrides: a JSON object (or its text) whose fields replace the job's "
+        "for that row; null or empty: the job's settings. A bad value rejects its row as bad_sampling."))
+    limit: PositiveInt | None = Field(None, description="Only the first N rows of the source; null reads them all.")
+    # job/workers.py sized_for picks the null case's unit
+    worker_unit_rows: PositiveInt | None = Field(None, description=(
+        "Rows are dealt to workers (--gpus, --workers) in units of this many consecutive rows. null: sized from "
+        "the source's row count so that every worker gets rows, 1,024 for large sources."))
 
 
 class LimitsSpec(_Strict):
@@ -58,21 +76,36 @@ class LimitsSpec(_Strict):
     (template_error / chat_template_error / prompt_too_long); a template over a limit on each of the first
     rows it renders stops the job (prompts.py FAIL_FAST_ROWS)."""
 
-    max_samples_per_row: PositiveInt = 256
-    max_render_steps: PositiveInt = 1_000_000
-    max_prompt_chars: PositiveInt = 4_000_000
-    render_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    max_samples_per_row: PositiveInt = Field(256, description=(
+        "sampling.n at most this (a larger one stops the job naming sampling.n). A line of an OpenAI batch file "
+        "may ask for at most 128."))
+    max_render_steps: PositiveInt = Field(1_000_000, description=(
+        "Loop iterations and calls one prompt.template render may take (range() counts its length)."))
+    max_prompt_chars: PositiveInt = Field(4_000_000, description=(
+        "Characters: no string a template builds, no rendered prompt or chat-template output longer than this; "
+        "a longer prompt is rejected as prompt_too_long (or cut, per prompt.on_too_long)."))
+    render_timeout_s: Annotated[float, Field(gt=0)] = Field(5.0, description=(
+        "Seconds of wall time one render may take, the chat template included. A row over a limit is rejected "
+        "(template_error / chat_template_error); a template over one on each of its first rows stops the job."))
 
 
 class PromptSpec(_Strict):
-    template: str | None = None  # Jinja2 over the row's columns: "Summarize: {{ text }}"
-    column: str | None = None  # the prompt is this column's text
-    messages_column: str | None = None  # a list of {role, content} chat messages
-    system: str | None = None
-    chat: bool = True  # apply the tokenizer's chat template
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    on_too_long: Literal["reject", "truncate_left", "truncate_right"] = "reject"
-    max_prompt_tokens: PositiveInt | None = None  # default: model context - max_new_tokens
+    template: str | None = Field(None, description=(
+        'A Jinja2 template over the row\'s columns, for example "Summarize: {{ text }}". Set exactly one of '
+        "template, column and messages_column."))
+    column: str | None = Field(None, description="A column whose text is the prompt, as it is.")
+    messages_column: str | None = Field(None, description=(
+        "A column holding the chat as a list of {role, content} messages (needs chat: true)."))
+    system: str | None = Field(None, description="A system prompt put before the row's turns (chat: true).")
+    chat: bool = Field(True, description=(
+        "Apply the tokenizer's chat template (the prompt becomes the user's turn); false feeds the text as it is."))
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "Extra variables passed to the tokenizer's chat template (for example enable_thinking: false)."))
+    on_too_long: Literal["reject", "truncate_left", "truncate_right"] = Field("reject", description=(
+        "A prompt longer than max_prompt_tokens: reject the row (prompt_too_long), or keep its last "
+        "(truncate_left) or first (truncate_right) tokens."))
+    max_prompt_tokens: PositiveInt | None = Field(None, description=(
+        "Prompt tokens at most; null: the model's context minus sampling.max_new_tokens."))
     # the job's `limits:`, linked by JobSpec (a PromptSpec built alone has the defaults); private so that the
     # prompt's fingerprint (its model_dump) does not change with a limit. Hazard: a PromptSpec made by
     # model_copy keeps it, one made anew does not.
@@ -96,30 +129,42 @@ class PromptSpec(_Strict):
 class ReasoningSpec(_Strict):
     """Think markers of a reasoning model, as text (each usually one token of the vocabulary)."""
 
-    start: Annotated[str, Field(min_length=1)] = "<think>"
-    end: Annotated[str, Field(min_length=1)] = "</think>"
+    start: Annotated[str, Field(min_length=1)] = Field("<think>", description=(
+        "The text (usually one token) that opens a think block."))
+    end: Annotated[str, Field(min_length=1)] = Field("</think>", description=(
+        "The text (usually one token) that closes a think block."))
 
 
 class OutputSpec(_Strict):
-    dir: str | None = None  # None: out/<name> next to the job file (load_spec always sets it)
-    rows_per_shard: PositiveInt = 1000
-    commit_interval_s: Annotated[float, Field(gt=0)] = 60.0  # commit at least this often, even if a shard is short
-    keep_columns: Literal["all", "none"] | list[str] = "all"
-    keep_prompt: bool = False
-    keep_token_ids: bool = False  # also store each completion's token ids (list<int32>; a stop token id is kept, as counted)
-    report: bool = True  # when a run ends: README.md (dataset card), reports/*.png and reports/index.html
-    # logprobs / reasoning
-    # auto: the tokenizer's <think> / </think> tokens if it has them, else none; with markers, `completion` holds
-    # the answer only, `reasoning` the think block's text, `num_reasoning_tokens` its length
-    reasoning: Literal["auto", "none"] | ReasoningSpec = "none"
+    dir: str | None = Field(None, description=(
+        "The output directory; null: out/<name> next to the job file. `batchgen run --output` overrides it."))
+    rows_per_shard: PositiveInt = Field(1000, description=(
+        "Input rows per data shard (a row's n samples stay together in one shard)."))
+    commit_interval_s: Annotated[float, Field(gt=0)] = Field(60.0, description=(
+        "Seconds: commit what is finished at least this often, even if a shard is short (how much work a crash "
+        "can lose)."))
+    keep_columns: Literal["all", "none"] | list[str] = Field("all", description=(
+        "Source columns copied to the output: all, none, or a list of names."))
+    keep_prompt: bool = Field(False, description="Also store the rendered prompt (column prompt).")
+    keep_token_ids: bool = Field(False, description=(
+        "Also store each completion's token ids (column token_ids, list<int32>; a stop token id is kept, as "
+        "counted in num_tokens)."))
+    report: bool = Field(True, description=(
+        "When a run ends, write README.md (a dataset card), reports/*.png plots and reports/index.html."))
+    reasoning: Literal["auto", "none"] | ReasoningSpec = Field("none", description=(
+        "Split a reasoning model's think block from its answer: auto uses the tokenizer's <think> / </think> "
+        "tokens if it has them; or give {start, end}. With markers, `completion` holds the answer only, "
+        "`reasoning` the think block's text and `num_reasoning_tokens` its length; none keeps the whole text "
+        "in `completion`."))
 
 
-# structured output
 class JobSampling(SamplingParams):
     """The job's `sampling:` section: SamplingParams plus what only a job can say (it names a source column)."""
 
-    # a column holding a JSON Schema per row (JSON text): that row's response_format (type json_schema)
-    response_format_column: str | None = None
+    response_format_column: str | None = Field(None, description=(
+        "A column holding a JSON Schema per row (JSON text or an object): that row's response_format (type "
+        "json_schema); null or empty in a row: the job's response_format. A value that is not a valid schema "
+        "rejects its row as bad_response_format."))
 
     @model_validator(mode="after")
     def _column_rows_end_by_grammar(self) -> JobSampling:
@@ -131,14 +176,28 @@ class JobSampling(SamplingParams):
 
 
 class JobSpec(_Strict):
-    name: str | None = None
-    model: ModelSpec
-    source: SourceSpec
-    prompt: PromptSpec
-    sampling: JobSampling = Field(default_factory=JobSampling)  # SamplingParams (sampling_params.py) + job-only
-    engine: EngineConfig = Field(default_factory=EngineConfig)  # the one definition: engine/config.py
-    output: OutputSpec = Field(default_factory=OutputSpec)
-    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    name: str | None = Field(None, description=(
+        "A label for the job; also names the default output folder out/<name> next to the job file."))
+    model: ModelSpec = Field(description=(
+        "Which model generates: a local folder, a hub id, or package:NAME (an installed package shipping "
+        "weights)."))
+    source: SourceSpec = Field(description=(
+        "Where the rows come from: Parquet, JSONL, a datasets folder or hub dataset, an OpenAI batch file, or "
+        "another job's output directory."))
+    prompt: PromptSpec = Field(description=(
+        "How a row becomes a prompt: exactly one of template, column and messages_column, optionally through "
+        "the chat template."))
+    # SamplingParams (sampling_params.py) plus what only a job can say
+    sampling: JobSampling = Field(default_factory=JobSampling, description=(
+        "What to generate for each row: the Python API's SamplingParams, plus response_format_column."))
+    engine: EngineConfig = Field(default_factory=EngineConfig, description=(
+        "Speed knobs of the engine (the Python API's EngineConfig). They may change between resumed runs, "
+        "except deterministic and kv_cache_dtype, which change the numerics and are part of the fingerprint."))
+    output: OutputSpec = Field(default_factory=OutputSpec, description=(
+        "Where and how the results are written. The whole section is optional."))
+    limits: LimitsSpec = Field(default_factory=LimitsSpec, description=(
+        "Bounds on what a job may ask, so that a mistaken or hostile job file fails with a message naming the "
+        "key. Not part of the fingerprint: raise one and resume."))
 
     @model_validator(mode="after")
     def _within_limits(self) -> JobSpec:

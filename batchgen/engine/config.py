@@ -50,44 +50,60 @@ def _auto_or_positive(cap: int):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    # sequences in one step; auto: what the K/V cache holds to the end for the queued prompts' lengths, up to 1,024
-    # on CUDA (256 on CPU), never below 256 where the device allows it (engine/sizing.py)
-    max_num_seqs: _auto_or_positive(MAX_AUTO_SEQS) = Auto(MAX_AUTO_SEQS)
-    # tokens in one step (prefill chunks + decodes); auto: 16 a sequence, 8,192 to 16,384
-    max_num_batched_tokens: _auto_or_positive(MAX_AUTO_BATCHED_TOKENS) = Auto(MAX_AUTO_BATCHED_TOKENS)
-    # waiting prompts start only once this many sequence slots are free (or nothing runs, or fewer wait): k prompts
-    # in one prefill step instead of one per finished sequence (engine/scheduler.py); 1: as soon as a slot frees;
-    # above max_num_seqs it acts as max_num_seqs (whole waves: a batch refills only once it has emptied)
-    admission_group: PositiveInt = 1
-    block_size: PositiveInt = 16  # tokens per KV block
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # share of GPU memory for weights + KV + activations
-    num_kv_blocks: PositiveInt | None = None  # fixed cache size; None sizes it from memory
-    cpu_kv_cache_bytes: PositiveInt = 1 << 30  # KV cache budget on CPU when num_kv_blocks is None
-    max_model_len: PositiveInt | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; no effect on CPU)
-    fused_decoder: bool = True  # decode steps of models with a fused decoder (models/registry.py) run it
-    compile: bool = False  # torch.compile the graphed decode forward of transformers' modules (minutes of start-up)
-    # GEMM back end captured in decode graphs; auto: per batch bucket, the faster for the model's GEMMs timed at
-    # start-up (not shown to win end to end: bench/results/2026-12-01-penalty-compile-artefact-gpu-busy.md). engine.deterministic pins its own
-    # (cuBLASLt, kernels/invariant/fixed_row_gemm.py) for every GEMM, eager and graphed: only that one or None goes with it
-    graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = "cublaslt"
-    # prepare step N+1 on the host while the device runs step N; auto: on where the model is on CUDA
-    async_pipeline: bool | Literal["auto"] = Field("auto", alias="async")
-    # ranks (processes, one GPU each on CUDA) that split every layer's heads and MLP columns and the vocabulary;
-    # rank 0 schedules and samples; batchgen/distributed/. Changes the rounding (partial sums), not the contract
-    tensor_parallel_size: PositiveInt = 1
-    # batch-invariant kernels (models/registry.py build_deterministic): a row's tokens do not depend on the other
-    # rows of its steps, max_num_seqs, max_num_batched_tokens, prefix-cache hits, preemption or the worker count
-    deterministic: bool = False
-    # FP8 block-scaled projections on CUDA (kernels/fp8/gemm.py): auto = gemm_path's measured choice; blockwise
-    # (cuBLASLt block-scaled _scaled_mm), triton (block_scaled_matmul) or splitk (kernels/fp8/splitk.py) at every
-    # batch size. Same checkpoint semantics (activations quantised per token and 128 columns) on every path
-    fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = "auto"
-    # the K/V cache's element type: auto = the model's dtype; fp8 = float8_e4m3fn, one byte an element (twice the
-    # blocks in the same memory, half the bytes a decode step reads), scale 1 (values past +-448 saturate); the
-    # attention kernels upcast what they read. Changes the numerics: part of a job's fingerprint
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # engine/sizing.py chooses the auto sizes
+    max_num_seqs: _auto_or_positive(MAX_AUTO_SEQS) = Field(Auto(MAX_AUTO_SEQS), description=(
+        "Sequences in one step at most. auto: what the K/V cache holds to the end for the queued prompts' "
+        "lengths, up to 1,024 on CUDA (256 on CPU), never below 256 where the device allows it; the choice is "
+        "printed at start-up. A number caps memory or latency."))
+    max_num_batched_tokens: _auto_or_positive(MAX_AUTO_BATCHED_TOKENS) = Field(
+        Auto(MAX_AUTO_BATCHED_TOKENS), description=(
+        "Tokens in one step at most (prompt chunks plus one a decoding sequence). auto: 16 a sequence, between "
+        "8,192 and 16,384."))
+    admission_group: PositiveInt = Field(1, description=(
+        "Waiting prompts start only once this many sequence slots are free (or nothing runs, or fewer wait); 1: "
+        "as soon as a slot frees."))
+    block_size: PositiveInt = Field(16, description="Tokens per K/V cache block.")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(0.9, description=(
+        "Share of the GPU's memory batchgen may use for weights, K/V cache and activations."))
+    num_kv_blocks: PositiveInt | None = Field(None, description=(
+        "A fixed K/V cache size in blocks; null sizes it from memory (gpu_memory_utilization, or "
+        "cpu_kv_cache_bytes on CPU)."))
+    cpu_kv_cache_bytes: PositiveInt = Field(1 << 30, description=(
+        "Bytes of K/V cache on CPU when num_kv_blocks is null."))
+    max_model_len: PositiveInt | None = Field(None, description=(
+        "Tokens a sequence may hold, prompt and completion; null: the model's max_position_embeddings."))
+    enable_prefix_caching: bool = Field(True, description=(
+        "Share the K/V blocks of a common prompt prefix between sequences (the n samples of a row always share "
+        "their prompt's)."))
+    cuda_graphs: bool = Field(True, description=(
+        "Decode steps replay CUDA graphs, captured at start-up per batch size (CUDA only; no effect on CPU)."))
+    fused_decoder: bool = Field(True, description=(
+        "Run batchgen's own decoder layers for the model families that have them; false runs transformers' "
+        "modules (with batchgen's attention) for every model."))
+    compile: bool = Field(False, description=(
+        "Run decode steps through torch.compile'd transformers' modules instead of a fused decoder; adds "
+        "minutes of start-up."))
+    # the measured choice: docs/guide/performance.md
+    graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = Field("cublaslt", description=(
+        "The BLAS library whose GEMMs the decode graphs capture; null: torch's default; auto: per batch size, "
+        "the faster at start-up. engine.deterministic takes cublaslt or null only."))
+    async_pipeline: bool | Literal["auto"] = Field("auto", alias="async", description=(
+        "Prepare step N+1 on the host while the device runs step N. auto: on where the model is on CUDA."))
+    tensor_parallel_size: PositiveInt = Field(1, description=(
+        "Processes (one GPU each on CUDA) that split every layer and the vocabulary between them, for a model "
+        "too big for one GPU. Changes the rounding (partial sums), not what a job means; the same as "
+        "`batchgen run --tensor-parallel`."))
+    deterministic: bool = Field(False, description=(
+        "Batch-invariant kernels: a row's tokens do not depend on the other rows of its steps, max_num_seqs, "
+        "max_num_batched_tokens, prefix-cache hits, preemption or the worker count (slower; some models and "
+        "settings are refused). Part of the fingerprint."))
+    fp8_gemm: Literal["auto", "blockwise", "triton", "splitk"] = Field("auto", description=(
+        "FP8 checkpoints on CUDA: which GEMM runs the block-scaled projections. auto: the measured choice per "
+        "shape; blockwise (cuBLASLt), triton or splitk force one path at every batch size (for comparisons). "
+        "Every path computes the same thing."))
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description=(
+        "The K/V cache's element type: auto is the model's dtype; fp8 (float8_e4m3fn, values past +-448 "
+        "saturate) holds twice the blocks in the same memory. Changes the numerics: part of the fingerprint."))
 
     @model_validator(mode="after")
     def _deterministic_needs_the_fused_decoder(self) -> EngineConfig:

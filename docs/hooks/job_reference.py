@@ -6,32 +6,20 @@ Used two ways:
   by one table per section (key path, type, default, description);
 - by tests/test_docs.py, which walks the same keys and checks each one has a description.
 
-A key's description comes from, in order: the field's `Field(description=...)`; its comment in the source (a
-trailing `# comment` on the field's line, else the comment lines right above it), read with inspect.getsource and
-tokenize; else docs/hooks/job_keys.yaml (for fields the code does not describe yet). Comments that name how the
-project was built (issue numbers, work periods) are left out.
+A key's description is its field's `Field(description=...)`, written for users; the models are the only source.
 """
 
 from __future__ import annotations
 
-import inspect
-import io
-import re
-import textwrap
-import tokenize
 import types
 import typing
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 
-import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 JOB_REFERENCE_MARKER = "<!-- job-reference -->"
-SUPPLEMENT = Path(__file__).with_name("job_keys.yaml")
 
 
 @dataclass(frozen=True)
@@ -40,89 +28,7 @@ class Key:
     type: str
     default: str
     description: str
-    source: str  # "Field", "comment" or "job_keys.yaml"
     section: str  # the top-level section: model, source, ...
-
-
-# ---- source comments -----------------------------------------------------------------------------------------
-
-_NOISE = [
-    (re.compile(r"^\s*issue \d+:\s*"), ""),  # "issue 14: ..." prefixes (a short heading after it is dropped)
-    (re.compile(r"\(\s*sessions? \d+(?:\s*(?:and|,)\s*\d+)*\s*\)"), ""),  # a work period in parentheses
-    (re.compile(r",?\s*\bsessions? \d+(?:\s*(?:and|,)\s*\d+)*\b"), ""),  # one after a reference: "(bench/RESULTS.md, ...)"
-    (re.compile(r"\s+([,;:.)])"), r"\1"),
-]
-
-
-def _clean(text: str) -> str:
-    lines = []
-    source = text.splitlines()
-    for i, line in enumerate(source):
-        pattern, repl = _NOISE[0]
-        heading = bool(pattern.match(line))
-        if heading:
-            line = pattern.sub(repl, line)
-        # a group heading such as "structured output": a short first line with more below it, no sentence
-        heading = heading or (i == 0 and len(source) > 1 and not re.search(r"[.:;,()`]", line))
-        if heading and len(line.split()) < 6:
-            continue
-        if line.strip():
-            lines.append(line.strip())
-    text = " ".join(lines)
-    for pattern, repl in _NOISE[1:]:
-        text = pattern.sub(repl, text)
-    text = re.sub(r"\bNone\b", "null", text)
-    return re.sub(r"\s{2,}", " ", text).strip()
-
-
-@cache
-def _class_comments(cls: type) -> dict[str, str]:
-    """{field name: its comment} for the fields `cls` itself declares: the trailing comment on the line where the
-    field's name starts, else the block of comment lines (at the field's indent) right above it."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    comments_by_line: dict[int, tuple[int, str]] = {}  # line -> (column, text)
-    for tok in tokens:
-        if tok.type == tokenize.COMMENT:
-            comments_by_line[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
-    body_indent = next((tok.end[1] for tok in tokens if tok.type == tokenize.INDENT), None)
-    result: dict[str, str] = {}
-    for i, tok in enumerate(tokens):
-        if tok.type != tokenize.NAME or tok.start[1] != body_indent:
-            continue
-        if tok.start[1] != body_indent or tokens[i - 1].type not in (tokenize.INDENT, tokenize.NL,
-                                                                     tokenize.NEWLINE, tokenize.DEDENT):
-            continue
-        if i + 1 >= len(tokens) or tokens[i + 1].string != ":" or tok.string in ("def", "class", "if", "for"):
-            continue
-        line = tok.start[0]
-        above = []
-        prev = line - 1
-        while prev in comments_by_line and comments_by_line[prev][0] == body_indent:
-            above.append(comments_by_line[prev][1])
-            prev -= 1
-        parts = list(reversed(above))
-        trailing = comments_by_line.get(line)
-        if trailing is not None and trailing[0] > tok.start[1]:
-            parts.append(trailing[1])
-        if parts:
-            result[tok.string] = "\n".join(parts)
-    return result
-
-
-def _declaring_class(model: type[BaseModel], name: str) -> type | None:
-    for cls in model.__mro__:
-        if name in getattr(cls, "__annotations__", {}):
-            return cls
-    return None
-
-
-@cache
-def _supplement() -> dict[str, str]:
-    return yaml.safe_load(SUPPLEMENT.read_text()) or {} if SUPPLEMENT.is_file() else {}
 
 
 # ---- types and defaults --------------------------------------------------------------------------------------
@@ -233,27 +139,13 @@ def walk(model: type[BaseModel] | None = None, prefix: str = "") -> list[Key]:
     for name, field in model.model_fields.items():
         yaml_name = field.alias or name
         path = f"{prefix}{yaml_name}"
-        description, source = _describe(model, name, field, path)
         nested = _nested_models(field.annotation)
-        keys.append(Key(path=path, type=_field_type(path, field), default=YAML_DEFAULTS.get(path) or _format_default(field),
-                        description=description, source=source, section=path.split(".")[0]))
+        keys.append(Key(path=path, type=_field_type(path, field),
+                        default=YAML_DEFAULTS.get(path) or _format_default(field),
+                        description=" ".join((field.description or "").split()), section=path.split(".")[0]))
         for sub in nested:
             keys.extend(walk(sub, f"{path}."))
     return keys
-
-
-def _describe(model: type[BaseModel], name: str, field: FieldInfo, path: str) -> tuple[str, str]:
-    if field.description:
-        return _clean(field.description), "Field"
-    sections = _nested_models(field.annotation)
-    if sections and "." not in path and path in _supplement():  # a top-level section: the user's summary of it
-        return _clean(_supplement()[path]), "job_keys.yaml"
-    owner = _declaring_class(model, name)
-    comment = _class_comments(owner).get(name, "") if owner is not None else ""
-    comment = _clean(comment)
-    if comment:
-        return comment, "comment"
-    return _clean(_supplement().get(path, "")), "job_keys.yaml"
 
 
 # ---- the page ------------------------------------------------------------------------------------------------
