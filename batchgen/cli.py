@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from batchgen.errors import JobError
+
 app = typer.Typer(help="Offline batch generation for LLMs: a YAML job in, exactly-once Parquet shards out.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -99,7 +101,8 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
                                                             "variables.")] = None,
         num_workers: Annotated[Optional[int], typer.Option(metavar="N", help="How many workers share the job.")]
         = None,
-        workers: Annotated[Optional[int], typer.Option(metavar="N", help="Start this many local worker processes.")]
+        workers: Annotated[Optional[str], typer.Option(metavar="N", help="Start this many local worker processes "
+                                                       "(with --ray: Ray workers, N or auto).")]
         = None,
         gpus: Annotated[Optional[str], typer.Option(metavar="N|all",
                                                     help="Start one worker process per GPU: a number or 'all'.")]
@@ -112,7 +115,11 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
                                                 "size, other rows, chunking, prefix cache, resume or worker count. "
                                                 "Sets engine.deterministic.")]
         = False,
-        progress: Annotated[bool, typer.Option(metavar="", help="Show the progress bar.")] = True) -> None:
+        progress: Annotated[bool, typer.Option(metavar="", help="Show the progress bar.")] = True,
+        on_ray: Annotated[bool, typer.Option("--ray", metavar="", help="Run on Ray (the cluster in RAY_ADDRESS, "
+                                                                        "else a local one): rows dealt to "
+                                                                        "--workers as they free up.")] = False
+        ) -> None:
     """Run a job; resumes where an earlier run of the same job stopped (exactly once).
 
     \b
@@ -133,6 +140,12 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
     overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
                                 else []) + (["engine.deterministic=true"] if deterministic else [])
     spec = load_spec(job, overrides, output)
+    if on_ray:
+        _run_on_ray(spec, job, workers, fresh, progress, worker_index is not None or num_workers is not None
+                    or gpus is not None)
+        return
+    if workers is not None:
+        workers = _count(workers, "--workers")
     size = spec.engine.tensor_parallel_size
     identity = None  # this process's tensor-parallel rank, when a launcher (ours, torchrun) started it as one
     if size > 1:
@@ -180,11 +193,39 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
             return
     else:
         result = run_job(spec, fresh=fresh, worker=worker, show_progress=progress, job_file=job)
+    _summarise(result, f" (worker {worker.index} of {worker.count})" if worker.count > 1 else "")
+
+
+def _count(value: str, option: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise JobError(f"{option} takes a number{' (auto only with --ray)' if value == 'auto' else ''}, not "
+                        f"{value!r}") from None
+
+
+def _run_on_ray(spec, job: Path, workers: str | None, fresh: bool, progress: bool, static_options: bool) -> None:
+    from batchgen.job.workers import resolve_worker
+    from batchgen.ray.driver import run_on_ray
+
+    if static_options:
+        raise JobError("--ray deals the rows itself: drop --worker-index/--num-workers/--gpus (--workers N sets "
+                        "how many Ray workers)")
+    identity = resolve_worker(None, None)
+    if identity.count > 1:
+        raise JobError(f"--ray deals the rows itself, but this process is worker {identity.index} of "
+                        f"{identity.count} by its {identity.source} variables; start one driver, outside the array "
+                        f"or launcher")
+    count = "auto" if workers in (None, "auto") else _count(workers, "--workers")
+    result = run_on_ray(spec, workers=count, fresh=fresh, show_progress=progress, job_file=job)
+    _summarise(result, f" (Ray, {len(result.report['workers'])} workers)")
+
+
+def _summarise(result, who: str) -> None:
     r = result.report
     summary = (f"{result.rows_committed} rows committed ({result.rows_rejected} rejected), "
                f"{result.rows_skipped} already done, {r['generated_tokens']} tokens at "
                f"{r['generated_tok_s']:.1f} tok/s -> {result.out_dir}")
-    who = f" (worker {worker.index} of {worker.count})" if worker.count > 1 else ""
     if result.interrupted_by is not None:
         typer.echo(f"batchgen: interrupted{who}; {summary}. Run the same command again to resume.", err=True)
         raise typer.Exit(128 + result.interrupted_by)
@@ -291,7 +332,7 @@ def repair(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's 
     if not result.intact_after:
         raise typer.Exit(EXIT_USER_ERROR)
     if result.quarantine is not None:
-        typer.echo(f"batchgen: now run the job again (`batchgen run JOB.yaml`) to generate the rows that were dropped")
+        typer.echo("batchgen: now run the job again (`batchgen run JOB.yaml`) to generate the rows that were dropped")
 
 
 @app.command(rich_help_panel="Developer")

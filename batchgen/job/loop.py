@@ -14,6 +14,7 @@ import torch
 import batchgen
 from batchgen import __version__
 from batchgen.errors import JobError
+from batchgen.job.feed import WAIT, StaticFeed
 from batchgen.job.result import RunResult
 from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
@@ -63,7 +64,9 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
 
 class JobLoop:
     def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool,
-                 tensor_parallel=None) -> None:
+                 tensor_parallel=None, dealt: bool = False) -> None:
+        """`dealt`: the rows come from a feed set later with `use_feed` (units dealt while the job runs: the
+        worker's index names its files only); else this worker's fixed part (StaticFeed)."""
         from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -75,7 +78,9 @@ class JobLoop:
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.tp = tensor_parallel  # distributed.TensorParallelGroup of which this process is rank 0, or None
         self.source = open_source(spec.source)
-        self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
+        if not dealt:
+            self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker
+        self.feed = None if dealt else StaticFeed(self.source, worker)
         # Everything that can refuse the job or find it done needs only the tokenizer and the config: the
         # weights load when the first row needs the engine (a refused resume or a finished job loads none).
         self.device = resolve_device(spec.model.device)
@@ -104,7 +109,8 @@ class JobLoop:
                                            tokenizer, __version__))
 
         owned = {mf.worker_tag(worker.index)}
-        if worker.index == 0:  # workers beyond today's count (an earlier, wider run) are nobody's but ours
+        if worker.index == 0 and not dealt:  # workers beyond today's count (an earlier, wider run) are ours
+            # (a dealt job's driver tidies those before it starts any worker: its worker count may grow)
             owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
                       if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
         # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
@@ -112,11 +118,20 @@ class JobLoop:
         self.done_keys = mf.prepare_resume(out_dir, owned)
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
-        expected = self.source.progress_rows() if show_progress else self.source.expected_rows
+        expected = None if dealt else self.source.progress_rows() if show_progress else self.source.expected_rows
         mine = None if expected is None else worker.num_owned(expected)
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl", mine,
                                      show_progress=show_progress)
         self.setup_s = time.monotonic() - setup_started  # checks, tokenizer; _engine() adds the model and engine
+
+    def use_feed(self, feed) -> None:
+        """The feed of a dealt job (job/feed.py's contract), before run()."""
+        self.feed = feed
+
+    def refresh_done_keys(self) -> None:
+        """Read every worker's committed keys again (not deleting anything): before rows another worker held
+        are generated here, the ones it committed are skipped. Call from the loop's thread."""
+        self.done_keys = mf.checked_ledger(self.out_dir).keys
 
     def _engine(self):
         """The engine, built on first use: model weights, KV cache, CUDA graphs."""
@@ -267,7 +282,7 @@ class JobLoop:
 
     def _loop(self, stop) -> int:
         """Keep the engine fed, step it, commit. Returns how many rows earlier runs had committed."""
-        writer, totals = self.writer, self.meter.totals
+        writer, totals, feed = self.writer, self.meter.totals, self.feed
         lookahead = 2 * self.spec.engine.max_num_seqs
         # rows rendered and queued per loop pass once the engine holds a step's worth (_wants_rows): rows finishing
         # together (a wave: equal lengths) are replaced over several steps, not in one host stall the device waits out
@@ -276,28 +291,37 @@ class JobLoop:
         pending: dict[str, tuple] = {}
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
         skipped = 0
-        rows = iter(self.source)
         exhausted = False
         while True:
             t_admit, setup_before = time.perf_counter(), self.engine_setup_s
             num_admitted = 0  # this pass: rows rendered (skipping rows done earlier is cheap and not counted)
             while stop.signum is None and not exhausted and self._wants_rows(num_admitted, lookahead, refill):
-                row = next(rows, None)
+                row = feed.next_row()
                 if row is None:
                     exhausted = True
-                elif self.worker.owns(row.position):
+                elif row is WAIT:  # a dealt feed between units: step what the engine holds meanwhile
+                    break
+                else:
                     key = self._key(row, first_seen)
                     if key in self.done_keys:
                         skipped += 1
                         self.meter.row_skipped()
+                        feed.row_skipped(row.position)
                     else:
                         self._admit(row, key, pending)
                         num_admitted += 1
             # the engine's set-up (built on the first admitted row) is in setup_s, not the loop's admission time
             totals.admit_s += time.perf_counter() - t_admit - (self.engine_setup_s - setup_before)
             engine = self.engine
-            if stop.signum is not None or (exhausted and (engine is None or not engine.has_unfinished)):
+            idle = engine is None or not engine.has_unfinished
+            if stop.signum is not None or (exhausted and idle):
                 return skipped  # on a signal, in-flight rows are abandoned: the next run generates them
+            if idle:  # only a dealt feed gets here (a static one is read until the engine is busy or it ends)
+                while writer.should_commit():
+                    self._commit()
+                self.meter.maybe_log(self._stats)
+                feed.wait(0.05)
+                continue
             faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
             t0 = time.perf_counter()
             for result in engine.step():
@@ -354,6 +378,7 @@ class JobLoop:
     def _reject(self, key, position: int, error_class: str, message: str) -> None:
         t = self.meter.totals
         self.writer.add_reject(key, position, error_class, message)
+        self.feed.row_handed(position)
         t.rows_rejected += 1
         t.rows_done += 1
         t.rejects_by_class[error_class] = t.rejects_by_class.get(error_class, 0) + 1
@@ -395,12 +420,14 @@ class JobLoop:
             t.cached_tokens += s.num_cached_tokens
             t.finish_reasons[s.finish_reason] = t.finish_reasons.get(s.finish_reason, 0) + 1
         self.writer.add_row(key, out_rows)
+        self.feed.row_handed(position)
         t.rows_done += 1
         self.meter.row_finished(sum(len(s.token_ids) for s in result.samples))
 
     def _commit(self) -> int:
         t0 = time.perf_counter()
         n = self.writer.commit()
+        self.feed.committed(n)
         self.meter.totals.rows_committed += n
         self.meter.totals.commit_s += time.perf_counter() - t0
         return n

@@ -41,14 +41,14 @@ def write_report_or_say_why(out_dir: Path) -> None:
               f"run `batchgen report {out_dir}` to try again", file=sys.stderr)
 
 
-class _StopFlag:
+class StopFlag:
     """First SIGINT/SIGTERM: finish cleanly. Second: exit at once (commits are atomic, nothing corrupts)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _StopFlag:
+    def __enter__(self) -> StopFlag:
         for s in (signal.SIGINT, signal.SIGTERM):
             self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -65,14 +65,14 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _start_over(out_dir: Path, where: placement.Placement, own_lock: WorkerLock | None) -> None:
+def start_over(out_dir: Path, where: placement.Placement, own_lock: WorkerLock | None) -> None:
     """--fresh: every other worker's lock taken (refused while one runs), then batchgen's files out, manifest
     first (output/fresh.py). The caller holds the DirectoryLock."""
     with AllWorkersLock(out_dir, own_lock.path if own_lock is not None else None):
         fresh_mod.start_over(out_dir, [f"it holds {what}" for what in where.inside])
 
 
-def _refuse_a_users_resolved_job(out_dir: Path) -> None:
+def refuse_a_users_resolved_job(out_dir: Path) -> None:
     """JobError when OUT/job.resolved.yaml exists and batchgen did not write it (it lacks the header line)."""
     path = out_dir / layout.RESOLVED_JOB_FILE
     if path.exists() and not path.read_text(errors="replace").startswith(layout.RESOLVED_JOB_HEADER):
@@ -81,8 +81,8 @@ def _refuse_a_users_resolved_job(out_dir: Path) -> None:
                        f"an output folder of its own")
 
 
-def _write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
-    _refuse_a_users_resolved_job(out_dir)
+def write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
+    refuse_a_users_resolved_job(out_dir)
     _write_atomic(out_dir / layout.RESOLVED_JOB_FILE,
                   layout.RESOLVED_JOB_HEADER + yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
 
@@ -101,7 +101,7 @@ def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:
     if not out_dir.exists():
         return
     with DirectoryLock(out_dir):
-        _start_over(out_dir, where, None)
+        start_over(out_dir, where, None)
 
 
 def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str], created: list[Path]) -> None:
@@ -154,10 +154,10 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         with DirectoryLock(out_dir):
             lock = WorkerLock(out_dir, tag, count=worker.count)
             if fresh:  # refused while any other worker runs (naming it): then no partition can differ
-                _start_over(out_dir, where, lock)
+                start_over(out_dir, where, lock)
             check_partition(out_dir, lock)
             fresh_mod.finish_interrupted(out_dir)
-            _refuse_a_users_resolved_job(out_dir)
+            refuse_a_users_resolved_job(out_dir)
             layout.write_marker(out_dir)
         if not fresh and where.warning() is not None:
             print(where.warning(), file=sys.stderr)
@@ -165,8 +165,8 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         lock.record_partition(loop.worker.count, loop.worker.unit_rows)  # sized from the source: now known
         with DirectoryLock(out_dir):
             check_partition(out_dir, lock)
-        _write_resolved_job(out_dir, spec)
-        with _StopFlag() as stop:
+        write_resolved_job(out_dir, spec)
+        with StopFlag() as stop:
             result = loop.run(stop)
         # the partition this worker used (sized from the source unless the job set worker_unit_rows)
         result.report["worker"].update(unit_rows=loop.worker.unit_rows, source_rows=loop.worker.num_rows)

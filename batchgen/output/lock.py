@@ -61,14 +61,15 @@ def holder(path: Path) -> dict:
     if not isinstance(record, dict):  # an earlier batchgen's lock file: the pid alone
         record = {"pid": text or "unknown"}
     return {"pid": record.get("pid", "unknown"), "worker": record.get("worker"), "count": record.get("count"),
-            "unit_rows": record.get("unit_rows")}
+            "unit_rows": record.get("unit_rows"), "dealer": record.get("dealer")}
 
 
 def describe(record: dict) -> str:
     """"worker 1 of 2 (pid 123)" from a lock record."""
     who = f"worker {record['worker']}" if record["worker"] is not None else "a worker"
     of = f" of {record['count']}" if record["count"] is not None else ""
-    return f"{who}{of} (pid {record['pid']})"
+    by = f", dealt rows by {record['dealer']}" if record.get("dealer") else ""
+    return f"{who}{of} (pid {record['pid']}{by})"
 
 
 class _HeldLock:
@@ -92,10 +93,13 @@ class _HeldLock:
 
 
 class WorkerLock(_HeldLock):
-    def __init__(self, out_dir: Path, tag: str, *, count: int | None = None, unit_rows: int | None = None) -> None:
+    def __init__(self, out_dir: Path, tag: str, *, count: int | None = None, unit_rows: int | None = None,
+                 dealer: str | None = None) -> None:
+        """`dealer`: who deals this worker its rows while the job runs (a Ray driver: "ray <host>:<pid>"), None
+        for a fixed partition (count and unit_rows)."""
         self.path = lock_path(out_dir, tag)
         self.record = {"pid": os.getpid(), "worker": int(tag[1:]) if tag[1:].isdigit() else None, "count": count,
-                       "unit_rows": unit_rows}
+                       "unit_rows": unit_rows, "dealer": dealer}
         deadline = time.monotonic() + PROBE_GRACE_S
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -163,6 +167,14 @@ def check_partition(out_dir: Path, mine: WorkerLock) -> None:
     DirectoryLock, after `mine` recorded what it knows."""
     me = mine.record
     for other in running_workers(out_dir, mine.path):
+        if other.get("dealer") is not None or me.get("dealer") is not None:
+            if other.get("dealer") == me.get("dealer"):
+                continue  # one dealer's workers: it hands each row to one of them
+            theirs = other.get("dealer") or "a fixed partition"
+            raise JobError(f"worker {me['worker']} cannot start in {out_dir}: {describe(other)} is running there, "
+                           f"its rows dealt by {theirs}, not by {me.get('dealer') or 'a fixed partition'}; two "
+                           f"dealers at once would generate some rows twice. Wait until it finishes or stop it "
+                           f"(resuming afterwards, either way, is fine)")
         if other["count"] is not None and me["count"] is not None and other["count"] != me["count"]:
             differs = f"{other['count']} workers, not {me['count']}"
         elif None not in (other["unit_rows"], me["unit_rows"], other["count"]) and \

@@ -1,0 +1,285 @@
+"""`batchgen run JOB --ray`: the driver. It prepares the output directory once, cuts the source into units
+(units.py), starts one RayWorker actor per worker and deals units to them as they ask for more; an actor that
+dies is replaced and its unfinished units are dealt again (with `recheck`, so what it committed is skipped).
+
+Exactly once rests on the commit protocol, as for any batchgen worker: each actor commits its rows under its own
+tag, every row key is read before rows are generated, and a unit is with one live actor at a time.
+The work queue lives here; units travel by Ray calls (`deal`), progress by `poll`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from batchgen.config import JobSpec
+from batchgen.errors import JobError
+from batchgen.job import placement
+from batchgen.job.result import RunResult
+from batchgen.job.run import StopFlag, start_over, write_report_or_say_why, write_resolved_job
+from batchgen.output import fresh as fresh_mod
+from batchgen.output import layout
+from batchgen.output import manifest as mf
+from batchgen.output.lock import DirectoryLock, describe, running_workers
+from batchgen.ray import cluster
+from batchgen.ray.units import Unit, plan_units, unit_rows_for
+from batchgen.sources import open_source
+
+POLL_INTERVAL_S = 0.1
+MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
+GROW_CHECK_S = 10.0  # --workers auto: how often the cluster is asked whether it grew
+
+
+@dataclass
+class _Slot:
+    index: int
+    actor: object
+    run_ref: object
+    held: dict[int, Unit] = field(default_factory=dict)  # dealt, not yet reported committed
+    poll_ref: object = None
+    started: bool = False
+    num_unread_rows: int = 0  # dealt rows the actor has not read (as of its last poll, plus those dealt since)
+    num_queued_units: int = 0
+    num_wanted_rows: int = 0
+    failures: int = 0
+    generated_tokens: int = 0
+    result: dict | None = None
+    finished: bool = False  # its run returned (result) or it was let go after the last unit
+
+
+class RayJob:
+    def __init__(self, spec: JobSpec, *, workers: int | str, fresh: bool = False, show_progress: bool = True,
+                 job_file: Path | None = None) -> None:
+        self.spec, self.workers_arg, self.fresh, self.show_progress = spec, workers, fresh, show_progress
+        self.job_file = job_file
+        self.ray = cluster.import_ray()
+        self.out_dir = Path(spec.output.dir).resolve()
+        self.dealer = f"ray {socket.gethostname()}:{os.getpid()}"
+        self.slots: list[_Slot] = []
+        self.queue: deque[Unit] = deque()
+        self.num_units_done_rows = 0
+        self.stopping = self.finishing = False
+        self.base_tokens = 0  # tokens of replaced actors (their counters died with them)
+        self.started_ray = False
+        self.remote_class = None
+        self.committed_before = (0, 0)  # (rows, rejects) the output held when this run started
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _prepare_output(self, num_slots: int) -> None:
+        """Once for all actors: placement checks, --fresh, an interrupted --fresh finished, the marker; the
+        leftovers of worker tags this run will not start deleted (an actor deletes its own)."""
+        where = placement.check(self.out_dir, self.spec.source.path, self.job_file)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobError(f"cannot create output.dir {self.out_dir}: {e.strerror}") from None
+        with DirectoryLock(self.out_dir):
+            running = running_workers(self.out_dir)
+            if running:
+                raise JobError(f"{describe(running[0])} is running in {self.out_dir}; a Ray job deals every row "
+                               f"itself: wait for that run to finish or stop it, then start this one (it resumes)")
+            if self.fresh:
+                start_over(self.out_dir, where, None)
+            fresh_mod.finish_interrupted(self.out_dir)
+            layout.write_marker(self.out_dir)
+            stale = {p.stem for p in (self.out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
+                     if p.stem[1:].isdigit() and int(p.stem[1:]) >= num_slots} \
+                if (self.out_dir / mf.MANIFEST_DIR).is_dir() else set()
+            ledger = mf.checked_ledger(self.out_dir)
+            if stale:
+                mf.remove_orphans(self.out_dir, stale, ledger)
+            self.committed_before = _committed(ledger)
+        if not self.fresh and where.warning() is not None:
+            print(where.warning(), file=sys.stderr)
+        write_resolved_job(self.out_dir, self.spec)
+
+    def _plan(self, num_slots: int) -> int:
+        source = open_source(self.spec.source)
+        num_rows = source.expected_rows
+        if num_rows is None:
+            num_rows = sum(1 for _ in source)
+        unit_rows = self.spec.source.worker_unit_rows or unit_rows_for(num_rows, num_slots)
+        self.queue.extend(plan_units(num_rows, unit_rows))
+        return num_rows
+
+    def _start_actor(self, index: int, failures: int = 0) -> _Slot:
+        if self.remote_class is None:  # threads: `run` holds one for the job; deal/poll/finish/stop use the others
+            self.remote_class = self.ray.remote(max_concurrency=4, **self.resources)(_actor_class())
+        spec = self.spec
+        if "num_gpus" in self.resources and spec.model.device.startswith("cuda:"):  # an actor sees its GPU alone
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": "cuda"})})
+        actor = self.remote_class.remote(spec.model_dump(by_alias=True), index, max(self.num_slots, index + 1),
+                                         self.dealer)
+        slot = _Slot(index, actor, actor.run.remote(), failures=failures)
+        slot.poll_ref = actor.poll.remote()
+        return slot
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self.started_ray = cluster.connect(self.ray)
+        try:
+            self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
+            self._prepare_output(self.num_slots)
+            num_rows = self._plan(self.num_slots)
+            print(f"batchgen: Ray: {self.num_slots} workers ({cluster.describe_resources(self.resources)} each), "
+                  f"{len(self.queue)} units of up to {self.queue[0].num_rows if self.queue else 0} rows",
+                  file=sys.stderr)
+            started = time.monotonic()
+            self.slots = [self._start_actor(i) for i in range(self.num_slots)]
+            with StopFlag() as stop, cluster.Progress(num_rows, self.show_progress) as progress:
+                self._drive(stop, progress)
+            return self._result(time.monotonic() - started, stop.signum)
+        finally:
+            if self.started_ray:
+                self.ray.shutdown()
+
+    def _drive(self, stop: StopFlag, progress) -> None:
+        last_grow = time.monotonic()
+        while not all(s.finished for s in self.slots):
+            if stop.signum is not None and not self.stopping:
+                self.stopping = True
+                for s in self._live():
+                    s.actor.stop.remote(stop.signum)
+            self._collect_runs()
+            self._collect_polls()
+            if not self.stopping:
+                self._deal()
+                if not self.queue and not any(s.held for s in self._live()) and not self.finishing:
+                    self.finishing = True
+                    for s in self._live():
+                        s.actor.finish.remote()
+                if self.workers_arg == "auto" and time.monotonic() - last_grow >= GROW_CHECK_S:
+                    last_grow = time.monotonic()
+                    self._grow()
+            progress.show(self.num_units_done_rows, self.base_tokens + sum(s.generated_tokens for s in self.slots))
+            time.sleep(POLL_INTERVAL_S)
+
+    def _live(self) -> list[_Slot]:
+        return [s for s in self.slots if not s.finished]
+
+    def _collect_runs(self) -> None:
+        for s in self._live():
+            ready, _ = self.ray.wait([s.run_ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                s.result = self.ray.get(s.run_ref)
+                s.finished = True
+            except Exception as e:
+                self._failed(s, e)
+
+    def _collect_polls(self) -> None:
+        for s in self._live():
+            ready, _ = self.ray.wait([s.poll_ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                state = self.ray.get(s.poll_ref)
+            except Exception as e:
+                self._failed(s, e)
+                continue
+            for unit_id in state["done"]:
+                unit = s.held.pop(unit_id)
+                self.num_units_done_rows += unit.num_rows
+                s.failures = 0
+            s.started = state["started"]
+            s.num_unread_rows, s.num_queued_units = state["num_unread_rows"], state["num_queued_units"]
+            s.num_wanted_rows, s.generated_tokens = state["num_wanted_rows"], state["generated_tokens"]
+            s.poll_ref = s.actor.poll.remote()
+
+    def _deal(self) -> None:
+        """Give each started actor units until it has twice a step's rows queued and one unit beyond the one it
+        reads: the engine stays full, and the rest of the queue stays with the driver for whoever frees up."""
+        for s in self._live():
+            if not s.started or s.result is not None:
+                continue
+            units = []
+            while self.queue and (s.num_unread_rows < s.num_wanted_rows or s.num_queued_units == 0):
+                unit = self.queue.popleft()
+                units.append(unit)
+                s.held[unit.unit_id] = unit
+                s.num_unread_rows += unit.num_rows
+                s.num_queued_units += 1
+            if units:
+                s.actor.deal.remote(units)
+
+    def _failed(self, s: _Slot, error: Exception) -> None:
+        """A worker's run raised or its actor died. A JobError (the job's settings or data) stops the job; any
+        other failure replaces the worker and deals its unfinished units again."""
+        cause = getattr(error, "cause", error)
+        if isinstance(cause, JobError) or isinstance(error, JobError):
+            self._stop_all()
+            raise JobError(f"worker {s.index} on Ray: {cause}") from None
+        why = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+        s.finished = True
+        self.base_tokens += s.generated_tokens
+        s.generated_tokens = 0
+        try:
+            self.ray.kill(s.actor, no_restart=True)
+        except Exception:
+            pass  # already gone
+        lost = sorted(s.held.values(), key=lambda u: u.start)
+        if not lost and (self.finishing or self.stopping):
+            return  # nothing of it is unfinished: the job does not need it back
+        if s.failures + 1 >= MAX_FAILURES_PER_SLOT:
+            self._stop_all()
+            raise RuntimeError(f"worker {s.index} on Ray failed {s.failures + 1} times in a row with no unit "
+                               f"committed between (the last: {why}); stopping: what is committed stays, a rerun "
+                               f"resumes")
+        self.queue.extendleft(reversed([replace(u, recheck=True) for u in lost]))
+        print(f"batchgen: Ray worker {s.index} failed ({why}); starting a new one, its {len(lost)} unfinished "
+              f"units are dealt again", file=sys.stderr)
+        new = self._start_actor(s.index, failures=s.failures + 1)
+        self.slots[self.slots.index(s)] = new
+        if self.finishing:
+            self.finishing = False  # its units are back in the queue: dealt, then every worker told again
+
+    def _grow(self) -> None:
+        target, _ = cluster.plan_workers(self.ray, self.spec, "auto")
+        while len(self.slots) < target and self.queue:
+            self.slots.append(self._start_actor(len(self.slots)))
+            print(f"batchgen: the Ray cluster grew: worker {len(self.slots) - 1} started", file=sys.stderr)
+
+    def _stop_all(self) -> None:
+        for s in self._live():
+            try:
+                self.ray.kill(s.actor, no_restart=True)
+            except Exception:
+                pass
+
+    def _result(self, wall_s: float, signum: int | None) -> RunResult:
+        """Counted from the manifests (a replaced worker's commits count too; its own report died with it)."""
+        results = [s.result for s in self.slots if s.result is not None]
+        rows, rejects = _committed(mf.checked_ledger(self.out_dir))
+        rows_before, rejects_before = self.committed_before
+        tokens = self.base_tokens + sum(s.result["report"]["generated_tokens"] if s.result else s.generated_tokens
+                                        for s in self.slots)
+        interrupted = signum if signum is not None else next(
+            (r["interrupted_by"] for r in results if r["interrupted_by"] is not None), None)
+        report = {"status": "interrupted" if interrupted is not None else "complete", "wall_s": round(wall_s, 3),
+                  "generated_tokens": tokens, "generated_tok_s": round(tokens / max(wall_s, 1e-9), 2),
+                  "workers": {r["slot"]: r["report"] for r in results}, "dealer": self.dealer}
+        if self.spec.output.report and interrupted is None:
+            write_report_or_say_why(self.out_dir)
+        return RunResult(self.out_dir, rows - rows_before, rejects - rejects_before, rows_before, interrupted, report)
+
+
+def _committed(ledger) -> tuple[int, int]:
+    """(rows, rejects) an output's records hold."""
+    return (sum(e.record["num_rows"] for e in ledger.entries), sum(e.record["num_rejects"] for e in ledger.entries))
+
+
+def _actor_class():
+    from batchgen.ray.worker import RayWorker
+
+    return RayWorker
+
+
+def run_on_ray(spec: JobSpec, *, workers: int | str, fresh: bool = False, show_progress: bool = True,
+               job_file: Path | None = None) -> RunResult:
+    return RayJob(spec, workers=workers, fresh=fresh, show_progress=show_progress, job_file=job_file).run()

@@ -1,0 +1,102 @@
+"""RayWorker: one batchgen worker inside a Ray actor. It writes through the usual commit protocol (its own
+manifest and shards, tag w<slot>) into the shared output directory; its rows come from the units the driver
+deals it (units.py).
+
+The actor is threaded: `run` holds one thread for the whole job (set-up, then the JobLoop) while `deal`, `poll`,
+`finish` and `stop` arrive on others. Nothing heavy happens in the constructor: its errors would surface as the
+actor's death, while set-up errors in `run` come back as the call's exception (a JobError stays a JobError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from batchgen.config import JobSpec
+from batchgen.errors import JobError
+from batchgen.job.loop import JobLoop
+from batchgen.job.workers import WorkerInfo
+from batchgen.output import manifest as mf
+from batchgen.output.lock import DirectoryLock, WorkerLock, check_partition
+from batchgen.ray.units import Unit, UnitFeed
+
+LOCK_WAIT_S = 30.0  # a replacement waits this long for its dead predecessor's lock to be let go
+
+
+class _Stop:
+    """The JobLoop's stop flag (job/run.py's StopFlag without signal handlers: the driver relays signals)."""
+
+    signum: int | None = None
+
+
+class RayWorker:
+    def __init__(self, spec_data: dict, slot: int, num_slots: int, dealer: str) -> None:
+        self.spec_data, self.slot, self.num_slots, self.dealer = spec_data, slot, num_slots, dealer
+        self.feed = UnitFeed()
+        self.stop_flag = _Stop()
+        self.loop: JobLoop | None = None
+
+    def run(self) -> dict:
+        """Set up, generate the dealt units until `finish` (or `stop`), commit; the worker's report."""
+        os.environ["BATCHGEN_WORKER_INDEX"] = str(self.slot)  # fault injection by worker (output/faults.py)
+        spec = JobSpec.model_validate(self.spec_data)
+        out_dir = Path(spec.output.dir)
+        tag = mf.worker_tag(self.slot)
+        lock = self._take_lock(out_dir, tag)
+        try:
+            with DirectoryLock(out_dir):
+                check_partition(out_dir, lock)
+            self.loop = loop = JobLoop(spec, out_dir, WorkerInfo(self.slot, self.num_slots, source="ray"),
+                                       show_progress=False, dealt=True)
+            self.feed.attach(loop.source, loop.refresh_done_keys)
+            loop.use_feed(self.feed)
+            result = loop.run(self.stop_flag)
+            reports = out_dir / "reports"
+            reports.mkdir(exist_ok=True)
+            tmp = reports / f".{tag}.json.tmp{os.getpid()}"
+            tmp.write_text(json.dumps(result.report, indent=2))
+            os.replace(tmp, reports / f"{tag}.json")
+            lock.remove()
+            return {"slot": self.slot, "rows_committed": result.rows_committed, "rows_rejected": result.rows_rejected,
+                    "rows_skipped": result.rows_skipped, "interrupted_by": result.interrupted_by,
+                    "report": result.report}
+        finally:
+            lock.release()
+
+    def _take_lock(self, out_dir: Path, tag: str) -> WorkerLock:
+        """This slot's worker lock; a replaced worker's process may take a moment to let it go."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                return WorkerLock(out_dir, tag, dealer=self.dealer)
+            except JobError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def deal(self, units: list[Unit]) -> None:
+        self.feed.deal(units)
+
+    def poll(self) -> dict:
+        """What the driver deals and shows by: units committed since the last poll, rows not yet read, how
+        many rows this worker wants queued (twice what its engine runs at once), its counters."""
+        state = self.feed.poll()
+        loop = self.loop
+        if loop is None:
+            return {**state, "started": False, "num_wanted_rows": 0, "rows_done": 0, "generated_tokens": 0}
+        engine = loop.engine
+        max_num_seqs = engine.scheduler.max_num_seqs if engine is not None else int(loop.spec.engine.max_num_seqs)
+        t = loop.meter.totals
+        return {**state, "started": True, "num_wanted_rows": 2 * max_num_seqs, "rows_done": t.rows_done,
+                "generated_tokens": t.generated_tokens}
+
+    def finish(self) -> None:
+        """No more units: generate what is dealt, commit, return from `run`."""
+        self.feed.close()
+
+    def stop(self, signum: int) -> None:
+        """Stop admitting, commit the finished rows, return from `run` as interrupted."""
+        self.stop_flag.signum = signum
+        self.feed.close()
