@@ -19,8 +19,8 @@
 #                                       # batchgen/kernels/attention/decode_launches.json, which is copied to $OUT
 #   bash bench/gpu_proofs.sh families   # W1 of every dense geometry but llama-8b, the launch table as committed
 #                                       # (~35 s each, ~7 min)
-#   bash bench/gpu_proofs.sh blas       # W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and the per-bucket
-#                                       # BLAS choice, same run (~4 min)
+#   bash bench/gpu_proofs.sh blas       # W1 of phi3-mini, qwen2-7b, starcoder2-3b: cuBLASLt and cuBLAS in the
+#                                       # decode graphs, same run (~4 min)
 #   bash bench/gpu_proofs.sh profiles   # decode-step kernel tables of gemma2-9b and phi3-mini (~2 min)
 #   bash bench/gpu_proofs.sh fp8        # block-wise tests and probe, FP8 W1 (default vs block-wise), FP8 and bf16
 #                                       # jobs at 256 (~8 min)
@@ -47,8 +47,6 @@
 #   bash bench/gpu_proofs.sh mixedprof  # the mixed load's kernels and idle (bench/mixed_kernels.py, MIXED_PROF
 #                                       # requests, default 400) from .prev and this checkout, then compared (~4 min);
 #                                       # MIXED_PROF_WARMUP=load: warmed up on the load (idle without builds)
-#   bash bench/gpu_proofs.sh admission  # the mixed load (MIXED_REQUESTS, default 1,000), engine.admission_group
-#                                       # 1 (A) vs ADMISSION_GROUP (B, default 4), A B B A on fresh engines (~6 min)
 #   bash bench/gpu_proofs.sh fp8job     # the job at 256 and 512 seqs, bf16 then FP8 (block-scaled), each run's
 #                                       # step kinds and idle gaps (~7 min each: one command each, FP8_WEIGHTS=bf16 | fp8)
 #   bash bench/gpu_proofs.sh detcheck   # GPU tests, fixed-row GEMM bench, a deterministic step's kernels
@@ -70,7 +68,7 @@ TOK=${TOK:-.bench-assets/tokenizer}
 FAMILIES=${FAMILIES:-gemma2-9b phi3-mini gemma-7b olmo2-7b gemma3-12b granite-8b qwen2-7b starcoder2-7b starcoder2-3b mistral-7b qwen3-8b}
 BLAS_GEOMS=${BLAS_GEOMS:-phi3-mini qwen2-7b starcoder2-3b}
 SWEEP_GEOMS=${SWEEP_GEOMS:-starcoder2-7b,qwen2-7b,starcoder2-3b,gemma2-9b,phi3-mini,olmo2-7b}
-BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_auto}
+BLAS_VARIANTS=${BLAS_VARIANTS:-graphs_async,graphs_async_cublas}
 BG=(python3 -m batchgen.cli bench)
 JOB=("${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work --profile-steps 0 --seqs 256
      --penalties 1.0)
@@ -118,9 +116,9 @@ for section in "${sections[@]}"; do
     families) for g in $FAMILIES; do
         step "w1-$g" 90 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry "$g" \
           --json "$LOGS/w1-$g.json"; done ;;
-    blas) for g in $BLAS_GEOMS; do  # the per-bucket BLAS choice (cublas / cublaslt, timed)
-        step "w1-auto-$g" 150 "${BG[@]}" --new-tokens 1024 --variants "$BLAS_VARIANTS" \
-          --model-geometry "$g" --json "$LOGS/w1-auto-$g.json"; done ;;
+    blas) for g in $BLAS_GEOMS; do  # engine.graph_blas_library: cublaslt (the default) and cublas
+        step "w1-blas-$g" 150 "${BG[@]}" --new-tokens 1024 --variants "$BLAS_VARIANTS" \
+          --model-geometry "$g" --json "$LOGS/w1-blas-$g.json"; done ;;
     profiles) for g in gemma2-9b phi3-mini; do
         step "profile-$g" 120 python3 bench/profile_decode.py --model-geometry "$g" --engine-only --batch 32 \
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
@@ -171,8 +169,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                [ -f "$LOGS/kernels_prev.json" ] && [ -f "$LOGS/kernels_this.json" ] && python3 bench/mixed_kernels.py \
                  --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" | tee "$LOGS/kernels_compare.txt"
                tar czf "$OUT/proofs.tgz" -C "$LOGS" . ;;
-    admission) step mixed_admission 580 "${BG[@]}" --workload mixed --requests "${MIXED_REQUESTS:-1000}" \
-                 --ab-set "engine.admission_group=${ADMISSION_GROUP:-4}" --json "$LOGS/mixed_admission.json" ;;
     fp8splitk) step splitk_tests 150 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -p no:cacheprovider -rfE
                step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep \
                  --sweep-rows "${SPLITK_SWEEP_ROWS:-64,128,256,512}" \
@@ -188,6 +184,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof admission fp8job detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
   esac
 done

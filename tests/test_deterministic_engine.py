@@ -129,12 +129,11 @@ def test_configurations_without_batch_invariant_kernels_are_refused_naming_the_k
 
 
 def test_deterministic_mode_refuses_a_graph_blas_library_other_than_the_one_its_gemms_pin():
-    """Its GEMMs run on cuBLASLt eagerly and in every graph (kernels/invariant/fixed_row_gemm.py): `auto` (a library per
-    bucket, by timing) and `cublas` would be silently overridden, so they are refused; the default and None pass."""
-    for library in ("auto", "cublas"):
-        with pytest.raises(ValueError, match=f"engine.deterministic .*engine.graph_blas_library: {library} "):
-            EngineConfig(deterministic=True, graph_blas_library=library)
-        EngineConfig(graph_blas_library=library)  # the default mode takes either
+    """Its GEMMs run on cuBLASLt eagerly and in every graph (kernels/invariant/fixed_row_gemm.py): `cublas` would be
+    silently overridden, so it is refused; the default and None pass."""
+    with pytest.raises(ValueError, match="engine.deterministic .*engine.graph_blas_library: cublas "):
+        EngineConfig(deterministic=True, graph_blas_library="cublas")
+    EngineConfig(graph_blas_library="cublas")  # the default mode takes it
     for library in ("cublaslt", None):
         assert EngineConfig(deterministic=True, graph_blas_library=library).graph_blas_library == library
 

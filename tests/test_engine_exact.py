@@ -39,25 +39,6 @@ def test_greedy_exact_with_tiny_token_budget_chunked_prefill():
     assert engine.num_steps > sum(LENGTHS) // 7  # prefill really was split over many steps
 
 
-def test_greedy_exact_when_prompts_are_admitted_in_groups():
-    """engine.admission_group 2 at 3 sequences: freed slots wait for a second, prompts start in pairs."""
-    model = make_model("llama")
-    prompts = random_prompts(LENGTHS)
-    expected = [hf_greedy(model, p, m) for p, m in zip(prompts, MAX_NEW)]
-    engine = Engine(model, None, EngineConfig(num_kv_blocks=128, block_size=8, max_num_seqs=3, admission_group=2))
-    schedule, starts = engine.scheduler.schedule, []  # per step: how many sequences start (start_pos 0)
-
-    def recording():
-        batch = schedule()
-        starts.append(sum(s.start_pos == 0 for s in batch.seqs))
-        return batch
-
-    engine.scheduler.schedule = recording
-    got = [r.samples[0].token_ids for r in engine.generate(prompts, [_greedy(m) for m in MAX_NEW])]
-    assert got == expected
-    assert starts[0] == 3 and sorted(n for n in starts[1:] if n) == [1, 2]  # then a pair, then the last one alone
-
-
 def test_greedy_exact_when_cache_is_so_small_that_requests_get_preempted():
     model = make_model("qwen2")
     prompts = random_prompts((30, 25, 28, 31, 22, 27), seed=3)

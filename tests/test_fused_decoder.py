@@ -227,24 +227,6 @@ def test_fused_decode_and_packed_steps_with_triton_kernels_match_the_reference_p
                                        "granite", "starcoder2"])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_gemm_weights_are_one_layers_projections_counted_per_layer_and_the_lm_head_once(arch):
-    """What the decode graphs time to choose a BLAS back end per bucket: every GEMM of a layer, then the head."""
-    model = make_model(arch)
-    engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
-    weights = engine.runner.decode_forward.gemm_weights()
-    cfg, num_layers = model.config, len(model.model.layers)
-    assert len(weights) == 5 and weights[-1][0] is model.lm_head.weight and weights[-1][1] == 1
-    assert weights[0][0].shape[0] == (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * (
-        cfg.hidden_size // cfg.num_attention_heads)  # the fused q/k/v projection
-    assert all(w.dim() == 2 and n == num_layers for w, n in weights[:-1])
-    fallback = Engine(model, None, EngineConfig(num_kv_blocks=8, fused_decoder=False))
-    linears = [m.weight for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
-    got = fallback.runner.decode_forward.gemm_weights()
-    assert [w for w, _ in got] == linears + [model.lm_head.weight]
-    assert [n for _, n in got] == [num_layers] * len(linears) + [1]
-
-
 def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
     """Gemma3's attention module stores the config's attn_logit_softcapping but never applies it."""
     model = make_model("gemma3_text", attn_logit_softcapping=0.5)

@@ -45,12 +45,24 @@ def _edit(job, **sections):
     ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
     ("sampling.frequency_penalty=2.5", "'sampling.frequency_penalty' = 2.5"),
     ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
+    ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
+    ("engine.graph_blas_library=cublasLt", "'engine.graph_blas_library' = 'cublasLt': Input should be"),
 ])
 def test_spec_errors_name_the_key_and_value(job, override, message):
     result = _run(job, "--set", override)
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_job_file_setting_a_removed_option_is_refused_naming_the_key_and_what_to_do(job):
+    raw = yaml.safe_load(job.read_text())
+    raw["engine"] = {**raw.get("engine", {}), "admission_group": 4}
+    job.write_text(yaml.safe_dump(raw))
+    result = _run(job)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "unknown key 'engine.admission_group': this option was removed" in result.output
+    assert "delete the line" in result.output
 
 
 def test_invalid_yaml_and_missing_job_file(tmp_path):

@@ -1,4 +1,4 @@
-"""Scheduler on plain Python data (no model): budgets, chunked prefill, preemption, admission, followers."""
+"""Scheduler on plain Python data (no model): budgets, chunked prefill, preemption, followers."""
 
 from __future__ import annotations
 
@@ -189,65 +189,6 @@ def test_the_scheduler_cost_bench_runs_with_and_without_a_repetition_penalty(mon
         assert row["repetition_penalty"] == penalty and row["schedule_update_ms"] > 0 and row["sampling_build_ms"] > 0
 
 
-def test_an_admission_group_holds_freed_slots_until_that_many_are_free_and_never_deadlocks():
-    """admission_group 2: a single freed slot waits for a second; the prompts then start together. Nothing
-    running, or fewer waiting than the group, admits at once (a hold no finishing sequence would end)."""
-    s = Scheduler(BlockManager(200, 4), max_num_seqs=3, max_num_batched_tokens=100, admission_group=2)
-    reqs = [_req("a", 3, max_new=2), _req("b", 3, max_new=4, start=10), _req("c", 3, max_new=6, start=20)]
-    reqs += [_req(f"w{i}", 3, max_new=3, start=30 + 10 * i) for i in range(3)]
-    for r in reqs:
-        s.add(r)
-    assert [x.request_id for x in _step(s).seqs] == ["a", "b", "c"]  # nothing ran: the first wave at once
-    _step(s)  # a finishes (2 tokens): one slot free
-    assert [x.request_id for x in _step(s).seqs] == ["b", "c"]  # w0 held: one free slot, the group is 2
-    _step(s)  # b finishes (4 tokens): two slots free
-    batch = _step(s)
-    assert [x.request_id for x in batch.seqs] == ["c", "w0", "w1"]  # both start in one step
-    assert batch.num_prefill_tokens == 6
-    batch = _step(s)  # c's last token: one slot free
-    assert [x.request_id for x in batch.seqs] == ["c", "w0", "w1"]
-    # w2 alone waits (fewer than the group): it starts with the one free slot, beside w0 and w1
-    assert [(x.request_id, x.start_pos) for x in _step(s).seqs] == [("w0", 4), ("w1", 4), ("w2", 0)]
-    while s.has_work:
-        _step(s)
-    assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in reqs)
-
-
-def test_an_admission_group_gives_fewer_larger_prefill_steps_on_a_mixed_load():
-    """bench/admission_schedule.py on a small mixed load: the same tokens, fewer mixed steps, more prompt tokens in
-    each; group 1 is the plain scheduler."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        sched = importlib.import_module("admission_schedule")
-    finally:
-        sys.path.pop(0)
-    from batchgen.bench.mixed import mixed_workload
-
-    prompts, output_lens = mixed_workload(120, seed=1)
-    one, four = (sched.schedule_counts(prompts, output_lens, k, max_num_seqs=32) for k in (1, 4))
-    assert four["mixed_steps"] < one["mixed_steps"]
-    assert four["prompt_tokens_per_mixed_step"] > 2 * one["prompt_tokens_per_mixed_step"]
-    for c in (one, four):  # every prompt token scheduled once either way
-        assert c["prompt_tokens"] == sum(map(len, prompts))
-
-
-def test_an_admission_group_above_max_num_seqs_refills_in_whole_waves():
-    s = Scheduler(BlockManager(200, 4), max_num_seqs=2, max_num_batched_tokens=100, admission_group=5)
-    reqs = [_req("a", 3, max_new=2), _req("b", 3, max_new=3, start=10)]
-    reqs += [_req(f"w{i}", 3, max_new=2, start=30 + 10 * i) for i in range(3)]
-    for r in reqs:
-        s.add(r)
-    waves = []
-    while s.has_work:
-        waves.append(sorted(x.request_id for x in _step(s).seqs if x.start_pos == 0))
-    assert [w for w in waves if w] == [["a", "b"], ["w0", "w1"], ["w2"]]  # nothing starts beside a running one
-    assert all(len(r.output_token_ids) == r.params.max_new_tokens for r in reqs)
-
-
 def _random_run(seed: int, async_pipeline: bool) -> str | None:
     """One random load through the scheduler alone (token 7 sampled; async: step N+1 scheduled before step N's
     tokens are applied, as the engine's pipeline does): None if every sample finished at its exact length, else
@@ -255,7 +196,7 @@ def _random_run(seed: int, async_pipeline: bool) -> str | None:
     import random
 
     rng = random.Random(seed)
-    block_size, max_seqs, group = rng.choice([2, 4, 8]), rng.randint(1, 8), rng.randint(1, 10)
+    block_size, max_seqs = rng.choice([2, 4, 8]), rng.randint(1, 8)
     budget = rng.choice([4, 8, 16, 64, 1000])
     leaders, everyone = [], []
     for i in range(rng.randint(1, 15)):
@@ -270,7 +211,7 @@ def _random_run(seed: int, async_pipeline: bool) -> str | None:
         leaders.append(samples[0])
         everyone += samples
     need = max(-(-(len(r.prompt_token_ids) + r.params.max_new_tokens) // block_size) for r in leaders)
-    s = Scheduler(BlockManager(rng.randint(need, 4 * need), block_size), max_seqs, budget, group)  # preemptions
+    s = Scheduler(BlockManager(rng.randint(need, 4 * need), block_size), max_seqs, budget)  # preemptions
     for r in leaders:
         s.add(r)
     in_flight, idle = None, 0
@@ -286,7 +227,7 @@ def _random_run(seed: int, async_pipeline: bool) -> str | None:
             s.update(batch, StepOutput([7] * batch.num_samples))
         idle = 0 if batch else idle + 1
         if idle > 3:
-            return f"seed {seed}: stuck (group {group}, {max_seqs} seqs, budget {budget})"
+            return f"seed {seed}: stuck ({max_seqs} seqs, budget {budget})"
     wrong = [r.request_id for r in everyone
              if r.status is not RequestStatus.FINISHED or len(r.output_token_ids) != r.params.max_new_tokens]
     return f"seed {seed}: {wrong} not finished at their length" if wrong else None
@@ -294,7 +235,7 @@ def _random_run(seed: int, async_pipeline: bool) -> str | None:
 
 def test_random_loads_finish_every_sample_at_its_length_sync_and_async():
     """Followers (n > 1, some done at their first token), shared prefixes, tiny token budgets, caches that force
-    preemption, admission groups above and below max_num_seqs: nothing hangs, nothing is lost or cut short (a
+    preemption: nothing hangs, nothing is lost or cut short (a
     fuzz like this found a lost-siblings hang)."""
     problems = [p for seed in range(300) for a in (False, True) if (p := _random_run(seed, a))]
     assert problems == []

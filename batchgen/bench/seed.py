@@ -115,7 +115,6 @@ VARIANTS = {  # name -> EngineConfig overrides
     "compiled": dict(cuda_graphs=True, compile=True, async_pipeline=False),  # transformers' modules, torch.compiled
     "graphs_async": dict(cuda_graphs=True, async_pipeline=True),  # cuBLASLt GEMMs in the graphs (the default)
     "graphs_async_cublas": dict(cuda_graphs=True, async_pipeline=True, graph_blas_library="cublas"),
-    "graphs_async_auto": dict(cuda_graphs=True, async_pipeline=True, graph_blas_library="auto"),  # per bucket
     "compiled_async": dict(cuda_graphs=True, compile=True, async_pipeline=True),
     # FP8 checkpoints (--weights fp8): one block-scaled GEMM path at every batch size (engine.fp8_gemm)
     "graphs_async_fp8_blockwise": dict(cuda_graphs=True, async_pipeline=True, fp8_gemm="blockwise"),

@@ -23,6 +23,18 @@ MAX_JOB_FILE_BYTES = 4 << 20
 MAX_YAML_NODES = 1_000_000
 
 
+# Keys and values a job file could once hold, with what to do instead: refused as any unknown key or value is,
+# but the message says that it was removed rather than misspelt.
+REMOVED_KEYS = {
+    "engine.admission_group": "this option was removed (starting waiting prompts in groups gave no measured "
+                              "gain; they start as soon as a sequence slot frees): delete the line",
+}
+REMOVED_VALUES = {
+    ("engine.graph_blas_library", "auto"): "auto was removed (choosing the library per batch size at start-up "
+                                           "never beat cublaslt): use cublaslt (the default), cublas or null",
+}
+
+
 def _fields_at(loc: tuple) -> list[str]:
     model: Any = JobSpec
     for part in loc:
@@ -40,7 +52,12 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
     for e in err.errors():
         loc = tuple(p for p in e["loc"])
         key = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
+        removed = REMOVED_VALUES.get((key, e["input"])) if isinstance(e["input"], str) else None
+        if e["type"] == "extra_forbidden" and key in REMOVED_KEYS:
+            lines.append(f"unknown key '{key}': {REMOVED_KEYS[key]}")
+        elif removed is not None:
+            lines.append(f"'{key}' = {e['input']!r}: {removed}")
+        elif e["type"] == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else \

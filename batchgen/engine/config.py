@@ -59,9 +59,6 @@ class EngineConfig(BaseModel):
         Auto(MAX_AUTO_BATCHED_TOKENS), description=(
         "Tokens in one step at most (prompt chunks plus one a decoding sequence). auto: 16 a sequence, between "
         "8,192 and 16,384."))
-    admission_group: PositiveInt = Field(1, description=(
-        "Waiting prompts start only once this many sequence slots are free (or nothing runs, or fewer wait); 1: "
-        "as soon as a slot frees."))
     block_size: PositiveInt = Field(16, description="Tokens per K/V cache block.")
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(0.9, description=(
         "Share of the GPU's memory batchgen may use for weights, K/V cache and activations."))
@@ -84,9 +81,9 @@ class EngineConfig(BaseModel):
         "Run decode steps through torch.compile'd transformers' modules instead of a fused decoder; adds "
         "minutes of start-up."))
     # the measured choice: docs/guide/performance.md
-    graph_blas_library: Literal["auto", "cublas", "cublaslt"] | None = Field("cublaslt", description=(
-        "The BLAS library whose GEMMs the decode graphs capture; null: torch's default; auto: per batch size, "
-        "the faster at start-up. engine.deterministic takes cublaslt or null only."))
+    graph_blas_library: Literal["cublas", "cublaslt"] | None = Field("cublaslt", description=(
+        "The BLAS library whose GEMMs the decode graphs capture; null: torch's default. engine.deterministic "
+        "takes cublaslt or null only."))
     async_pipeline: bool | Literal["auto"] = Field("auto", alias="async", description=(
         "Prepare step N+1 on the host while the device runs step N. auto: on where the model is on CUDA."))
     tensor_parallel_size: PositiveInt = Field(1, description=(

@@ -104,8 +104,7 @@ class Engine:
             num_blocks = tp.agree_min(num_blocks)
         self.kv_cache = KVCache(geometry, num_blocks, config.block_size, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cap.max_num_seqs, cap.max_num_batched_tokens,
-                                   config.admission_group)
+        self.scheduler = Scheduler(self.block_manager, cap.max_num_seqs, cap.max_num_batched_tokens)
         self.async_pipeline = config.async_on(self.device.type)
         try:
             self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,

@@ -4,9 +4,7 @@ Policy (per step, within `max_num_batched_tokens` and `max_num_seqs`):
 1. running sequences, oldest first: a decode token, or the next chunk of an unfinished prefill;
    when blocks run out, the newest running sequence is preempted (blocks freed, recomputed later);
 2. then, if nothing was preempted, waiting sequences in FIFO order, each served from the prefix
-   cache as far as it goes, its prefill chunked to the remaining budget. With `admission_group` k > 1,
-   only once k slots are free (or nothing runs, or fewer than k wait): prompts then arrive k at a time,
-   in fewer and larger prefill steps, instead of one per freed slot.
+   cache as far as it goes, its prefill chunked to the remaining budget.
 Cost per step is O(running), never O(waiting): only the head of the queue is looked at.
 """
 
@@ -22,14 +20,12 @@ from batchgen.engine.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission_group: int = 1) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or admission_group < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and admission_group must be >= 1")
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.admission_group = admission_group
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self._done: list[Request] = []  # finished or failed since the last `take_finished`
@@ -98,7 +94,7 @@ class Scheduler:
                 self._emit(batch, reqs, req, num_new)
                 budget -= num_new
                 i += 1
-        if not batch.preempted_request_ids and self._admits():
+        if not batch.preempted_request_ids:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_pending:  # preempted with a token in flight: admit once it is known
@@ -126,12 +122,6 @@ class Scheduler:
         if batch:
             self._in_flight[id(batch)] = reqs
         return batch
-
-    def _admits(self) -> bool:
-        """Whether waiting sequences may start this step: always with admission_group 1; else once that many slots
-        are free, or nothing runs, or fewer wait (never a hold that no finishing sequence would end)."""
-        group = min(self.admission_group, self.max_num_seqs, len(self.waiting))
-        return not self.running or self.max_num_seqs - len(self.running) >= group
 
     def _emit(self, batch: ScheduledBatch, reqs: list[Request], req: Request, num_new: int) -> None:
         """Add `num_new` tokens of `req` to the batch. The GPU computes them in this step, so they count as

@@ -8,12 +8,9 @@ seq_lens (None inside graphs: the implementation uses a static bound or reads no
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from batchgen.attention.backend import AttentionMetadata
-from batchgen.quant.linear import Fp8Weight
 
 
 class DecodeForward:
@@ -48,17 +45,6 @@ class DecodeForward:
         """An eager step (the graphs call `forward` inside their own set-up)."""
         return self.forward(input_ids, positions, slot_mapping, block_tables, seq_lens, max_seq_len)
 
-    def gemm_weights(self) -> list[tuple[torch.Tensor, int]]:
-        """The weights [N, K] of a decode step's GEMMs, each with how many times a step multiplies it: one
-        layer's (once per layer) and the LM head's (once); the graphs time them to pick a BLAS back end.
-        Default: the 2-D tensors of the first of `self.layers` (fused decoders keep one record of weights per
-        layer, its MLP's inside) and `self.lm_head`'s weight."""
-        layers = getattr(self, "layers", None)
-        found = [(w, len(layers)) for w in _matrices(layers[0])] if layers else []
-        head = getattr(getattr(self, "lm_head", None), "weight", None)
-        plain_head = isinstance(head, torch.Tensor) and head.element_size() > 1  # an FP8 head is not BLAS's
-        return found + ([(head, 1)] if plain_head else [])
-
     def check(self, kv_cache) -> str | None:
         """Run one token through the forward (compiling its kernels): None when it works, else why not. The
         token lives in the cache's trash block (never a real sequence's), at position 0."""
@@ -74,17 +60,3 @@ class DecodeForward:
         except Exception as e:  # a kernel that does not build or run on this device: fall back, say why
             return f"the {self.name} decoder failed on {dev}: {type(e).__name__}: {str(e)[:200]}"
         return None
-
-
-def _matrices(record, depth: int = 2) -> list[torch.Tensor]:
-    """The 2-D tensors among a layer record's fields, and those of the dataclasses it holds (its MLP, norms). FP8
-    projections are left out: their GEMMs are our kernels or _scaled_mm, not the BLAS back end being chosen."""
-    out = []
-    for value in vars(record).values():
-        if isinstance(value, Fp8Weight):
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() == 2:
-            out.append(value)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth > 0:
-            out += _matrices(value, depth - 1)
-    return out

@@ -37,15 +37,6 @@ class TransformersDecode(DecodeForward):
                          **{METADATA_KWARG: meta})
         return out.logits[0]
 
-    def gemm_weights(self) -> list[tuple[torch.Tensor, int]]:
-        """The Linear weights of the first decoder layer (once per layer) and the output embedding (once)."""
-        inner = getattr(self.model, "model", None)
-        layers = getattr(inner, "layers", None)
-        found = [(m.weight, len(layers)) for m in layers[0].modules() if isinstance(m, torch.nn.Linear)] \
-            if layers else []
-        head = self.model.get_output_embeddings()
-        return found + ([(head.weight, 1)] if head is not None else [])
-
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         with paged_attention_enabled(self.model):
             return self.forward(*args, **kwargs)

@@ -7,17 +7,12 @@ Static inputs live here; `replay` copies a step's values into them. Captured reg
 forward (`models/registry.py` chose it: a fused decoder, or transformers' modules with Triton decode attention)
 and the greedy argmax (Triton, `kernels/sample/argmax.py`); other sampling runs after, eagerly, on the graph's logits.
 
-A graph records the GEMM kernels torch's BLAS back end chose at capture, and the better back end depends on
-the bucket: at decode's skinny shapes (M <= 64 rows) cuBLASLt reads the 8B model's o_proj weights at 4.4 TB/s
-where cuBLAS reaches 3.2 (and needs a split-K reduce kernel), while at M = 256 cuBLAS runs gate_up in 91 µs
-against cuBLASLt's 108 and the layer's four GEMMs 10 % faster (bench/profile_decode.py, bench/RESULTS.md). So
-`blas_library="auto"` (opt-in until an A/B on the job path shows it wins) times the decoder's own GEMMs (layer 0's, counted once per layer, and the LM head's once:
-`DecodeForward.gemm_weights`) under both back ends at each bucket's M before capturing it, and captures with
-the faster. Caveats: each weight is timed alone, so one that fits in L2 is timed hot; near a tie, timing noise
-can pick either back end, and their GEMMs round differently (bf16 outputs may differ between runs). The choice is
-process-global in torch, so it is set only around each capture and restored after; eager steps keep torch's
-default. engine.deterministic's GEMMs pin their own library around every call, captured or eager
-(kernels/invariant/fixed_row_gemm.py; engine/config.py refuses `auto` and a library other than theirs).
+A graph records the GEMM kernels torch's BLAS back end chose at capture: `blas_library` (engine.graph_blas_library,
+cuBLASLt by default: at decode's skinny shapes it reads the 8B model's o_proj weights at 4.4 TB/s where cuBLAS
+reaches 3.2; bench/profile_decode.py) for every bucket, None for torch's default. The choice is process-global in
+torch, so it is set only around each capture and restored after; eager steps keep torch's default.
+engine.deterministic's GEMMs pin their own library around every call, captured or eager
+(kernels/invariant/fixed_row_gemm.py; engine/config.py refuses a library other than theirs).
 """
 
 from __future__ import annotations
@@ -35,38 +30,6 @@ from batchgen.models.base import DecodeForward
 
 
 bucket_sizes = graph_buckets  # 1, 2, 4, 8, by 16 to 512, by 32 above, and the largest (engine/sizing.py)
-
-
-BLAS_LIBRARIES = ("cublaslt", "cublas")
-
-
-def fastest_blas(weights: list[tuple[torch.Tensor, int]], num_rows: int, margin: float = 0.03) -> str:
-    """The BLAS back end under which a decode step's GEMMs at `num_rows` rows run fastest: each weight [N, K]
-    is timed alone as CUDA-graph replays (no launch gaps) and counted as often as a step multiplies it (a
-    layer's weights once per layer, the LM head once), so the head's large GEMM does not decide for the
-    layers'. cuBLASLt unless cuBLAS wins by more than `margin`."""
-    dev = weights[0][0].device
-    inputs = {w.shape[1]: torch.randn(num_rows, w.shape[1], device=dev, dtype=w.dtype) for w, _ in weights}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    total_ms = {}
-    for library in BLAS_LIBRARIES:
-        total_ms[library] = 0.0
-        for w, count in weights:
-            x = inputs[w.shape[1]]
-            with preferred_blas(library):
-                torch.nn.functional.linear(x, w)  # warm-up outside capture: handles, workspaces, heuristics
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    torch.nn.functional.linear(x, w)
-            graph.replay()
-            start.record()
-            for _ in range(5):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            total_ms[library] += count * start.elapsed_time(end) / 5
-            del graph
-    return "cublas" if total_ms["cublas"] < (1 - margin) * total_ms["cublaslt"] else "cublaslt"
 
 
 class DecodeGraphs:
@@ -89,7 +52,6 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # [B, V] graph-owned output per bucket
         self._greedy: dict[int, torch.Tensor] = {}  # [B] int64 argmax per bucket
-        self.bucket_blas: dict[int, str | None] = {}  # the BLAS back end each bucket was captured with
         self.pool = None
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -114,13 +76,9 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        weights = self.decode_forward.gemm_weights() if self.blas_library == "auto" else []
         with torch.cuda.stream(stream), paged_attention_enabled(self.model):
             for b in sorted(self.buckets, reverse=True):  # largest first: later graphs fit in its pool
-                library = fastest_blas(weights, b) if weights else \
-                    (None if self.blas_library == "auto" else self.blas_library)
-                self.bucket_blas[b] = library
-                with preferred_blas(library):
+                with preferred_blas(self.blas_library):
                     greedy(forward(b))  # warm-up run: compilation, Triton JIT, cuBLAS handles, lazy init
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
