@@ -14,6 +14,7 @@ import torch
 import batchgen
 from batchgen import __version__
 from batchgen.errors import JobError
+from batchgen.job.rows import completion_rows, prepare_row
 from batchgen.job.feed import WAIT, StaticFeed
 from batchgen.job.result import RunResult
 from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
@@ -28,7 +29,6 @@ from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
 from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
-from batchgen.seeding import derive_seed
 from batchgen.sources import open_source
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
@@ -344,31 +344,17 @@ class JobLoop:
             self._reject(key, row.position, "malformed_row", row.error or "unreadable row")
             return
         try:
-            text = self.renderer.render(row.columns)
-            ids = self.renderer.tokenize(text)
+            p = prepare_row(row.columns, key, self.renderer, self.schema, self.row_sampling, self.source.typed)
         except RowError as e:
             self._reject(key, row.position, e.error_class, str(e))
             return
-        kept = {c: row.columns.get(c) for c in self.schema.kept}
-        if not self.source.typed:
-            try:
-                kept = self.schema.coerce(kept)
-            except RowError as e:
-                self._reject(key, row.position, e.error_class, str(e))
-                return
         try:
-            params = self.row_sampling.params_for(row.columns)
-        except RowError as e:
-            self._reject(key, row.position, e.error_class, str(e))
-            return
-        seeds = [derive_seed(params.seed, key, i) for i in range(params.n)]
-        try:
-            rid = self._engine().add_request(ids, params, sample_seeds=seeds)
+            rid = self._engine().add_request(p.token_ids, p.params, sample_seeds=p.seeds)
         except ValueError as e:  # a row's own thinking_budget without usable think markers, or logit_bias ids
             self._reject(key, row.position, "bad_sampling", str(e))
             return
-        pending[rid] = (key, row.position, kept, text, len(ids), params)
-        self.meter.totals.prompt_tokens += len(ids)
+        pending[rid] = (key, row.position, p.kept, p.text, len(p.token_ids), p.params)
+        self.meter.totals.prompt_tokens += len(p.token_ids)
 
     def _reject_held_engine_errors(self) -> None:
         for key, position, message in self.held_engine_errors:
@@ -399,23 +385,10 @@ class JobLoop:
                                    f"not the rows': none of them is recorded")
             return
         self._reject_held_engine_errors()  # a row generated: the engine works, those were the rows' own faults
-        key_name = self.schema.key_field.name
-        out_rows = []
+        out_rows = completion_rows(self.spec, self.schema.key_field.name, self.tokenizer, self.reasoning, key, kept,
+                                   prompt, num_prompt, params, result)
         t = self.meter.totals
         for s in result.samples:
-            r = {key_name: key, "sample_idx": s.sample_idx, **kept}
-            if self.spec.output.keep_prompt:
-                r["prompt"] = prompt
-            r["completion"] = s.text
-            if self.reasoning is not None:
-                r.update(gen.split_text(self.tokenizer, self.reasoning, result.prompt_token_ids, s, params.stop,
-                                        params.stop_token_ids))
-            if self.spec.output.keep_token_ids:
-                r["completion_token_ids"] = list(s.token_ids)
-            r.update(finish_reason=s.finish_reason, num_prompt_tokens=num_prompt,
-                     num_completion_tokens=len(s.token_ids), num_cached_tokens=s.num_cached_tokens, seed=s.seed)
-            r.update(gen.logprob_values(self.spec, result, s))
-            out_rows.append(r)
             t.generated_tokens += len(s.token_ids)
             t.cached_tokens += s.num_cached_tokens
             t.finish_reasons[s.finish_reason] = t.finish_reasons.get(s.finish_reason, 0) + 1
