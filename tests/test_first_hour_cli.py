@@ -1,6 +1,6 @@
-"""Issue 17, a new user's first hour: `--version`; `validate` refuses what `run` would refuse (keep_columns,
-duplicate or null keys, a fingerprint change) and prints resolved paths; the `output:` section is optional;
-a failed start leaves no lock-only folder behind; every worker of a small job gets rows, and one without
+"""A new user's first hour: `--version`; `validate` refuses what `run` would refuse (keep_columns, duplicate or
+null keys, a fingerprint change), prints resolved paths and counts a JSONL source's rows; the `output:` section is
+optional; a failed start leaves no lock-only folder behind; every worker of a small job gets rows, and one without
 rows says why."""
 
 from __future__ import annotations
@@ -175,3 +175,19 @@ def test_a_worker_without_rows_says_why_and_exits_zero_with_a_report(tmp_path, t
                   "--set", "source.worker_unit_rows=1024")
     assert result.exit_code == 0, result.output
     assert "dealt in units of source.worker_unit_rows = 1024 and none fell to it" in result.output
+
+
+def test_validate_counts_the_jsonl_rows_it_renders(tmp_path, tiny_model_dir):
+    result = _cli("validate", _job(tmp_path, tiny_model_dir, rows=7))
+    assert result.exit_code == 0, result.output
+    assert "JSONL file(s)" in result.output and "; 7 rows; columns:" in result.output
+    assert "unknown number of" not in result.output
+
+
+def test_validate_counts_a_jsonl_source_longer_than_its_sample_by_the_key_scan(tmp_path, tiny_model_dir):
+    from batchgen.job.validate import audit
+
+    spec = load_spec(_job(tmp_path, tiny_model_dir, rows=9))
+    assert "; 9 rows; columns:" in audit(spec, sample_rows=4)  # the key scan reads every row
+    no_key = spec.model_copy(update={"source": spec.source.model_copy(update={"key_column": None})})
+    assert "; more than 4 rows (the first 4 rendered); columns:" in audit(no_key, sample_rows=4)

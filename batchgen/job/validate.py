@@ -44,9 +44,8 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     source = open_source(spec.source)
     schema = OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run
     row_sampling = RowSampling(spec, source.columns)  # source.sampling_column, sampling.response_format_column
-    expected = source.expected_rows
-    lines.append(f"source: {source.description}; {expected if expected is not None else 'unknown number of'} rows; "
-                 f"columns: {', '.join(source.columns)}")
+    source_line = len(lines)  # its row count is known only once the rows are read (JSONL: counted below)
+    lines.append("")
     tokenizer, config = tokenizer_and_config(spec)
     from batchgen.quant.loader import check_fp8_checkpoint
 
@@ -63,9 +62,12 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  f"vocab {text.vocab_size}")
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)
     lengths, rejects, shown = [], {}, []
+    num_read, read_all = 0, True
     for i, row in enumerate(source):
         if i >= sample_rows:
+            read_all = False
             break
+        num_read += 1
         if row.columns is None:
             rejects["malformed_row"] = rejects.get("malformed_row", 0) + 1
             continue
@@ -103,7 +105,13 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  + (f", response_format_column={spec.sampling.response_format_column!r}"
                     if spec.sampling.response_format_column else ""))
     lines.append(_check_resume(spec, tokenizer, config))
-    lines.append(_check_keys(spec, source, schema))
+    keys_line, num_scanned = _check_keys(spec, source, schema)
+    lines.append(keys_line)
+    num_rows = source.expected_rows if source.expected_rows is not None else \
+        num_read if read_all else num_scanned
+    count = f"{num_rows:,} rows" if num_rows is not None else \
+        f"more than {sample_rows:,} rows (the first {sample_rows:,} rendered)"
+    lines[source_line] = f"source: {source.description}; {count}; columns: {', '.join(source.columns)}"
     return "\n".join(lines)
 
 
@@ -137,15 +145,16 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     return f"output: {out_dir} holds an earlier run of this job; a run resumes it"
 
 
-def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> str:
+def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[str, int | None]:
     """A full scan of the source's keys: the first null or duplicate key, or (JSONL: types inferred) a key that
-    does not fit the key column's type, is an error, as in run (job/loop.py _key)."""
+    does not fit the key column's type, is an error, as in run (job/loop.py _key). Returns the report's line and
+    the rows scanned (None without a key column: nothing scanned)."""
     from batchgen.job.loop import unique_key
     from batchgen.output.schema import fits
 
     key_column = spec.source.key_column
     if key_column is None:
-        return "keys: rows are keyed by their position (no source.key_column)"
+        return "keys: rows are keyed by their position (no source.key_column)", None
     first_seen = KeySet()
     num_rows = 0
     for row in source:
@@ -156,4 +165,4 @@ def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> str:
         if not source.typed and not fits(key, schema.key_field.type):
             raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
                            f"rows hold {schema.key_field.type} keys; keys must all be strings or all integers")
-    return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null"
+    return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null", num_rows
