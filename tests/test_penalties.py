@@ -14,9 +14,9 @@ from conftest import make_model, random_prompts
 
 
 def _row(history, num_prompt, slot, repetition=1.0, presence=0.0, frequency=0.0, bias=()):
-    return SeqSampling(temperature=0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=repetition, seed=0,
-                       suppressed_token_ids=(), presence_penalty=presence, frequency_penalty=frequency,
-                       logit_bias=tuple(bias), penalty_slot=slot, penalty_history=history, penalty_num_prompt=num_prompt)
+    params = SamplingParams(temperature=0, repetition_penalty=repetition, presence_penalty=presence,
+                            frequency_penalty=frequency, logit_bias=tuple(bias))
+    return SeqSampling(params, seed=0, penalty_slot=slot, penalty_history=history, penalty_num_prompt=num_prompt)
 
 
 def _expected(logits, history, num_prompt, repetition=1.0, presence=0.0, frequency=0.0, bias=()):

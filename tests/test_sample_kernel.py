@@ -15,15 +15,15 @@ from batchgen.engine.batch import SeqSampling
 from batchgen.kernels.sample.draw import sample_rows
 from batchgen.sample.sampler import sample_ref
 from batchgen.sample.tensors import SamplingTensors
+from batchgen.sampling_params import SamplingParams
 
 g = torch.Generator().manual_seed(0)
 V, S = 3000, 16
 settings = [  # temperature, top_k, top_p, min_p
     (0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.0), (0.5, 0, 0.9, 0.0), (1.3, 7, 0.8, 0.05),
     (0.9, 200, 0.5, 0.1), (0.8, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0), (2.0, 0, 0.99, 0.0), (0.6, 0, 1.0, 0.3)]
-rows = [SeqSampling(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=1.0, seed=1000 + i,
-                    suppressed_token_ids=()) for i, (t, k, p, m) in enumerate(settings[i % len(settings)]
-                                                                           for i in range(S))]
+rows = [SeqSampling(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m), seed=1000 + i)
+        for i, (t, k, p, m) in enumerate(settings[i % len(settings)] for i in range(S))]
 for dtype in (torch.float32, torch.bfloat16):
     logits = (torch.randn(S, V, generator=g) * 3).to(dtype)
     logits[0, 5] = logits[0, 2999] = logits[0].max() + 1  # a greedy tie: the first index wins
@@ -93,11 +93,12 @@ def test_triton_sampler_on_gpu_agrees_with_the_reference_and_its_distribution():
     from batchgen.kernels.sample.draw import sample_rows
     from batchgen.sample.sampler import sample_ref
     from batchgen.sample.tensors import SamplingTensors
+    from batchgen.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     S, V = 256, 49152
-    rows = [SeqSampling(temperature=(0.0, 0.7, 1.0)[i % 3], top_k=(0, 0, 40)[i % 3], top_p=(1.0, 0.9, 0.95)[i % 3],
-                        min_p=0.0, repetition_penalty=1.0, seed=i, suppressed_token_ids=()) for i in range(S)]
+    rows = [SeqSampling(SamplingParams(temperature=(0.0, 0.7, 1.0)[i % 3], top_k=(0, 0, 40)[i % 3],
+                                       top_p=(1.0, 0.9, 0.95)[i % 3]), seed=i) for i in range(S)]
     logits = (torch.randn(S, V, generator=g) * 4).to("cuda", torch.bfloat16)
     st = SamplingTensors.build(rows, [64] * S, V, torch.device("cuda"))
     ref = sample_ref(logits, st)

@@ -10,11 +10,13 @@ from batchgen.engine.batch import SeqSampling
 from batchgen.sample.noise import uniform_noise
 from batchgen.sample.penalty import PenaltyTable
 from batchgen.sample.sampler import SamplingTensors, apply_penalties, sample
+from batchgen.sampling_params import SamplingParams
 
 
 def _row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0, suppress=(), history=None, slot=-1):
-    return SeqSampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty,
-                       seed=seed, suppressed_token_ids=tuple(suppress), penalty_slot=slot, penalty_history=history)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty)
+    return SeqSampling(params, seed=seed, suppressed_token_ids=tuple(suppress), penalty_slot=slot,
+                       penalty_history=history)
 
 
 def _sample(logits, rows, positions=None):

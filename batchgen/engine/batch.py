@@ -14,25 +14,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from batchgen.sampling_params import needs_penalty_table
+from batchgen.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class SeqSampling:
-    """Per-sequence sampling inputs for the step (only for sequences with `sample=True`)."""
+    """A sampling row of the step (only sequences with `sample=True` have one): the sequence's SamplingParams,
+    from which sample/tensors.py derives the sampler's per-row inputs, and the sequence's own state at this
+    step. A new sampling option is a field of SamplingParams: nothing here copies them."""
 
-    temperature: float  # 0 -> greedy
-    top_k: int  # 0 -> off
-    top_p: float  # 1.0 -> off
-    min_p: float  # 0.0 -> off
-    repetition_penalty: float  # 1.0 -> off
-    seed: int  # noise is a function of (seed, position of the sampled token, vocab id) only
-    suppressed_token_ids: tuple[int, ...]  # EOS / stop ids before min_new_tokens
-    # OpenAI penalties and logit bias (see SamplingParams)
-    presence_penalty: float = 0.0  # 0.0 -> off
-    frequency_penalty: float = 0.0  # 0.0 -> off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits first
-    # any of the three penalties on: the sequence's row of the runner's PenaltyTable (sample/penalty.py), and, on
+    params: SamplingParams
+    seed: int  # this sample's seed (not params.seed): noise is a function of (seed, position, vocab id) only
+    suppressed_token_ids: tuple[int, ...] = ()  # EOS / stop ids before min_new_tokens
+    # params.uses_penalty_table: the sequence's row of the runner's PenaltyTable (sample/penalty.py), and, on
     # the first step that samples after the slot was assigned, its whole history (prompt + output, all known then:
     # a sequence is admitted only with no token in flight) to initialise that row, the first
     # `penalty_num_prompt` of them its prompt's; None on later steps, whose sampled tokens the runner counts
@@ -40,17 +34,17 @@ class SeqSampling:
     penalty_slot: int = -1
     penalty_history: Sequence[int] | np.ndarray | None = field(default=None, compare=False)
     penalty_num_prompt: int = 0
-
-    @property
-    def uses_penalty_table(self) -> bool:
-        return needs_penalty_table(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-    # logprobs / reasoning
-    logprobs: int = -1  # K >= 0: return the sampled token's log-prob and the top K (raw logits); -1: none
-    forced_token_id: int = -1  # >= 0: this token is the step's output whatever the sampler draws (thinking budget)
+    # reasoning: >= 0: this token is the step's output whatever the sampler draws (thinking budget)
+    forced_token_id: int = -1
     # structured output: the row's grammar state (sample/grammar.py GrammarState), or None. Its
     # bitmask for this step is filled by the engine only once the previous step's token is known (with the
     # async pipeline: after this step's forward is dispatched), then handed to the runner for the sampling.
     grammar: object | None = field(default=None, compare=False)
+    # params.logprobs as an int read every step: K >= 0: the sampled token's log-prob and the top K; -1: none
+    logprobs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logprobs", -1 if self.params.logprobs is None else self.params.logprobs)
 
 
 class SeqSchedule(NamedTuple):

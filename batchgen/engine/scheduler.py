@@ -128,44 +128,15 @@ class Scheduler:
         computed from now on; a sampled token counts as pending until `update` brings its id."""
         start = req.num_computed_tokens
         end = start + num_new
-        samples = end == req.num_tokens + req.num_pending and req.params.max_new_tokens > 0
         inputs = tuple(req.token_ids[start:end])
         carry_from = None
         if end > req.num_tokens:  # the last input is the token the in-flight step samples
             assert req.num_pending == 1 and end == req.num_tokens + 1, "pipeline deeper than one step"
             inputs, carry_from = inputs + (0,), req.pending_row
+        lp_offset, lp_targets = self._prompt_logprob_span(req, start, end) if req.scores_prompt else (0, ())
         sampling = None
-        lp_offset, lp_targets = 0, ()
-        if req.scores_prompt:  # positions [lo, hi) score prompt tokens lo+1 .. hi; P - 1 samples, scores none
-            lo, hi = max(start, req.num_scored_prompt_positions), min(end, req.num_prompt_tokens - 1)
-            if hi > lo:
-                lp_offset, lp_targets = lo - start, tuple(req.prompt_token_ids[lo + 1:hi + 1])
-                req.num_scored_prompt_positions = hi
-        if samples:
-            p = req.params
-            suppressed = req.suppressed_token_ids()
-            forced = req.thinking.forced_token() if req.thinking is not None else -1
-            assert forced < 0 or req.num_pending == 0, "a forced token must follow a known one"
-            cached = req.last_sampling
-            first_penalised = req.penalty_slot >= 0 and not req.penalty_history_sent
-            if (cached is not None and not first_penalised and cached.penalty_history is None
-                    and cached.penalty_slot == req.penalty_slot and cached.suppressed_token_ids == suppressed
-                    and cached.forced_token_id == forced):
-                sampling = cached  # unchanged since the last step (immutable, so sharing it is safe)
-            else:
-                sampling = req.last_sampling = SeqSampling(
-                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                    repetition_penalty=p.repetition_penalty, seed=req.seed, suppressed_token_ids=suppressed,
-                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                    logit_bias=p.logit_bias, penalty_slot=req.penalty_slot, penalty_num_prompt=req.num_prompt_tokens,
-                    # the slot's first sampling step: every token is known (no carry-over right after admission)
-                    penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
-                    logprobs=-1 if p.logprobs is None else p.logprobs, forced_token_id=forced,
-                    grammar=req.grammar,  # structured output (fixed for the request's life)
-                )
-                if first_penalised:
-                    assert carry_from is None, "a penalty history with a token in flight"
-                    req.penalty_history_sent = True
+        if end == req.num_tokens + req.num_pending and req.params.max_new_tokens > 0:
+            sampling = self._sampling_row(req, carry_from)
             req.pending_row = batch.num_samples
             batch.num_samples += 1
             req.num_pending += 1
@@ -176,14 +147,13 @@ class Scheduler:
         ))
         if lp_targets or (sampling is not None and sampling.logprobs >= 0):
             batch.num_logprob_seqs += 1
-        if sampling is not None and sampling.forced_token_id >= 0:
-            batch.num_forced += 1
-        if sampling is not None and sampling.grammar is not None:  # structured output
-            batch.num_constrained += 1
-        if samples and num_new == 1:
+        if sampling is not None and num_new == 1:
             batch.num_decode_tokens += 1
         else:
             batch.num_prefill_tokens += num_new
+        if sampling is not None:
+            batch.num_forced += sampling.forced_token_id >= 0
+            batch.num_constrained += sampling.grammar is not None  # structured output
         req.num_computed_tokens = end
         # Full blocks of known tokens become findable now, so a later request in this same step can share
         # them: every layer writes the step's new K/V before any sequence attends, and later steps run after.
@@ -192,6 +162,42 @@ class Scheduler:
         if known // self.block_manager.block_size > len(req.block_keys):
             self.block_manager.register_full_blocks(req.token_ids, req.block_table, req.block_keys, known)
         reqs.append(req)
+
+    @staticmethod
+    def _prompt_logprob_span(req: Request, start: int, end: int) -> tuple[int, tuple[int, ...]]:
+        """(offset into this step's inputs, prompt tokens they score) of a request scoring its prompt; (0, ()) when
+        none. Positions [lo, hi) score prompt tokens lo+1 .. hi; position P - 1 samples and scores none."""
+        lo, hi = max(start, req.num_scored_prompt_positions), min(end, req.num_prompt_tokens - 1)
+        if hi <= lo:
+            return 0, ()
+        req.num_scored_prompt_positions = hi
+        return lo - start, tuple(req.prompt_token_ids[lo + 1:hi + 1])
+
+    @staticmethod
+    def _sampling_row(req: Request, carry_from: int | None) -> SeqSampling:
+        """The request's sampling row for this step: its last one while the sequence's state is unchanged (it is
+        immutable, so sharing it is safe), else a new one."""
+        suppressed = req.suppressed_token_ids()
+        forced = req.thinking.forced_token() if req.thinking is not None else -1
+        assert forced < 0 or req.num_pending == 0, "a forced token must follow a known one"
+        cached = req.last_sampling
+        first_penalised = req.penalty_slot >= 0 and not req.penalty_history_sent
+        if (cached is not None and not first_penalised and cached.penalty_history is None
+                and cached.penalty_slot == req.penalty_slot and cached.suppressed_token_ids == suppressed
+                and cached.forced_token_id == forced):
+            return cached
+        req.last_sampling = SeqSampling(
+            params=req.params, seed=req.seed, suppressed_token_ids=suppressed, penalty_slot=req.penalty_slot,
+            penalty_num_prompt=req.num_prompt_tokens,
+            # the slot's first sampling step: every token is known (no carry-over right after admission)
+            penalty_history=np.array(req.token_ids, dtype=np.int64) if first_penalised else None,
+            forced_token_id=forced,
+            grammar=req.grammar,  # structured output (fixed for the request's life)
+        )
+        if first_penalised:
+            assert carry_from is None, "a penalty history with a token in flight"
+            req.penalty_history_sent = True
+        return req.last_sampling
 
     def _release_penalty_slot(self, req: Request) -> None:
         """The slot's row is reinitialised by its next owner's first step, queued after this one's marks."""

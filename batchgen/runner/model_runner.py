@@ -129,11 +129,11 @@ class ModelRunner:
     def _sampling(self, batch: ScheduledBatch) -> SamplingTensors | None:
         """The sampler's device inputs, or None when every sampling row is plain greedy (argmax is enough,
         and nothing needs copying)."""
-        rows = [(s.sampling, s.seq_len) for s in batch.seqs if s.sampling is not None]
-        if all(r.temperature == 0 and not r.uses_penalty_table and not r.suppressed_token_ids and not r.logit_bias
-               and r.grammar is None for r, _ in rows):
+        rows = [s.sampling for s in batch.seqs if s.sampling is not None]
+        if not SamplingTensors.needed(rows):
             return None
-        return SamplingTensors.build([r for r, _ in rows], [p for _, p in rows], self.vocab_size, self.device,
+        positions = [s.seq_len for s in batch.seqs if s.sampling is not None]
+        return SamplingTensors.build(rows, positions, self.vocab_size, self.device,
                                      to_device=self.staging.to_device, penalty_table=self.penalties)
 
     def _carry_rows(self, batch: ScheduledBatch, last_index: np.ndarray) -> list[np.ndarray]:
