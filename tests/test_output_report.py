@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datasets
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -29,7 +28,11 @@ def test_a_run_leaves_a_dataset_card_that_datasets_loads_with_the_completions_on
     card = (out / "README.md").read_text()
     front = yaml.safe_load(card.split("---")[1])
     assert front["configs"][0]["data_files"] == [{"split": "train", "path": "data/*.parquet"}]
-    ds = datasets.load_dataset(str(out), split="train")  # the card's configs: data/, not rejects/
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert f'load_dataset("{out.resolve()}", split="train")' in snippet  # the real directory, not a placeholder
+    scope: dict = {}
+    exec(snippet, scope)  # the card's own snippet loads the data (its configs: data/, not rejects/)
+    ds = scope["ds"]
     assert ds.num_rows == len(read_rows(out)) == 22 and "completion" in ds.column_names
     assert "from 12 input rows (1 rejected" in card and "| null_value | 1 |" in card
     assert "| completion tokens |" in card and "## Job" in card and "temperature" in card

@@ -103,8 +103,9 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def render(stats: dict[str, Any], name: str) -> str:
-    """The card's text: YAML front matter, then the body."""
+def render(stats: dict[str, Any], name: str, out_dir: Path) -> str:
+    """The card's text: YAML front matter, then the body. Its load snippet names `out_dir` as an absolute path
+    (`batchgen report OUT` writes it again after a move)."""
     front = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/*.parquet"}]}],
         "size_categories": [_size_category(stats["num_rows"])],
@@ -118,7 +119,8 @@ def render(stats: dict[str, Any], name: str) -> str:
              f"`{model_name}`: {stats['num_rows']:,} rows in {stats['num_data_files']} Parquet files under "
              f"`data/` (one row per input row and sample), from {stats['num_input_rows']:,} input rows "
              f"({sum(stats['rejects'].values()):,} rejected, under `rejects/`).", "",
-             "```python", "import datasets", f'ds = datasets.load_dataset("path/to/{name}", split="train")',
+             "```python", "import datasets",
+             f'ds = datasets.load_dataset({json.dumps(str(Path(out_dir).resolve()))}, split="train")',
              "```", "", "## Columns", "", _table(("column", "type"), stats["columns"]), ""]
     length_rows = [(k, *(v.get(s, "") for s in ("mean", "p5", "p50", "p95", "max")))
                    for k, v in (("prompt tokens", stats["prompt_tokens"]),
@@ -154,7 +156,7 @@ def write_card(out_dir: Path, stats: dict[str, Any] | None = None, name: str | N
     if path.exists() and MARKER not in path.read_text(errors="replace"):
         return None
     stats = stats if stats is not None else collect(out_dir)
-    text = render(stats, name or stats["job"].get("name") or out_dir.name)
+    text = render(stats, name or stats["job"].get("name") or out_dir.name, out_dir)
     tmp = path.with_name(f".{CARD_FILE}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
