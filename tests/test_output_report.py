@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -52,6 +54,23 @@ def test_a_run_leaves_throughput_and_length_plots_and_a_page_that_shows_them(tmp
     assert not list(out.rglob("*.tmp*"))  # every file written whole under a temporary name, then renamed
 
 
+def test_the_report_page_shows_the_job_settings_and_sample_rows_escaped(tmp_path, tiny_model_dir):
+    rows = seed_rows(4) + [{"id": "row-html", "topic": "<script>alert(1)</script> & co", "level": 2}]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"temperature": 0.5, "max_new_tokens": 6}, output={"keep_prompt": True})
+    result = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "out" / "reports" / "index.html").read_text()
+    assert "<h2>Job settings</h2>" in page and "<th>sampling.temperature</th><td>0.5</td>" in page
+    assert f"<th>model.path</th><td>{tiny_model_dir}</td>" in page and "job.resolved.yaml" in page
+    assert "Sample rows" in page and "<th>completion</th>" in page and "<th>finish_reason</th>" in page
+    shown = read_rows(tmp_path / "out")[0]
+    assert html.escape(shown["completion"]) in page
+    assert "<script>" not in page  # the row's markup, in its topic and its rendered prompt, is escaped
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
+
+
 def test_report_key_off_writes_no_card_and_the_report_command_writes_it_later(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir, output={"report": False})
     assert not (out / "README.md").exists() and not (out / "reports" / "index.html").exists()
@@ -88,3 +107,42 @@ def test_fresh_removes_batchgens_card_but_never_a_users_readme(tmp_path, tiny_mo
     (out / "README.md").write_text("mine\n")
     assert runner.invoke(app, ["run", str(job), "--no-progress", "--fresh"]).exit_code == 0
     assert (out / "README.md").read_text() == "mine\n"
+
+
+def _log(times, counts, finished=None):
+    return [{"time": 1000.0 + t, "elapsed_s": t, "num_generated_tokens": c,
+             "generated_tokens": (finished or counts)[i]} for i, (t, c) in enumerate(zip(times, counts))]
+
+
+def test_throughput_rates_take_a_short_last_interval_into_the_window_before_it():
+    """Records every 5 s at 100 tok/s, then the run's final record 0.4 s later: alone, its 400 tokens would read
+    1,000 tok/s and flatten the curve; joined to the window before it, the last window reads 900 / 5.4 s."""
+    from batchgen.output.plots import window_rates
+
+    times = [5.0 * i for i in range(1, 11)] + [50.4]
+    counts = [500 * i for i in range(1, 11)] + [5400]
+    windows = window_rates(_log(times, counts))
+    assert [round(v, 3) for *_, v in windows[:-1]] == [100.0] * 8
+    assert windows[-1][:2] == (1045.0, 1050.4) and windows[-1][2] == pytest.approx(900 / 5.4)
+    assert all(end - start >= 5.0 for start, end, _ in windows)
+
+
+def test_throughput_rates_count_tokens_as_generated_not_as_rows_finish():
+    """The finished rows' count jumps when rows end; the engine's count of generated tokens does not."""
+    from batchgen.output.plots import window_rates
+
+    times = [5.0 * i for i in range(1, 7)]
+    finished = [0, 0, 0, 0, 0, 3000]  # every row finished in the last interval
+    windows = window_rates(_log(times, [500 * i for i in range(1, 7)], finished))
+    assert {round(v, 3) for *_, v in windows} == {100.0}
+    older = [{k: v for k, v in r.items() if k != "num_generated_tokens"} for r in _log(times, finished)]
+    assert window_rates(older)[-1][2] == 600.0  # a log without the engine's count still plots the rows' one
+
+
+def test_a_long_runs_rate_is_drawn_over_at_most_about_sixty_windows_and_one_record_gets_one():
+    from batchgen.output.plots import MAX_WINDOWS, window_rates
+
+    times = [5.0 * i for i in range(1, 2001)]
+    windows = window_rates(_log(times, [500 * i for i in range(1, 2001)]))
+    assert len(windows) <= MAX_WINDOWS + 1 and {round(v, 3) for *_, v in windows} == {100.0}
+    assert window_rates(_log([8.0], [400])) == [(1000.0, 1008.0, 50.0)]

@@ -1,7 +1,9 @@
 """Plots of a job's output (PNG, headless: matplotlib's Figure API, no pyplot state, no display).
 
 - throughput: generated tok/s over time (one line per worker; each run of a worker is its own segment), the
-  running and waiting sequences, and the KV cache's use, from `logs/throughput-wNNNNN.jsonl`;
+  running and waiting sequences, and the KV cache's use, from `logs/throughput-wNNNNN.jsonl`. Rates are computed
+  over windows of the log's cumulative token count (window_rates), so a run's last, short interval (the final
+  record, forced when the run ends) does not stand alone as a spike that flattens the rest of the curve;
 - lengths: histograms of completion and prompt lengths in tokens, from the committed data shards.
 """
 
@@ -55,14 +57,47 @@ def log_notes(out_dir: Path) -> list[str]:
     return notes
 
 
+# The engine's count of tokens as they are generated (every step's); older logs only have the finished rows'
+# count, which moves in jumps when rows finish.
+RATE_COUNTS = ("num_generated_tokens", "generated_tokens")
+MAX_WINDOWS = 60  # a long run's rate is drawn over at most about this many windows
+
+
+def window_rates(records: list[dict]) -> list[tuple[float, float, float]]:
+    """(start, end, generated tok/s) over consecutive windows of one run's records (`time` in seconds): each window
+    spans at least the records' median interval and 1/MAX_WINDOWS of the run, and a short remainder at the end
+    joins the window before it. A run of a single record gets one window from its start (`elapsed_s` before)."""
+    key = next((k for k in RATE_COUNTS if any(k in r for r in records)), None)
+    if key is None or not records:
+        return []
+    points = [(float(r["time"]), float(r.get(key, 0))) for r in records]
+    if len(points) == 1:
+        t, count = points[0]
+        start = t - float(records[0]["elapsed_s"])
+        return [(start, t, count / (t - start))] if t > start else []
+    gaps = sorted(b[0] - a[0] for a, b in zip(points, points[1:]))
+    min_window = max(gaps[len(gaps) // 2], (points[-1][0] - points[0][0]) / MAX_WINDOWS, 1e-9)
+    edges = [0]
+    for i in range(1, len(points)):
+        if points[i][0] - points[edges[-1]][0] >= min_window:
+            edges.append(i)
+    if edges[-1] != len(points) - 1:  # a remainder shorter than a window: the last window takes it
+        if len(edges) > 1:
+            edges[-1] = len(points) - 1
+        else:
+            edges.append(len(points) - 1)
+    return [(points[a][0], points[b][0], (points[b][1] - points[a][1]) / max(points[b][0] - points[a][0], 1e-9))
+            for a, b in zip(edges, edges[1:])]
+
+
 def throughput_png(out_dir: Path, path: Path) -> Path | None:
-    """Three stacked panels against wall-clock time since the first record; None without any log."""
+    """Three stacked panels against wall-clock time since the first run started; None without any log."""
     from matplotlib.figure import Figure
 
     logs = _records(out_dir)
     if not logs:
         return None
-    t0 = min(r["time"] for records in logs.values() for r in records)
+    t0 = min(r["time"] - r["elapsed_s"] for records in logs.values() for r in records)  # the first run's start
     span_s = max(r["time"] for records in logs.values() for r in records) - t0
     unit, per = ("hours", 3600) if span_s > 3 * 3600 else ("minutes", 60) if span_s > 300 else ("seconds", 1)
     fig = Figure(figsize=(9, 7), layout="constrained")
@@ -73,18 +108,30 @@ def throughput_png(out_dir: Path, path: Path) -> Path | None:
         records = [g for prev, r in zip([None] + records[:-1], records)
                    for g in ([None] if prev is not None and r["elapsed_s"] < prev["elapsed_s"] else []) + [r]]
         t = [float("nan") if r is None else (r["time"] - t0) / per for r in records]
+        runs: list[list[dict]] = [[]]
+        for r in records:
+            if r is None:
+                runs.append([])
+            else:
+                runs[-1].append(r)
         records = [r or {} for r in records]
         nan = float("nan")
-        rate.plot(t, [r.get("gen_tok_s_window", nan) for r in records], label=worker, **style)
+        rate_t, rate_v = [], []  # steps: each window's rate from its start to its end, a gap between runs
+        for run in runs:
+            windows = window_rates(run)
+            if windows:
+                rate_t += [(s - t0) / per for s, _, _ in windows] + [(windows[-1][1] - t0) / per, nan]
+                rate_v += [v for _, _, v in windows] + [windows[-1][2], nan]
+        rate.plot(rate_t, rate_v, drawstyle="steps-post", label=worker)
         seqs.plot(t, [r.get("num_running", nan) for r in records], label=f"{worker} running", **style)
         seqs.plot(t, [r.get("num_waiting", nan) for r in records], linestyle="--", label=f"{worker} waiting",
                   **style)
         kv.plot(t, [100 * r.get("kv_cache_usage", nan) for r in records], label=worker, **style)
     rate.set_ylabel("generated tok/s")
-    rate.set_title("Throughput (window of each log record)")
+    rate.set_title("Throughput (generated tokens over windows of the run)")
     seqs.set_ylabel("sequences")
     kv.set_ylabel("KV cache used (%)")
-    kv.set_xlabel(f"{unit} since the first record")
+    kv.set_xlabel(f"{unit} since the first run started")
     for ax in (rate, seqs, kv):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")

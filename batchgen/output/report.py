@@ -1,23 +1,29 @@
 """`batchgen report OUT` (and the end of every run): the dataset card, the plots and a page that shows them.
 
 Writes `OUT/README.md` (output/card.py), `OUT/reports/throughput.png` and `OUT/reports/lengths.png`
-(output/plots.py) and `OUT/reports/index.html`: the plots with the card's figures, readable offline in any
-browser. Each file is written whole under a temporary name and renamed, so workers finishing together leave
-complete files.
+(output/plots.py) and `OUT/reports/index.html`: the card's figures, the job's settings, a few sample rows and the
+plots, readable offline in any browser. Every text from the data or the job file is HTML-escaped (a completion
+may hold markup). Each file is written whole under a temporary name and renamed, so workers finishing together
+leave complete files.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
 
 from batchgen.errors import JobError
 from batchgen.output.card import CARD_FILE, collect, write_card
 from batchgen.output.damage import what_to_do
+from batchgen.output.manifest import committed_shards
 from batchgen.output.plots import lengths_png, log_notes, throughput_png
 
 
@@ -32,7 +38,36 @@ def _replace(path: Path, write) -> Path | None:
         tmp.unlink(missing_ok=True)
 
 
-def _page(stats: dict, images: list[str], name: str) -> str:
+NUM_SAMPLE_ROWS = 5
+MAX_CELL_CHARS = 600  # a sample cell's text beyond this is cut (the data holds it whole)
+SETTINGS_SECTIONS = ("model", "source", "prompt", "sampling")  # shown as a table; the whole job below it
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """A job section as (dotted key, value) rows; lists and nulls as JSON."""
+    if isinstance(value, dict) and value:
+        return [row for k, v in value.items() for row in _flat(v, f"{prefix}.{k}" if prefix else str(k))]
+    return [(prefix, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))]
+
+
+def _cut(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS] + f"… ({len(text):,} characters)"
+
+
+def sample_rows(out_dir: Path, num_rows: int = NUM_SAMPLE_ROWS) -> tuple[list[str], list[dict]]:
+    """(columns, rows): the first rows of the first committed data shard, its columns but the per-token lists
+    (log-probs, token ids)."""
+    data = committed_shards(out_dir, "data")
+    if not data:
+        return [], []
+    shard = pq.ParquetFile(data[0])
+    columns = [f.name for f in shard.schema_arrow if not pa.types.is_list(f.type)]
+    batch = next(shard.iter_batches(batch_size=num_rows, columns=columns), None)
+    return columns, batch.to_pylist() if batch is not None else []
+
+
+def _page(stats: dict, images: list[str], name: str, samples: tuple[list[str], list[dict]]) -> str:
     def table(rows) -> str:
         return "<table>" + "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                                    for k, v in rows) + "</table>"
@@ -41,8 +76,12 @@ def _page(stats: dict, images: list[str], name: str) -> str:
                ("rejected", f"{sum(stats['rejects'].values()):,}"), ("data files", stats["num_data_files"]),
                ("batchgen", stats["batchgen_version"])]
     parts = [f"<!doctype html><meta charset=utf-8><title>{html.escape(name)}</title>",
-             "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}th{text-align:left;"
-             "padding-right:1em}img{max-width:100%}</style>", f"<h1>{html.escape(name)}</h1>", table(summary)]
+             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "th{text-align:left;padding-right:1em;vertical-align:top}td{vertical-align:top}img{max-width:100%}"
+             "table.rows{border-collapse:collapse;font-size:90%}table.rows td,table.rows th{border:1px solid #ccc;"
+             "padding:4px}table.rows td{white-space:pre-wrap;word-break:break-word}"
+             "pre{background:#f6f6f6;padding:1em;overflow-x:auto}</style>",
+             f"<h1>{html.escape(name)}</h1>", table(summary)]
     for title, key in (("Prompt tokens", "prompt_tokens"), ("Completion tokens", "completion_tokens")):
         if stats[key]:
             parts += [f"<h2>{title}</h2>", table(stats[key].items())]
@@ -53,6 +92,20 @@ def _page(stats: dict, images: list[str], name: str) -> str:
     for run in stats["runs"]:
         parts += [f"<h2>Run report {html.escape(run['worker'])}</h2>", table(run.items())]
     parts += [f'<p><img src="{html.escape(img)}" alt="{html.escape(img)}"></p>' for img in images]
+    columns, rows = samples
+    if rows:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cut(r[c]))}</td>" for c in columns) + "</tr>"
+                       for r in rows)
+        parts += [f"<h2>Sample rows (the first {len(rows)} of the first data file)</h2>",
+                  f'<table class="rows"><tr>{head}</tr>{body}</table>']
+    job = stats["job"]
+    if job:
+        parts += ["<h2>Job settings</h2>",
+                  table([row for section in SETTINGS_SECTIONS if section in job
+                         for row in _flat(job[section], section)]),
+                  "<details><summary>The whole resolved job file (job.resolved.yaml)</summary><pre>"
+                  + html.escape(yaml.safe_dump(job, sort_keys=False)) + "</pre></details>"]
     return "\n".join(parts) + "\n"
 
 
@@ -89,7 +142,8 @@ def write_report(out_dir: Path) -> Report:
             report.files.append(path)
             images.append(name)
     name = stats["job"].get("name") or out_dir.name
-    report.files.append(_replace(reports / "index.html", lambda tmp: _write_text(tmp, _page(stats, images, name))))
+    page = _page(stats, images, name, sample_rows(out_dir))
+    report.files.append(_replace(reports / "index.html", lambda tmp: _write_text(tmp, page)))
     return report
 
 
