@@ -83,6 +83,31 @@ def test_logprob_columns_hold_the_sampled_tokens_logprobs_and_top_k(tmp_path, ti
         assert abs(top[token] - lp) < 1e-6 if token in top else lp <= values[-1] + 1e-6
 
 
+def test_logprob_tokens_store_each_tokens_text_beside_its_id(tmp_path, tiny_model_dir, parquet_job):
+    job = parquet_job(sampling={"logprobs": 2, "temperature": 0.7}, output={"keep_token_ids": True,
+                                                                           "logprob_tokens": True})
+    result = _run(job)
+    assert result.exit_code == 0, result.output
+    schema = pq.read_schema(sorted((tmp_path / "out" / "data").glob("*.parquet"))[0])
+    assert schema.field("completion_logprob_tokens").type == pa.list_(pa.string())
+    assert schema.field("completion_top_logprobs").type == pa.list_(pa.list_(pa.struct(
+        [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for r in read_rows(tmp_path / "out"):
+        assert r["completion_logprob_tokens"] == [tok.decode([i]) for i in r["completion_token_ids"]]
+        assert len(r["completion_logprob_tokens"]) == len(r["completion_logprobs"])
+        for pos in r["completion_top_logprobs"]:
+            assert [p["token"] for p in pos] == [tok.decode([p["token_id"]]) for p in pos]
+    result = _run(job, "--set", "output.logprob_tokens=false")  # other columns: a resume is refused
+    assert result.exit_code == 2 and "logprob_tokens" in result.output
+
+
+def test_logprob_tokens_without_logprobs_are_refused_naming_both_keys(parquet_job):
+    result = _run(parquet_job(output={"logprob_tokens": True}))
+    assert result.exit_code == 2 and "output.logprob_tokens" in result.output
+    assert "needs sampling.logprobs" in result.output and "Traceback" not in result.output
+
+
 def test_a_job_without_logprobs_keeps_todays_schema(tmp_path, parquet_job):
     assert _run(parquet_job()).exit_code == 0
     names = pq.read_schema(sorted((tmp_path / "out" / "data").glob("*.parquet"))[0]).names

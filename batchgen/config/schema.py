@@ -149,6 +149,10 @@ class OutputSpec(_Strict):
     keep_token_ids: bool = Field(False, description=(
         "Also store each completion's token ids (column token_ids, list<int32>; a stop token id is kept, as "
         "counted in num_tokens)."))
+    logprob_tokens: bool = Field(False, description=(
+        "With sampling.logprobs: also store each token's text beside its id, in completion_logprob_tokens (the "
+        "generated tokens) and as `token` in each completion_top_logprobs entry. Each token is decoded alone: "
+        "one holding part of a character shows as U+FFFD."))
     report: bool = Field(True, description=(
         "When a run ends, write README.md (a dataset card), reports/*.png plots and reports/index.html."))
     reasoning: Literal["auto", "none"] | ReasoningSpec = Field("none", description=(
@@ -201,6 +205,9 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _within_limits(self) -> JobSpec:
+        if self.output.logprob_tokens and self.sampling.logprobs is None:
+            raise ValueError("output.logprob_tokens stores the text of the log-probs' tokens: it needs "
+                             "sampling.logprobs (0 for the sampled tokens alone, K for the top K as well)")
         if self.sampling.n > self.limits.max_samples_per_row:
             raise ValueError(f"'sampling.n' = {self.sampling.n}: more samples per row than "
                              f"limits.max_samples_per_row ({self.limits.max_samples_per_row}); lower sampling.n "

@@ -50,6 +50,6 @@ def completion_rows(spec: JobSpec, key_name: str, tokenizer, reasoning, key: Any
             r["completion_token_ids"] = list(s.token_ids)
         r.update(finish_reason=s.finish_reason, num_prompt_tokens=num_prompt_tokens,
                  num_completion_tokens=len(s.token_ids), num_cached_tokens=s.num_cached_tokens, seed=s.seed)
-        r.update(gen.logprob_values(spec, result, s))
+        r.update(gen.logprob_values(spec, result, s, tokenizer))
         rows.append(r)
     return rows

@@ -38,9 +38,11 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         "row_identity": {"key_column": spec.source.key_column},
         "sampling_column": spec.source.sampling_column,  # per-row sampling overrides (None for most jobs)
         # the data shards' columns: shards of one output must share one schema
+        # (reasoning and logprob_tokens recorded only when on, so outputs begun before them compare unchanged)
         "output_columns": {**spec.output.model_dump(include={"keep_columns", "keep_prompt", "keep_token_ids"}),
                            **({} if spec.output.reasoning == "none" else
-                              {"reasoning": spec.output.model_dump(mode="json")["reasoning"]})},
+                              {"reasoning": spec.output.model_dump(mode="json")["reasoning"]}),
+                           **({"logprob_tokens": True} if spec.output.logprob_tokens else {})},
         # a chained job: what decided its source, the upstream output (None for any other source)
         "upstream": upstream_fingerprint(spec.source.path),
         # the numerics: batch-invariant kernels or the default ones, and an fp8 K/V cache (engine/config.py);

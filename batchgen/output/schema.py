@@ -25,7 +25,8 @@ class OutputSchema:
     @classmethod
     def build(cls, spec: JobSpec, source_schema: pa.Schema, reasoning: bool = False) -> OutputSchema:
         """`reasoning`: output.reasoning resolved to markers (the split columns exist)."""
-        # the issue-14 columns clash only where this job writes them (a chained job may keep an upstream's)
+        # the log-prob and reasoning columns clash only where this job writes them (a chained job may keep an
+        # upstream's)
         own = OUTPUT_COLUMNS + tuple(f.name for f in gen.reasoning_fields(reasoning) + gen.count_fields(reasoning)
                                      + gen.logprob_fields(spec))
         kept = _kept_columns(spec, list(source_schema.names), own)
