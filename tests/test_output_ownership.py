@@ -154,3 +154,5 @@ def test_a_finished_run_leaves_no_lock_file_and_files_others_can_read(tmp_path, 
     out = tmp_path / "out"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".lock-")]
     assert (out / "fingerprint.json").stat().st_mode & 0o044 == (out / "job.resolved.yaml").stat().st_mode & 0o044
+    text = (out / "fingerprint.json").read_text()
+    assert text.startswith('{\n  "fingerprint": ') and '\n    "model": {\n' in text  # indented, one key a line
