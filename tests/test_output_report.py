@@ -64,7 +64,7 @@ def test_the_report_page_shows_the_job_settings_and_sample_rows_escaped(tmp_path
     page = (tmp_path / "out" / "reports" / "index.html").read_text()
     assert "<h2>Job settings</h2>" in page and "<th>sampling.temperature</th><td>0.5</td>" in page
     assert f"<th>model.path</th><td>{tiny_model_dir}</td>" in page and "job.resolved.yaml" in page
-    assert "Sample rows" in page and "<th>completion</th>" in page and "<th>finish_reason</th>" in page
+    assert "Sample rows" in page and "<th>completion</th>" in page and "<th>finish_<wbr>reason</th>" in page
     shown = read_rows(tmp_path / "out")[0]
     assert html.escape(shown["completion"]) in page
     assert "<script>" not in page  # the row's markup, in its topic and its rendered prompt, is escaped
@@ -146,3 +146,14 @@ def test_a_long_runs_rate_is_drawn_over_at_most_about_sixty_windows_and_one_reco
     windows = window_rates(_log(times, [500 * i for i in range(1, 2001)]))
     assert len(windows) <= MAX_WINDOWS + 1 and {round(v, 3) for *_, v in windows} == {100.0}
     assert window_rates(_log([8.0], [400])) == [(1000.0, 1008.0, 50.0)]
+
+
+def test_length_histograms_bin_whole_token_counts():
+    import numpy as np
+
+    from batchgen.output.plots import _token_bins
+
+    assert list(_token_bins(np.array([48, 48, 49, 50]))) == [47.5, 48.5, 49.5, 50.5]  # one bar per count
+    edges = _token_bins(np.arange(1000))
+    widths = set(np.diff(edges))
+    assert len(edges) - 1 <= 50 and len(widths) == 1 and widths.pop() == 20  # whole tokens, at most 50 bars

@@ -33,8 +33,8 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     if len(values) == 0:
         return {}
     p = np.percentile(values, [5, 50, 95])
-    return {"mean": round(float(values.mean()), 1), "p5": float(p[0]), "p50": float(p[1]), "p95": float(p[2]),
-            "max": int(values.max())}
+    return {"mean": round(float(values.mean()), 1), "p5": round(float(p[0]), 1), "p50": round(float(p[1]), 1),
+            "p95": round(float(p[2]), 1), "max": int(values.max())}
 
 
 def collect(out_dir: Path) -> dict[str, Any]:

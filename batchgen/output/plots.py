@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from batchgen.output.manifest import committed_shards
@@ -128,6 +130,7 @@ def throughput_png(out_dir: Path, path: Path) -> Path | None:
                   **style)
         kv.plot(t, [100 * r.get("kv_cache_usage", nan) for r in records], label=worker, **style)
     rate.set_ylabel("generated tok/s")
+    rate.set_ylim(bottom=0)
     rate.set_title("Throughput (generated tokens over windows of the run)")
     seqs.set_ylabel("sequences")
     kv.set_ylabel("KV cache used (%)")
@@ -139,9 +142,19 @@ def throughput_png(out_dir: Path, path: Path) -> Path | None:
     return path
 
 
+def _token_bins(values: np.ndarray, max_bins: int = 50) -> np.ndarray | int:
+    """Histogram edges between whole token counts (each bar a whole number of tokens wide), at most max_bins."""
+    if len(values) == 0:
+        return max_bins
+    lo, hi = int(values.min()), int(values.max())
+    width = max(1, math.ceil((hi - lo + 1) / max_bins))
+    return np.arange(lo, hi + width + 1, width) - 0.5
+
+
 def lengths_png(out_dir: Path, path: Path) -> Path | None:
     """Histograms of completion and prompt tokens per row; None without committed data."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     data = committed_shards(out_dir, "data")
     if not data:
@@ -149,9 +162,12 @@ def lengths_png(out_dir: Path, path: Path) -> Path | None:
     table = pq.read_table(data, columns=["num_completion_tokens", "num_prompt_tokens"])
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     completion, prompt = fig.subplots(1, 2)
-    completion.hist(table["num_completion_tokens"].to_numpy(), bins=50, color="tab:blue")
+    for ax, column, color in ((completion, "num_completion_tokens", "tab:blue"),
+                              (prompt, "num_prompt_tokens", "tab:gray")):
+        values = table[column].to_numpy()
+        ax.hist(values, bins=_token_bins(values), color=color, edgecolor="white", linewidth=0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     completion.set_title("completion length")
-    prompt.hist(table["num_prompt_tokens"].to_numpy(), bins=50, color="tab:gray")
     prompt.set_title("prompt length")
     for ax in (completion, prompt):
         ax.set_xlabel("tokens")

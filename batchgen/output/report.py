@@ -40,6 +40,7 @@ def _replace(path: Path, write) -> Path | None:
 
 NUM_SAMPLE_ROWS = 5
 MAX_CELL_CHARS = 600  # a sample cell's text beyond this is cut (the data holds it whole)
+TEXT_COLUMNS = ("prompt", "reasoning", "completion")  # wrapped, wide; other cells on one line
 SETTINGS_SECTIONS = ("model", "source", "prompt", "sampling")  # shown as a table; the whole job below it
 
 
@@ -56,15 +57,19 @@ def _cut(value: Any) -> str:
 
 
 def sample_rows(out_dir: Path, num_rows: int = NUM_SAMPLE_ROWS) -> tuple[list[str], list[dict]]:
-    """(columns, rows): the first rows of the first committed data shard, its columns but the per-token lists
-    (log-probs, token ids)."""
+    """(columns, rows): the first rows of the committed data shards, in their order, with every column but the
+    per-token lists (log-probs, token ids)."""
     data = committed_shards(out_dir, "data")
     if not data:
         return [], []
-    shard = pq.ParquetFile(data[0])
-    columns = [f.name for f in shard.schema_arrow if not pa.types.is_list(f.type)]
-    batch = next(shard.iter_batches(batch_size=num_rows, columns=columns), None)
-    return columns, batch.to_pylist() if batch is not None else []
+    columns = [f.name for f in pq.read_schema(data[0]) if not pa.types.is_list(f.type)]
+    rows: list[dict] = []
+    for path in data:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=num_rows - len(rows), columns=columns):
+            rows += batch.to_pylist()[:num_rows - len(rows)]
+            if len(rows) == num_rows:
+                return columns, rows
+    return columns, rows
 
 
 def _page(stats: dict, images: list[str], name: str, samples: tuple[list[str], list[dict]]) -> str:
@@ -79,26 +84,27 @@ def _page(stats: dict, images: list[str], name: str, samples: tuple[list[str], l
              "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "th{text-align:left;padding-right:1em;vertical-align:top}td{vertical-align:top}img{max-width:100%}"
              "table.rows{border-collapse:collapse;font-size:90%}table.rows td,table.rows th{border:1px solid #ccc;"
-             "padding:4px}table.rows td{white-space:pre-wrap;word-break:break-word}"
+             "padding:4px}table.rows td{white-space:nowrap}table.rows td.text{white-space:pre-wrap;overflow-wrap:anywhere;"
+             "min-width:24em}"
+             ".figures{display:flex;flex-wrap:wrap;gap:0 3em}"
              "pre{background:#f6f6f6;padding:1em;overflow-x:auto}</style>",
              f"<h1>{html.escape(name)}</h1>", table(summary)]
-    for title, key in (("Prompt tokens", "prompt_tokens"), ("Completion tokens", "completion_tokens")):
-        if stats[key]:
-            parts += [f"<h2>{title}</h2>", table(stats[key].items())]
-    if stats["finish_reasons"]:
-        parts += ["<h2>Finish reasons</h2>", table(stats["finish_reasons"].items())]
-    if stats["rejects"]:
-        parts += ["<h2>Rejects by class</h2>", table(stats["rejects"].items())]
-    for run in stats["runs"]:
-        parts += [f"<h2>Run report {html.escape(run['worker'])}</h2>", table(run.items())]
-    parts += [f'<p><img src="{html.escape(img)}" alt="{html.escape(img)}"></p>' for img in images]
     columns, rows = samples
     if rows:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cut(r[c]))}</td>" for c in columns) + "</tr>"
+        head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in columns)  # long names wrap
+        cls = {c: ' class="text"' if c in TEXT_COLUMNS else "" for c in columns}
+        body = "".join("<tr>" + "".join(f"<td{cls[c]}>{html.escape(_cut(r[c]))}</td>" for c in columns) + "</tr>"
                        for r in rows)
-        parts += [f"<h2>Sample rows (the first {len(rows)} of the first data file)</h2>",
-                  f'<table class="rows"><tr>{head}</tr>{body}</table>']
+        parts += [f"<h2>Sample rows (the first {len(rows)})</h2>",
+                  f'<div style="overflow-x:auto"><table class="rows"><tr>{head}</tr>{body}</table></div>']
+    figures = [(title, pairs) for title, pairs in (
+        ("Prompt tokens", stats["prompt_tokens"].items()), ("Completion tokens", stats["completion_tokens"].items()),
+        ("Finish reasons", stats["finish_reasons"].items()), ("Rejects by class", stats["rejects"].items()),
+        *((f"Run report {run['worker']}", run.items()) for run in stats["runs"])) if pairs]
+    if figures:
+        parts += ['<div class="figures">'] + [f"<div><h2>{html.escape(title)}</h2>{table(pairs)}</div>"
+                                               for title, pairs in figures] + ["</div>"]
+    parts += [f'<p><img src="{html.escape(img)}" alt="{html.escape(img)}"></p>' for img in images]
     job = stats["job"]
     if job:
         parts += ["<h2>Job settings</h2>",
