@@ -62,7 +62,7 @@ def test_every_job_file_key_has_a_field_description_and_is_in_the_generated_refe
     assert sorted(keys) == sorted(described)
     page = job_reference.render()
     for path, text in described.items():
-        shown = f"## `{path}`" if keys[path].type == "section" else f"| `{path}` |"
+        shown = f"## `{path}`" if keys[path].type == "section" else f"| {job_reference.key_cell(path)} |"
         assert shown in page, path
         assert job_reference._cell(" ".join(text.split())) in page, path  # the description itself, as a cell
 
@@ -75,6 +75,13 @@ def test_the_description_walk_finds_a_key_without_one():
         said: Inner | None = Field(None, description="a section")
 
     assert _described_paths(Outer) == {"said": "a section", "said.bare": ""}
+
+
+def test_a_reference_key_may_break_after_a_dot_only():
+    cell = job_reference.key_cell("sampling.response_format.type")
+    assert cell == '<code class="job-key">sampling.<wbr>response&#95;format.<wbr>type</code>'
+    css = yaml.safe_load((REPO / "mkdocs.yml").read_text())["extra_css"]
+    assert any("code.job-key" in (DOCS / path).read_text() and "nowrap" in (DOCS / path).read_text() for path in css)
 
 
 def test_the_reference_is_generated_from_the_models_alone():

@@ -158,6 +158,13 @@ def _cell(text: str) -> str:
     return "`".join(parts).replace("|", "\\|")
 
 
+def key_cell(path: str) -> str:
+    """A key as its table cell: code that may break after a dot only (`<wbr>`; docs/stylesheets/reference.css keeps
+    each name whole), its underscores as entities so that Markdown reads no emphasis in them."""
+    parts = [part.replace("_", "&#95;") for part in path.split(".")]
+    return '<code class="job-key">' + ".<wbr>".join(parts) + "</code>"
+
+
 # The guide pages that explain each section (links relative to docs/guide/job-reference.md).
 SECTION_GUIDES = {
     "model": "[Installation](installation.md#models-and-the-hub), [Big models](big-models.md)",
@@ -189,7 +196,7 @@ def render() -> str:
             out += ["| key | type | default | description |", "|---|---|---|---|"]
             if key.type == "section":
                 continue
-        out.append(f"| `{key.path}` | {_cell(key.type)} | `{_cell(key.default)}` | {_cell(key.description)} |")
+        out.append(f"| {key_cell(key.path)} | {_cell(key.type)} | `{_cell(key.default)}` | {_cell(key.description)} |")
     return "\n".join(out) + "\n"
 
 
