@@ -323,6 +323,7 @@ class JobLoop:
                 feed.wait(0.05)
                 continue
             faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
+            faults.slow_if_armed("engine_step")
             t0 = time.perf_counter()
             for result in engine.step():
                 self._finish(result, pending.pop(result.request_id))

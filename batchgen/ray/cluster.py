@@ -23,14 +23,16 @@ def import_ray():
     return ray
 
 
-def connect(ray) -> bool:
+def connect(ray, workers: int | str) -> bool:
     """Join the cluster in RAY_ADDRESS, or start a local Ray instance (one already running in this process is
-    used as it is). True when this call started it (the driver then shuts it down)."""
+    used as it is). A local instance offers a CPU slot per worker asked for even beyond the machine's cores (CPU
+    workers share them). True when this call started Ray (the driver then shuts it down)."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS") or None
+    local = {} if address is not None or workers == "auto" else {"num_cpus": max(os.cpu_count() or 1, int(workers))}
     try:
-        ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+        ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
     except ConnectionError as e:
         raise JobError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {e}") from None
     return True

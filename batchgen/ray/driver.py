@@ -32,7 +32,9 @@ from batchgen.sources import open_source
 
 POLL_INTERVAL_S = 0.1
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
-GROW_CHECK_S = 10.0  # --workers auto: how often the cluster is asked whether it grew
+GROW_CHECK_S = 10.0
+# the driver's settings its workers take along: batchgen's own (cache folder, fault injection) and offline switches
+FORWARDED_ENV = ("BATCHGEN_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")  # --workers auto: how often the cluster is asked whether it grew
 
 
 @dataclass
@@ -109,7 +111,9 @@ class RayJob:
 
     def _start_actor(self, index: int, failures: int = 0) -> _Slot:
         if self.remote_class is None:  # threads: `run` holds one for the job; deal/poll/finish/stop use the others
-            self.remote_class = self.ray.remote(max_concurrency=4, **self.resources)(_actor_class())
+            env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+            options = {"runtime_env": {"env_vars": env}} if env else {}
+            self.remote_class = self.ray.remote(max_concurrency=4, **options, **self.resources)(_actor_class())
         spec = self.spec
         if "num_gpus" in self.resources and spec.model.device.startswith("cuda:"):  # an actor sees its GPU alone
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": "cuda"})})
@@ -121,7 +125,7 @@ class RayJob:
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        self.started_ray = cluster.connect(self.ray)
+        self.started_ray = cluster.connect(self.ray, self.workers_arg)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
             self._prepare_output(self.num_slots)
@@ -215,7 +219,8 @@ class RayJob:
         if isinstance(cause, JobError) or isinstance(error, JobError):
             self._stop_all()
             raise JobError(f"worker {s.index} on Ray: {cause}") from None
-        why = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+        text = str(cause).strip()
+        why = text.splitlines()[0][:300] if text else type(cause).__name__  # Ray's first line says what happened
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0

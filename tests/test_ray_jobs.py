@@ -1,0 +1,137 @@
+"""`batchgen run --ray`: units dealt to Ray worker actors as they free up give the same rows as one plain worker,
+exactly once, also when an actor is killed mid-run, when the driver is killed and the job is run again with
+another worker count, and with a slow worker (which gets fewer rows). Each run is the CLI in its own process,
+starting its own local Ray instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from batchgen.output.lock import running_workers
+from batchgen.output.manifest import checked_ledger
+from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+
+pytest.importorskip("ray")
+
+NUM_ROWS = 48
+SLOW = {"BATCHGEN_FAULT_SLOW": "engine_step:0.03"}  # every worker: a run long enough to be killed mid-way
+
+
+def _content(out):
+    rows = read_rows(out)
+    keys = [(r["id"], r["sample_idx"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
+                  key=lambda r: (r["id"], r["sample_idx"]))
+
+
+def _rows_by_worker(out) -> dict[str, int]:
+    """Input rows each worker committed, from the checked manifests."""
+    counts: dict[str, int] = {}
+    for entry in checked_ledger(out).entries:
+        counts[entry.tag] = counts.get(entry.tag, 0) + entry.record["num_rows"]
+    return counts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("ray")
+    write_jsonl(tmp / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "worker_unit_rows": 3},
+                    sampling={"temperature": 0.8, "max_new_tokens": 10, "n": 2}, engine={"max_num_seqs": 2},
+                    output={"rows_per_shard": 2})
+    single = tmp / "single"
+    assert run_cli("run", str(job), "-o", str(single)).returncode == 0
+    return tmp, job, _content(single)
+
+
+def _start(job, out, *extra, env=None):
+    return subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), "--no-progress",
+                             "--ray", *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def _wait_for_commits(out, tag: str, num_lines: int, proc, timeout_s: float = 120) -> None:
+    path = out / "manifest" / f"{tag}.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= num_lines:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {num_lines} records")
+
+
+def test_three_ray_workers_equal_one_plain_worker_row_for_row(setup):
+    tmp, job, reference = setup
+    out = tmp / "three"
+    done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "3", env=SLOW)  # all three take part
+    assert done.returncode == 0, done.stderr
+    assert _content(out) == reference
+    assert "(Ray, 3 workers)" in done.stdout and f"{NUM_ROWS} rows committed" in done.stdout
+    assert set(_rows_by_worker(out)) == {"w00000", "w00001", "w00002"}
+    assert not list(out.glob(".lock-*")), "a finished Ray job leaves no lock file"
+    assert (out / "README.md").exists() and (out / "reports" / "w00002.json").exists()
+
+
+def test_a_killed_ray_worker_is_replaced_and_the_job_ends_exactly_once(setup):
+    tmp, job, reference = setup
+    out = tmp / "killed"
+    proc = _start(job, out, "--workers", "3", env=SLOW)
+    _wait_for_commits(out, "w00001", 2, proc)
+    pid = json.loads((out / ".lock-w00001").read_text())["pid"]  # the actor's process
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Ray worker 1 failed" in err
+    assert _content(out) == reference
+
+
+def test_a_killed_driver_resumes_with_two_workers_exactly_once(setup):
+    tmp, job, reference = setup
+    out = tmp / "driver"
+    proc = _start(job, out, "--workers", "3", env=SLOW)
+    _wait_for_commits(out, "w00000", 3, proc)
+    proc.kill()  # SIGKILL: no chance to commit; Ray ends the actors it owned
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while running_workers(out):  # the actors outlive their driver by a moment (and may commit meanwhile)
+        assert time.monotonic() < deadline, running_workers(out)
+        time.sleep(0.2)
+    committed = sum(_rows_by_worker(out).values())
+    assert 0 < committed < NUM_ROWS
+    done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    assert f"{committed} already done" in done.stdout
+    assert _content(out) == reference
+
+
+def test_a_slow_ray_worker_gets_fewer_units_than_a_fast_one(setup):
+    tmp, job, _ = setup
+    out = tmp / "slow"
+    done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "2",
+                   env={"BATCHGEN_FAULT_SLOW": "engine_step:0.2", "BATCHGEN_FAULT_WORKER": "1"})
+    assert done.returncode == 0, done.stderr
+    rows = _rows_by_worker(out)
+    assert rows["w00000"] + rows["w00001"] == NUM_ROWS
+    assert rows["w00001"] * 2 < rows["w00000"], rows
+
+
+@pytest.mark.parametrize("extra, env, message", [
+    (["--worker-index", "0", "--num-workers", "2"], {}, "--ray deals the rows itself: drop --worker-index"),
+    (["--gpus", "all"], {}, "drop --worker-index/--num-workers/--gpus"),
+    ([], {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, "worker 1 of 4 by its Slurm array variables"),
+    (["--workers", "two"], {}, "--workers takes a number, not 'two'"),
+])
+def test_ray_refuses_a_static_worker_identity_with_a_clear_message(setup, extra, env, message):
+    tmp, job, _ = setup
+    done = run_cli("run", str(job), "-o", str(tmp / "refused"), "--ray", *extra, env=env)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp / "refused").exists()

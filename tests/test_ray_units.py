@@ -1,0 +1,150 @@
+"""The parts of `--ray` that need no cluster: the unit feed hands out each dealt row once and reports a unit
+only once all its rows are committed; a unit dealt again opens the source anew and refreshes the committed keys;
+the cluster's resources bound the worker count with a message naming them; a fixed-partition worker and a Ray
+job's workers never run on one output at once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchgen.config import JobSpec
+from batchgen.errors import JobError
+from batchgen.job.feed import WAIT
+from batchgen.output.lock import WorkerLock, check_partition
+from batchgen.ray.cluster import plan_workers
+from batchgen.ray.units import Unit, UnitFeed, plan_units, unit_rows_for
+from batchgen.sources.base import SourceRow
+
+
+class _ListSource:
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.opened = 0
+
+    def __iter__(self):
+        self.opened += 1
+        return (SourceRow(i, {"x": i}) for i in range(self.num_rows))
+
+
+def _feed(num_rows: int):
+    source, refreshed = _ListSource(num_rows), []
+    feed = UnitFeed()
+    feed.attach(source, lambda: refreshed.append(True))
+    return feed, source, refreshed
+
+
+def test_units_cover_every_row_once_and_a_worker_share_is_cut_fine():
+    for num_rows in (1, 7, 100, 12345):
+        for unit_rows in (1, 3, 512):
+            units = plan_units(num_rows, unit_rows)
+            assert [p for u in units for p in range(u.start, u.stop)] == list(range(num_rows))
+    assert unit_rows_for(100_000, 4) == 512 and unit_rows_for(10, 4) == 8 and unit_rows_for(3200, 2) == 50
+
+
+def test_a_unit_is_reported_only_once_its_last_row_is_committed():
+    feed, _, _ = _feed(10)
+    assert feed.next_row() is WAIT  # nothing dealt yet
+    feed.deal(plan_units(10, 5))
+    rows = [feed.next_row() for _ in range(5)]
+    assert [r.position for r in rows] == [0, 1, 2, 3, 4]
+    feed.row_skipped(0)  # an earlier run's
+    for r in rows[1:]:
+        feed.row_handed(r.position)
+    assert feed.poll()["done"] == []  # handed to the writer, not committed
+    feed.committed(3)
+    assert feed.poll()["done"] == []  # one of its rows is still buffered
+    feed.committed(1)
+    assert feed.next_row().position == 5  # unit 0 is read to its end only now
+    assert feed.poll()["done"] == [0]
+    feed.close()
+
+
+def test_randomised_dealing_hands_every_row_once_and_reports_every_unit_once_after_its_commit():
+    rng = random.Random(7)
+    for trial in range(40):
+        num_rows = rng.randint(1, 60)
+        feed, _, _ = _feed(num_rows)
+        units = plan_units(num_rows, rng.randint(1, 9))
+        to_deal, seen, done = list(units), [], []
+        handed_unit: list[int] = []  # the unit of each handed entry, in writer order
+        num_committed = 0
+        while True:
+            if to_deal and rng.random() < 0.5:
+                take = rng.randint(1, 3)
+                feed.deal(to_deal[:take])
+                to_deal = to_deal[take:]
+                if not to_deal:
+                    feed.close()
+            row = feed.next_row()
+            if row is None:
+                break
+            if row is not WAIT:
+                seen.append(row.position)
+                if rng.random() < 0.2:
+                    feed.row_skipped(row.position)
+                else:
+                    feed.row_handed(row.position)
+                    handed_unit.append(next(u.unit_id for u in units if u.start <= row.position < u.stop))
+            if num_committed < len(handed_unit) and rng.random() < 0.3:
+                n = rng.randint(1, len(handed_unit) - num_committed)
+                feed.committed(n)
+                num_committed += n
+            for unit_id in feed.poll()["done"]:  # reported: none of its handed entries is still buffered
+                assert unit_id not in handed_unit[num_committed:], trial
+                done.append(unit_id)
+        feed.committed(len(handed_unit) - num_committed)
+        done += feed.poll()["done"]
+        assert seen == list(range(num_rows)), trial
+        assert sorted(done) == [u.unit_id for u in units], trial
+
+
+def test_a_unit_dealt_again_reopens_the_source_and_refreshes_the_committed_keys():
+    feed, source, refreshed = _feed(20)
+    feed.deal([Unit(2, 10, 15)])
+    assert [feed.next_row().position for _ in range(5)] == [10, 11, 12, 13, 14]
+    feed.deal([Unit(0, 0, 5, recheck=True)])  # behind what was read: the source opens again
+    assert feed.next_row().position == 0
+    assert source.opened == 2 and refreshed == [True]
+
+
+def _spec(device="auto", tp=1):
+    return JobSpec.model_validate({"model": {"path": "m", "device": device}, "source": {"path": "rows.jsonl"},
+                                   "prompt": {"template": "{{ x }}"},
+                                   "engine": {"tensor_parallel_size": tp}})
+
+
+class _Cluster:
+    def __init__(self, resources):
+        self.resources = resources
+
+    def cluster_resources(self):
+        return self.resources
+
+
+def test_the_worker_count_is_bounded_by_the_cluster_with_a_message_naming_what_it_has():
+    gpus = _Cluster({"CPU": 32.0, "GPU": 4.0})
+    assert plan_workers(gpus, _spec(), "auto") == (4, {"num_gpus": 1, "num_cpus": 1})
+    assert plan_workers(gpus, _spec("cpu"), 3) == (3, {"num_cpus": 1})
+    with pytest.raises(JobError, match=r"--workers 5 needs 5 GPUs \(one each\) but the Ray cluster has 4"):
+        plan_workers(gpus, _spec(), 5)
+    with pytest.raises(JobError, match=r"model.device is 'cuda' but the Ray cluster has no GPU \(it has 8 CPUs\)"):
+        plan_workers(_Cluster({"CPU": 8.0}), _spec("cuda"), 2)
+    with pytest.raises(JobError, match="engine.tensor_parallel_size 2 with --ray"):
+        plan_workers(gpus, _spec(tp=2), 1)
+    assert plan_workers(_Cluster({"CPU": 8.0}), _spec(), "auto") == (8, {"num_cpus": 1})
+
+
+def test_a_fixed_partition_worker_and_a_ray_job_never_share_an_output(tmp_path):
+    ray_worker = WorkerLock(tmp_path, "w00000", dealer="ray host:1")
+    same_dealer = WorkerLock(tmp_path, "w00001", dealer="ray host:1")
+    check_partition(tmp_path, same_dealer)  # one dealer's workers: fine
+    static = WorkerLock(tmp_path, "w00002", count=3, unit_rows=4)
+    with pytest.raises(JobError, match="its rows dealt by ray host:1, not by a fixed partition"):
+        check_partition(tmp_path, static)
+    other_driver = WorkerLock(tmp_path, "w00003", dealer="ray host:2")
+    with pytest.raises(JobError, match="two dealers at once would generate some rows twice"):
+        check_partition(tmp_path, other_driver)
+    for lock in (ray_worker, same_dealer, static, other_driver):
+        lock.remove()
