@@ -114,7 +114,7 @@ def test_a_bench_fp8_model_saves_as_a_checkpoint_that_loads_back_equal(tmp_path,
     """`bench --weights fp8`: the job workload's folder is an FP8 checkpoint batchgen's loader reads back to the
     same weights and logits (a tiny geometry on CPU; partial 128-blocks)."""
     from batchgen.bench.fp8_weights import build_fp8_model, save_fp8_checkpoint
-    from batchgen.quant.linear import Fp8Linear
+    from batchgen.quant.modules import Fp8Linear
     from batchgen.runner.loader import load_model
 
     config = model_config("llama-8b", vocab_size=300, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
@@ -136,7 +136,7 @@ def test_a_bench_fp8_moe_model_saves_per_expert_tensors_that_load_back_equal(tmp
     a weight, 128 x 128 blocks), saved per expert as checkpoints store them, loaded back to the same bytes and
     logits (CPU)."""
     from batchgen.bench.fp8_weights import build_fp8_model, save_fp8_checkpoint
-    from batchgen.quant.linear import Fp8Experts
+    from batchgen.quant.modules import Fp8Experts
     from batchgen.runner.loader import load_model
 
     config = model_config("qwen3-30b-a3b", vocab_size=300, hidden_size=128, moe_intermediate_size=128,

@@ -14,7 +14,8 @@ from fp8_checkpoints import dequantized_copy, save_fp8_checkpoint
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.errors import JobError
-from batchgen.quant.linear import Fp8Linear, Fp8Weight
+from batchgen.kernels.fp8.quant import Fp8Weight
+from batchgen.quant.modules import Fp8Linear
 from batchgen.runner.loader import load_model
 from batchgen.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from conftest import HOPPER_PRELUDE, make_model, make_tokenizer, needs_interpreter, random_prompts  # noqa: E402
 
 from batchgen.kernels.fp8.quant import ActQuant, Fp8Weight, quantize_weight  # noqa: E402
-from batchgen.quant.fusion import Fp8Fusion  # noqa: E402
+from batchgen.quant.fusion import HandOffs  # noqa: E402
 
 
 
@@ -108,7 +108,7 @@ for name in sys.argv[1:]:
         c.v_cache.copy_(context[1])
     decoders = []
     for fuse, cache in zip((True, False), caches):
-        cls.fuse_fp8 = fuse
+        cls.gemm_hand_offs = fuse
         decoders.append(cls(model, cache, use_triton=True))
     assert decoders[0].fusion is not None and decoders[1].fusion is None
     steps = [(decode_step, SAVED[name])] + ([(packed_step, PACKED_SAVED[name])] if name in PACKED_SAVED else [])
@@ -165,7 +165,7 @@ def test_input_quant_asks_for_quantised_inputs_only_where_the_gemm_path_reads_qu
     assert input_quant(dataclasses.replace(block, act_quant=False), 32, bf16, CUDA0) is None
     assert input_quant(block, 32, bf16, torch.device("cpu")) is None
     x = torch.randn(4, 512, dtype=bf16)  # the decoder's view: a plain weight, an FP8 one on CPU
-    assert Fp8Fusion().input_quant(torch.randn(256, 512), x) is None and Fp8Fusion().input_quant(block, x) is None
+    assert HandOffs().input_quant(torch.randn(256, 512), x) is None and HandOffs().input_quant(block, x) is None
 
 
 def _decode_inputs(cache):
@@ -191,14 +191,14 @@ def test_the_cpu_reference_path_takes_no_fp8_hand_offs_so_its_logits_are_the_unf
     model = load_model(str(folder), "bfloat16", "cpu")
     logits = []
     for fuse in (True, False):
-        monkeypatch.setattr(LlamaDecoder, "fuse_fp8", fuse)
+        monkeypatch.setattr(LlamaDecoder, "gemm_hand_offs", fuse)
         cache = KVCache(KVGeometry.from_config(model.config), 8, 16, torch.bfloat16, torch.device("cpu"))
         decoder = LlamaDecoder(model, cache, use_triton=False)
         assert decoder.fusion is None
         logits.append(decoder(*_decode_inputs(cache)))
-        assert LlamaDecoder(model, cache, use_triton=True).fusion == (Fp8Fusion("auto") if fuse else None)
+        assert LlamaDecoder(model, cache, use_triton=True).fusion == (HandOffs("auto") if fuse else None)
         assert LlamaDecoder(model, cache, use_triton=True, fp8_gemm="splitk").fusion == \
-            (Fp8Fusion("splitk") if fuse else None)
+            (HandOffs("splitk") if fuse else None)
         assert LlamaDecoder(model, cache, use_triton=True, deterministic=True).fusion is None
     assert same_bits(logits[0], logits[1])
 
@@ -224,7 +224,7 @@ def test_fp8_engine_with_cuda_graphs_generates_the_same_tokens_and_logprobs_fuse
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = []
     for fuse in (True, False):
-        monkeypatch.setattr(LlamaDecoder, "fuse_fp8", fuse)
+        monkeypatch.setattr(LlamaDecoder, "gemm_hand_offs", fuse)
         engine = Engine(model, tok, EngineConfig(cuda_graphs=True, max_num_seqs=8))
         assert (engine.runner.decode_forward.fusion is not None) == fuse
         outs.append([(r.samples[0].token_ids, r.samples[0].logprobs) for r in engine.generate(prompts, params)])

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from batchgen.kernels.fp8.quant import quantize_weight
-from batchgen.quant.linear import Fp8Experts, Fp8Linear
+from batchgen.quant.modules import Fp8Experts, Fp8Linear
 
 WEIGHTS = ("bf16", "fp8", "fp8-channel")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -7,7 +7,6 @@ decodes), hidden size E, H query heads, Hkv KV heads, head dim D.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,21 +14,15 @@ import torch.nn.functional as F
 
 from batchgen.attention import backend
 from batchgen.attention.backend import AttentionMetadata
-from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs, quantize_groups
 from batchgen.kernels.norm.layernorm import layernorm
 from batchgen.kernels.norm.rmsnorm import rmsnorm
 from batchgen.kernels.attention.rope_kv import QKNorm, rope_kv
 from batchgen.kernels.norm.gated_act import gated_act
-from batchgen.kernels.fp8.splitk_common import SplitKPartials
-from batchgen.quant.linear import Fp8Weight
-from batchgen.quant.fusion import Fp8Fusion, input_quant, linear_to_norm
+from batchgen.quant.fusion import HandOffs, input_quant, is_quantized, linear_to_norm, quantized, summed
+from batchgen.quant.linear import InputQuant, Linear, LinearInput, LinearOutput, LinearWeight
 
 __all__ = ["Norm", "StepInputs", "GatedMLP", "PlainMLP", "add_norm", "attend_qkv", "mlp_input_quant", "self_attention"]
 
-# a GEMM with F.linear's signature, the decoder's choice: models/fp8.linear (F.linear, or the FP8 GEMM for an
-# Fp8Weight, which also takes QuantizedActs), or a kernels.invariant_linear.InvariantLinear (engine.deterministic;
-# plain weights only)
-Linear = Callable[["torch.Tensor | QuantizedActs", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NORM_KINDS = ("rms", "rms_unit_offset", "rms_fp32_weight", "layer")
 PLAIN_ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -73,33 +66,33 @@ class Norm:
         assert self.kind in NORM_KINDS and (self.bias is None or self.kind == "layer")
 
 
-def add_norm(x: torch.Tensor | SplitKPartials, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
+def add_norm(x: LinearOutput, norm: Norm, residual: torch.Tensor | None, use_triton: bool,
              out: torch.Tensor | None = None, x_scale: float | None = None,
-             quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
+             quant: InputQuant | None = None) -> LinearInput:
     """norm(x + residual) with `residual` updated in place to x + residual (or norm(x) without one).
     x: [B, N] -> [B, N]; `out`: where the result goes (no residual: may be x itself); `x_scale` (RMS kinds:
-    Granite's residual_multiplier): x * x_scale, rounded, takes x's place. FP8 hand-offs (quant/fusion.py,
-    Triton only): x a split-K GEMM's unsummed output; `quant`: the result quantised for the next GEMM
-    (QuantizedActs). RMS kinds do both inside the norm kernel; "layer" sums first and quantises after it."""
+    Granite's residual_multiplier): x * x_scale, rounded, takes x's place. Quantised GEMMs' hand-offs
+    (quant/fusion.py, Triton only): x a split-K GEMM's unsummed output; `quant`: the result quantised for the next
+    GEMM. RMS kinds do both inside the norm kernel; "layer" sums first and quantises after it."""
     if norm.kind == "layer":  # the residual add rounded like the eager `residual + hidden_states`
         assert x_scale is None
-        x = x.reduce() if isinstance(x, SplitKPartials) else x
-        y = layernorm(x, norm.weight, norm.bias, norm.eps, residual=residual, use_triton=use_triton, out=out)
-        return y if quant is None else QuantizedActs(*quantize_groups(y, quant.group, quant.scale_ub), quant, y.dtype)
+        y = layernorm(summed(x), norm.weight, norm.bias, norm.eps, residual=residual, use_triton=use_triton, out=out)
+        return quantized(y, quant)
     return rmsnorm(x, norm.weight, norm.eps, residual=residual, use_triton=use_triton,
                    unit_offset=norm.kind == "rms_unit_offset", weight_fp32=norm.kind == "rms_fp32_weight", out=out,
                    x_scale=x_scale, quant=quant)
 
 
-def self_attention(h: torch.Tensor | QuantizedActs, qkv_weight: torch.Tensor | Fp8Weight,
-                   qkv_bias: torch.Tensor | None, o_weight: torch.Tensor | Fp8Weight, o_bias: torch.Tensor | None,
+def self_attention(h: LinearInput, qkv_weight: LinearWeight,
+                   qkv_bias: torch.Tensor | None, o_weight: LinearWeight, o_bias: torch.Tensor | None,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs, num_heads: int, num_kv_heads: int,
                    scale: float, qk_norm: QKNorm | None = None, sliding_window: int | None = None, *, linear: Linear,
-                   fusion: Fp8Fusion | None = None) -> torch.Tensor | SplitKPartials:
+                   fusion: HandOffs | None = None) -> LinearOutput:
     """QKV GEMM -> rotary + K/V cache write + paged attention -> output GEMM. h: [B, E] -> [B, E].
     `qk_norm`: per-head RMSNorm of q and k before the rotation (Qwen3, Gemma3); `sliding_window`: the
-    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / FP8, or batch-invariant);
-    `fusion` (the decoder's FP8 hand-offs): the QKV GEMM's partials summed by the attention kernel, its output
+    layer's window (None: the whole context); `linear`: the GEMM (the decoder's: plain / quantised, or
+    batch-invariant); `fusion` (the decoder's quantised GEMMs' hand-offs): the QKV GEMM's partials summed by the
+    attention kernel, its output
     quantised there for the o GEMM, whose output is as `fusion.linear_to_norm` leaves it, for add_norm."""
     if fusion is None:
         qkv = linear(h, qkv_weight, qkv_bias)  # [B, (H + 2 Hkv) D]
@@ -110,25 +103,25 @@ def self_attention(h: torch.Tensor | QuantizedActs, qkv_weight: torch.Tensor | F
     return linear_to_norm(fusion, linear, attn, o_weight, o_bias)
 
 
-def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
+def attend_qkv(qkv: LinearOutput, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepInputs,
                num_heads: int, num_kv_heads: int, scale: float,
                qk_norm: QKNorm | None = None, rotate_fp32: bool = False,
                sliding_window: int | None = None, softcap: float | None = None,
-               quant: ActQuant | None = None) -> torch.Tensor | QuantizedActs:
+               quant: InputQuant | None = None) -> LinearInput:
     """Rotary + K/V cache write + paged attention over a step's projected q/k/v. qkv: [B, (H + 2 Hkv) D] ->
     [B, H D]. On CUDA a decode step's rotary and cache write run inside the attention kernel, `qk_norm` (the
     per-head q/k RMSNorm before the rotation: Qwen3, Gemma3) included; `rotate_fp32` (the rotation in fp32,
     rounded once: OLMo2) keeps the rotary in its own kernel (rope_kv), as do the CPU reference, the
     deterministic path (`step.invariant`: every row's key read back from the cache) and packed steps, which
     write their K/V with the rotary, then attend (prefill kernel; decode kernel for their decode rows).
-    `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3). FP8 hand-offs
-    (quant/fusion.py): qkv may be a split-K GEMM's partials (summed by the fused decode kernel, reduced first
-    on the other paths), and `quant` asks for the output quantised for the o GEMM (QuantizedActs), which the fused
+    `sliding_window` / `softcap`: the layer's window and score soft-capping (Gemma2/Gemma3). Quantised GEMMs'
+    hand-offs (quant/fusion.py): qkv may be a split-K GEMM's partials (summed by the fused decode kernel, reduced
+    first on the other paths), and `quant` asks for the output quantised for the o GEMM, which the fused
     decode kernel does where it can; otherwise the output is a tensor, for that GEMM to quantise."""
     window = {"sliding_window": sliding_window, "softcap": softcap}
     fused_decode = not step.invariant and step.packed is None and step.use_triton and not rotate_fp32
-    if isinstance(qkv, SplitKPartials) and not fused_decode:
-        qkv = qkv.reduce()
+    if not fused_decode:
+        qkv = summed(qkv)
     if step.invariant:  # every row alike, its key read back from the cache (no fused rotary decode kernel)
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
                     qk_norm=qk_norm, use_triton=step.use_triton, rotate_fp32=rotate_fp32)  # [B, H, D]
@@ -141,7 +134,7 @@ def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cach
     elif fused_decode:
         attn = backend.decode_rope(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, step.block_tables,
                                    step.seq_lens, scale, num_heads, qk_norm=qk_norm, quant=quant, **window)
-        if isinstance(attn, QuantizedActs):  # [B, H D] quantised
+        if is_quantized(attn):  # [B, H D] quantised
             return attn
     else:
         q = rope_kv(qkv, step.cos, step.sin, step.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads,
@@ -154,21 +147,21 @@ def attend_qkv(qkv: torch.Tensor | SplitKPartials, k_cache: torch.Tensor, v_cach
 @dataclass
 class GatedMLP:
     """down(act(gate(h)) * up(h)) with gate and up as one GEMM; act: "silu" or "gelu_tanh". The weights are
-    plain tensors or FP8 (quant/linear.py), both through `linear`; with `fusion` the activation kernel quantises the
+    plain or quantised (quant/linear.py), both through `linear`; with `fusion` the activation kernel quantises the
     down GEMM's input where that GEMM wants it so, and the down output may be split-K partials."""
 
-    gate_up_weight: torch.Tensor | Fp8Weight  # [2 I, E], the gate rows then the up rows
-    down_weight: torch.Tensor | Fp8Weight  # [E, I]
+    gate_up_weight: LinearWeight  # [2 I, E], the gate rows then the up rows
+    down_weight: LinearWeight  # [E, I]
     activation: str = "silu"
     linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)
-    # the decoder's FP8 hand-offs (quant/fusion.py), where only blocks.add_norm reads the output; None: none
-    fusion: Fp8Fusion | None = field(default=None, kw_only=True)
+    # the decoder's quantised GEMMs' hand-offs (quant/fusion.py), where only blocks.add_norm reads the output
+    fusion: HandOffs | None = field(default=None, kw_only=True)
 
-    def input_quant(self, like: torch.Tensor) -> ActQuant | None:
+    def input_quant(self, like: torch.Tensor) -> InputQuant | None:
         """How the gate/up GEMM wants h (like's rows, dtype, device) quantised by the kernel writing it, or None."""
         return None if self.fusion is None else self.fusion.input_quant(self.gate_up_weight, like)
 
-    def __call__(self, h: torch.Tensor | QuantizedActs, use_triton: bool) -> torch.Tensor | SplitKPartials:
+    def __call__(self, h: LinearInput, use_triton: bool) -> LinearOutput:
         """h: [B, E] (as input_quant asked) -> [B, E] (with `fusion`: as its linear_to_norm leaves it)."""
         gate_up = self.linear(h, self.gate_up_weight, None)  # [B, 2 I]
         if self.fusion is None:
@@ -178,7 +171,7 @@ class GatedMLP:
         return self.fusion.linear_to_norm(gated, self.down_weight, None)
 
 
-def mlp_input_quant(mlp: object, like: torch.Tensor) -> ActQuant | None:
+def mlp_input_quant(mlp: object, like: torch.Tensor) -> InputQuant | None:
     """How a layer's MLP wants its input quantised by the norm writing it: a GatedMLP's gate/up GEMM's wish
     (GatedMLP.input_quant); PlainMLP and the MoE blocks take it as a tensor (None)."""
     return mlp.input_quant(like) if isinstance(mlp, GatedMLP) else None
@@ -189,9 +182,9 @@ class PlainMLP:
     """proj(act(fc(h))), the non-gated MLP with biases (Starcoder2's c_fc/c_proj), in torch's own ops: those of
     the eager module, so every device rounds as it does (the two GEMMs dominate). act: "gelu_tanh" or "gelu"."""
 
-    fc_weight: torch.Tensor | Fp8Weight  # [I, E]
+    fc_weight: LinearWeight  # [I, E]
     fc_bias: torch.Tensor | None  # [I]
-    proj_weight: torch.Tensor | Fp8Weight  # [E, I]
+    proj_weight: LinearWeight  # [E, I]
     proj_bias: torch.Tensor | None  # [E]
     activation: str = "gelu_tanh"
     linear: Linear = field(kw_only=True)  # the decoder's GEMM (required: a default would bypass its choice)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
-from batchgen.quant.linear import Fp8Weight, linear_weight
+from batchgen.quant.linear import LinearWeight, linear_weight
 from batchgen.quant.fusion import input_quant, linear_to_norm
 from batchgen.models.gemma import ACTIVATIONS
 from batchgen.kernels.attention.rope_kv import QKNorm
@@ -85,8 +85,8 @@ class Gemma2Layer:
     """One Gemma2 / Gemma3 layer's weights, views of the model's own (q/k/v rebound into one tensor)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]
-    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
+    qkv_weight: LinearWeight  # [(H + 2 Hkv) D, E]
+    o_weight: LinearWeight  # [E, H D]
     post_attention_norm: Norm  # [E]
     pre_mlp_norm: Norm  # [E]
     mlp: GatedMLP

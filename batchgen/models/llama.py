@@ -8,7 +8,7 @@ and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 G
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 (plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
-separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; FP8 GEMMs: quant/fusion.py). Prefill and
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; quantised GEMMs' hand-offs: quant/fusion.py). Prefill and
 mixed steps (`forward_packed`) run the same layers over every token, with the rotary + K/V write kernel and the
 prefill attention kernel (decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
 kernel has a torch reference with the same rounding, so CI runs this exact code path.
@@ -16,21 +16,17 @@ kernel has a torch reference with the same rounding, so CI runs this exact code 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.attention.backend import AttentionMetadata
 from batchgen.attention.kv_cache import KVCache, KVGeometry
-from batchgen.kernels.fp8.quant import ActQuant
-from batchgen.kernels.invariant.linear import InvariantLinear
 from batchgen.kernels.attention.rope_kv import QKNorm
-from batchgen.kernels.fp8.splitk_common import SplitKPartials
 from batchgen.models.base import DecodeForward
 from batchgen.models.blocks import GatedMLP, Norm, PlainMLP, StepInputs, add_norm, mlp_input_quant, self_attention
-from batchgen.quant.linear import Fp8Weight, linear as plain_or_fp8_linear, linear_weight, mixed_reason
-from batchgen.quant.fusion import Fp8Fusion, input_quant
+from batchgen.quant.fusion import hand_offs, input_quant
+from batchgen.quant.linear import InputQuant, LinearOutput, LinearWeight, linear_weight, make_linear, mixed_reason
 from batchgen.models.shard import SHARD_ATTR, Shard, VocabParallelHead, local_geometry
 from batchgen.models.weights import PaddedHead, fuse_linears
 
@@ -68,8 +64,8 @@ def module_reason(model: torch.nn.Module) -> str | None:
 
 
 def fused_groups_reason(layers) -> str | None:
-    """Why projections the fused layers run as one GEMM (q/k/v, gate/up) cannot be joined: FP8 and plain weights
-    mixed, or FP8 with different schemes (quant/linear.py), or None."""
+    """Why projections the fused layers run as one GEMM (q/k/v, gate/up) cannot be joined: quantised and plain
+    weights mixed, or different quantisation schemes (quant/modules.py), or None."""
     groups = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -132,9 +128,9 @@ class Layer:
     """One pre-norm decoder layer's weights, views of the model's own (no copies)."""
 
     input_norm: Norm  # [E]
-    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]: the q rows, then k, then v (FP8: quant/linear.py)
+    qkv_weight: LinearWeight  # [(H + 2 Hkv) D, E]: the q rows, then k, then v (quantised: quant/linear.py)
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D] (Qwen2, Starcoder2)
-    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
+    o_weight: LinearWeight  # [E, H D]
     o_bias: torch.Tensor | None  # [E]
     post_norm: Norm  # [E], before the MLP
     mlp: GatedMLP | PlainMLP
@@ -158,42 +154,51 @@ class LlamaDecoder(DecodeForward):
     norm_kind = "rms"  # the RMSNorm rounding (blocks.Norm): Gemma "rms_unit_offset"
     activation = "silu"  # the MLP gate's activation (kernels/norm/gated_act.py)
     branch_scale: float | None = None  # each sublayer's output times this before the residual add (Granite)
-    fuse_fp8 = True  # FP8 hand-offs between the GEMMs and the norms / activation (quant/fusion.py), with Triton
+    # quantised GEMMs' hand-offs to and from the norms / activation / attention (quant/fusion.py), with Triton
+    gemm_hand_offs = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool,
                  shard: Shard | None = None, deterministic: bool = False, fp8_gemm: str = "auto") -> None:
-        cfg = model.config.get_text_config()
-        inner = model.model
-        self.name = "fused, batch-invariant" if deterministic else "fused"
-        self.config = cfg
+        self.config = model.config.get_text_config()
         self.kv_cache = kv_cache
         self.use_triton = use_triton
-        # engine.deterministic: every GEMM (layers and LM head) batch-invariant, every row's attention through
-        # the per-query kernel; norms, rotary and activations are per row already (one program or element each).
-        # The InvariantLinear is this decoder's own: it holds each weight's self-checked choice of kernel
-        self.deterministic = deterministic
-        # set before the layers read it; fp8_gemm (engine.fp8_gemm): the FP8 projections' GEMM path
-        self.linear = InvariantLinear() if deterministic else plain_or_fp8_linear if fp8_gemm == "auto" else \
-            functools.partial(plain_or_fp8_linear, fp8_path=fp8_gemm)
-        # the FP8 GEMMs' hand-offs (the same fp8_gemm as self.linear's); None: none (no Triton, deterministic).
-        # A tensor-parallel shard's o / down outputs are all-reduced (_reduce) before the norm: no partials
-        fuse = self.fuse_fp8 and use_triton and not deterministic
-        self.fusion = Fp8Fusion(fp8_gemm, partials=shard is None) if fuse else None
-        # tensor parallelism: the model's weights are this rank's shard (models/shard.py shard_model_), the
-        # geometry this rank's heads; None: the whole model
-        self.shard = shard
-        if shard is not None:
-            assert getattr(model, SHARD_ATTR, None) == (shard.rank, shard.size), "the model is not this rank's shard"
-        self.geometry = local_geometry(KVGeometry.from_config(cfg), shard)
+        self._set_gemms(deterministic, fp8_gemm, sharded=shard is not None)  # before the layers read them
+        self._set_shard(model, shard)
+        inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head if shard is None else VocabParallelHead(model.lm_head, shard)
-        if shard is None and not deterministic and PaddedHead.wanted(model.lm_head):  # an odd vocabulary
-            with torch.no_grad():
-                self.lm_head = PaddedHead(model.lm_head)
+        self.lm_head = self._lm_head(model.lm_head)
         with torch.no_grad():
             self.final_norm = self._norm(inner.norm)
             self.layers = [self._layer(layer) for layer in inner.layers]
+
+    def _set_gemms(self, deterministic: bool, fp8_gemm: str, sharded: bool) -> None:
+        """The decoder's GEMM and its hand-offs (quant/). engine.deterministic: every GEMM (layers and LM head)
+        batch-invariant, every row's attention through the per-query kernel; norms, rotary and activations are
+        per row already (one program or element each). Else engine.fp8_gemm's path for quantised weights."""
+        self.deterministic = deterministic
+        self.name = "fused, batch-invariant" if deterministic else "fused"
+        self.linear = make_linear(fp8_gemm, deterministic)
+        # None: none (no Triton, deterministic, or a family that takes none)
+        self.fusion = hand_offs(fp8_gemm, self.use_triton, deterministic, sharded) if self.gemm_hand_offs else None
+
+    def _set_shard(self, model: torch.nn.Module, shard: Shard | None) -> None:
+        """Tensor parallelism: the model's weights are this rank's shard (models/shard.py shard_model_), the
+        geometry this rank's heads; shard None: the whole model."""
+        self.shard = shard
+        if shard is not None:
+            assert getattr(model, SHARD_ATTR, None) == (shard.rank, shard.size), "the model is not this rank's shard"
+        self.geometry = local_geometry(KVGeometry.from_config(self.config), shard)
+
+    def _lm_head(self, head: torch.nn.Module):
+        """The LM head the step calls: this rank's vocabulary rows with the logits gathered (a shard), the head
+        padded to aligned rows (an odd vocabulary, outside engine.deterministic), or the module itself."""
+        if self.shard is not None:
+            return VocabParallelHead(head, self.shard)
+        if not self.deterministic and PaddedHead.wanted(head):
+            with torch.no_grad():
+                return PaddedHead(head)
+        return head
 
     # ---- weights: hooks ----------------------------------------------------------------------------------------
 
@@ -241,15 +246,15 @@ class LlamaDecoder(DecodeForward):
         cos, sin = self.rotary(x, positions[None])  # [1, B, D] each
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def _next_norm(self, i: int, like: torch.Tensor) -> tuple[Norm, ActQuant | None]:
+    def _next_norm(self, i: int, like: torch.Tensor) -> tuple[Norm, InputQuant | None]:
         """The norm after layer i (the next one's input norm, or the final norm) and its GEMM's input_quant."""
         if i + 1 < len(self.layers):
             return self.layers[i + 1].input_norm, input_quant(self.fusion, self.layers[i + 1].qkv_weight, like)
         return self.final_norm, None
 
-    def _reduce(self, partial: torch.Tensor | SplitKPartials) -> torch.Tensor | SplitKPartials:
+    def _reduce(self, partial: LinearOutput) -> LinearOutput:
         """A row-parallel GEMM's output [B, E] summed over the tensor-parallel ranks (in place), before anything
-        else reads it; the identity without a shard (the only case where it may be SplitKPartials)."""
+        else reads it; the identity without a shard (the only case where it may be split-K partials)."""
         return partial if self.shard is None else self.shard.all_reduce(partial)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.models.blocks import GatedMLP
-from batchgen.quant.linear import Fp8Experts, Fp8Weight
+from batchgen.quant.linear import LinearWeight, experts_weights
 from batchgen.models.llama import LlamaDecoder, layout_reason
 from batchgen.kernels.moe.experts import fused_experts
 from batchgen.kernels.moe.routing import combine_accumulators
@@ -36,9 +36,9 @@ class SparseMoE:
     """One layer's sparse MLP block: the router, the routed experts and an optional shared expert."""
 
     router_weight: torch.Tensor  # [E, H]
-    # [E, 2 I, H]: per expert the gate rows, then the up rows (a view, any strides); FP8 experts: an Fp8Weight
-    gate_up: torch.Tensor | Fp8Weight
-    down: torch.Tensor | Fp8Weight  # [E, H, I]
+    # [E, 2 I, H]: per expert the gate rows, then the up rows (a view, any strides; quant/linear.py experts_weights)
+    gate_up: LinearWeight
+    down: LinearWeight  # [E, H, I]
     top_k: int
     renormalize: bool  # divide the top-k probabilities by their sum (norm_topk_prob; always for Mixtral)
     weights_fp32: bool  # routing weights stay fp32 (Mixtral) or are rounded to the activation dtype (Qwen)
@@ -74,18 +74,6 @@ class SparseMoE:
             return out
         shared = self.shared(h, use_triton)  # [B, H]
         return out + torch.sigmoid(F.linear(h, self.shared_gate_weight)) * shared  # as Qwen2MoeSparseMoeBlock
-
-
-def expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
-    """(gate_up [E, 2 I, H], down [E, H, I]) of a transformers 5.x experts module: its own parameters, or
-    transposed views of them where the module stores them transposed; an FP8 checkpoint's Fp8Experts: its
-    Fp8Weights."""
-    if isinstance(experts, Fp8Experts):
-        return experts.weights()
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    if getattr(experts, "is_transposed", False):  # [E, H, 2 I] and [E, I, H]
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return gate_up, down
 
 
 def experts_reason(model: torch.nn.Module) -> str | None:
@@ -127,7 +115,7 @@ class MoEDecoder(LlamaDecoder):
     def _mlp(self, mlp: torch.nn.Module) -> GatedMLP | SparseMoE:
         if not hasattr(mlp, "experts"):
             return super()._mlp(mlp)  # a dense layer
-        gate_up, down = expert_weights(mlp.experts)
+        gate_up, down = experts_weights(mlp.experts)
         block = SparseMoE(mlp.gate.weight, gate_up, down, int(self.config.num_experts_per_tok), self._renormalize(),
                           self.weights_fp32, activation=self.activation)
         self._shared(mlp, block)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.models.blocks import GatedMLP, Norm, add_norm, attend_qkv
-from batchgen.quant.linear import Fp8Weight, linear_weight
+from batchgen.quant.linear import LinearWeight, linear_weight
 from batchgen.quant.fusion import linear_to_norm
 from batchgen.models.llama import LlamaDecoder, fused_groups_reason, rope_reason, window_reason
 
@@ -54,11 +54,11 @@ def unsupported_reason(model: torch.nn.Module, max_model_len: int) -> str | None
 class Olmo2Layer:
     """One OLMo2 layer's weights, views of the model's own (the q/k/v projections rebound into one tensor)."""
 
-    qkv_weight: torch.Tensor | Fp8Weight  # [(H + 2 Hkv) D, E]
+    qkv_weight: LinearWeight  # [(H + 2 Hkv) D, E]
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
     q_norm: Norm  # [H D]: over the whole projected q
     k_norm: Norm  # [Hkv D]
-    o_weight: torch.Tensor | Fp8Weight  # [E, H D]
+    o_weight: LinearWeight  # [E, H D]
     o_bias: torch.Tensor | None  # [E]
     post_attention_norm: Norm  # [E]
     mlp: GatedMLP

@@ -10,11 +10,11 @@ import warnings
 import torch
 
 from batchgen.attention.kv_cache import KVCache
-from batchgen.kernels.fp8.blockwise import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.models import gemma, gemma2, granite, llama, mixtral, olmo2, phi3, qwen_moe, starcoder2
 from batchgen.models.base import DecodeForward
-from batchgen.quant.scheme import EXPERT_KEYS, UnsupportedFp8, is_fp8, parse
-from batchgen.models.shard import Shard, divisibility_reason, fp8_split_reason
+from batchgen.models.shard import Shard, divisibility_reason
+from batchgen.quant.linear import probe_gemms
+from batchgen.quant.scheme import EXPERT_KEYS, invariant_reason, split_reason
 from batchgen.models.transformers_forward import TransformersDecode
 
 # one line a fused family
@@ -50,16 +50,9 @@ def build_decode_forward(model: torch.nn.Module, kv_cache: KVCache, use_triton: 
                          deterministic: bool = False, fp8_gemm: str = "auto") -> DecodeForward:
     """The decode forward for this model. A fused decoder that fails its first step on the device warns and
     falls back to transformers' modules (with a `shard` or `deterministic`: raises instead, see build_sharded
-    and build_deterministic). `fp8_gemm`: engine.fp8_gemm, the fused decoder's FP8 GEMM path."""
-    dev = kv_cache.k_cache.device
-    if is_fp8(model.config) and dev.type == "cuda":
-        # the FP8 GEMMs' one probe (a sync) runs here, before any CUDA-graph capture: fp8_gemm.gemm_path reads it;
-        # a forced engine.fp8_gemm path the device lacks raises here rather than fall back below
-        device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-        blockwise_scaled_mm_supported(device_index)
-        scheme = parse(model.config)
-        if fused_decoder and not compile and scheme.group_k is not None and scheme.act_quant:  # where it applies
-            refuse_unavailable(fp8_gemm, device_index)
+    and build_deterministic). `fp8_gemm`: engine.fp8_gemm, the fused decoder's path for quantised GEMMs."""
+    # before any CUDA-graph capture; a forced engine.fp8_gemm path the device lacks raises here, not falls back below
+    probe_gemms(model.config, kv_cache.k_cache.device, fp8_gemm, fused=fused_decoder and not compile)
     if shard is not None:
         return build_sharded(model, kv_cache, use_triton, max_model_len, shard)
     if deterministic:
@@ -85,14 +78,9 @@ def tensor_parallel_reason(config, size: int) -> str | None:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = text.model_type
-    if is_fp8(config):
-        try:
-            scheme = parse(config)
-        except UnsupportedFp8:  # a scheme that cannot run at all: the loader's error (fp8_loader), not this one
-            scheme = None
-        reason = scheme and fp8_split_reason(config, scheme.group_n, scheme.group_k, size)
-        if reason:
-            return reason
+    reason = split_reason(config, size)  # a quantised checkpoint's scale blocks
+    if reason:
+        return reason
     if model_type not in DECODERS:
         return (f"tensor parallelism needs a fused decoder; model type {model_type!r} runs transformers' modules "
                 f"(fused decoders with tensor parallelism: {', '.join(sorted(TENSOR_PARALLEL_TYPES))})")
@@ -138,8 +126,9 @@ def deterministic_reason(config) -> str | None:
     model_type = text.model_type
     if any(getattr(text, k, None) for k in EXPERT_KEYS):
         return f"batch-invariant mixture-of-experts layers (model type {model_type!r}) are not built"
-    if is_fp8(config):  # InvariantLinear reads plain weights only
-        return "batch-invariant FP8 GEMMs are not built (the checkpoint's quantization_config is FP8)"
+    reason = invariant_reason(config)  # a quantised checkpoint's GEMMs
+    if reason:
+        return reason
     if model_type not in DETERMINISTIC_TYPES:
         return (f"batch-invariant kernels exist only in the fused decoders ({', '.join(sorted(DETERMINISTIC_TYPES))}); "
                 f"model type {model_type!r} runs transformers' modules")

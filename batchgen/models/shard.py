@@ -7,8 +7,8 @@ after down (`Shard.all_reduce`, called by the decoders); the LM head is split by
 Mixture-of-experts layers split every expert the same way (`_experts_`): each rank holds a 1/N slice of every
 expert's intermediate dimension (gate/up rows, down columns) and of the shared expert's, the router whole, so
 every rank routes alike and the block's output is a partial sum, summed by the same all-reduce as a dense MLP's.
-Also here: whether a model can be split N ways (`divisibility_reason`, and `fp8_split_reason` for an FP8
-checkpoint's block scales) and a KV geometry as one rank holds it (`local_geometry`).
+Also here: whether a model can be split N ways (`divisibility_reason`; a quantised checkpoint's scale blocks:
+quant/scheme.py `split_reason`) and a KV geometry as one rank holds it (`local_geometry`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.quant.linear import Fp8Experts, Fp8Linear
+from batchgen.quant.linear import column_tensors, experts_scale_tensors, row_tensors, sync_sizes
 
 
 SHARD_ATTR = "_batchgen_shard"  # set on a model by shard_model_: (rank, size); its weights are that rank's
@@ -50,31 +50,6 @@ def divisibility_reason(config, size: int) -> str | None:
                        ("shared_expert_intermediate_size", getattr(text, "shared_expert_intermediate_size", None))):
         if value is not None and value % size:
             return f"it does not divide the model's {key} ({value})"
-    return None
-
-
-def fp8_split_reason(config, group_n: int, group_k: int | None, size: int) -> str | None:
-    """Why an FP8 checkpoint's block scales cannot be split `size` ways, or None: every rank's slice of a
-    column-parallel weight (q, k, v, gate, up, the experts' gate and up) must be whole blocks of group_n rows,
-    and of a row-parallel one (o, down, the experts' down) whole blocks of group_k columns. Per-channel scales
-    (group_k None) split with their rows."""
-    if group_k is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    # (what, its size, also the input columns of a row-parallel weight: o_proj's are q's, down's the MLP's)
-    for key, dim, row_parallel in (("num_attention_heads x head_dim", heads * head_dim, True),
-                                   ("num_key_value_heads x head_dim", kv_heads * head_dim, False),
-                                   ("intermediate_size", getattr(text, "intermediate_size", None), True),
-                                   ("moe_intermediate_size", getattr(text, "moe_intermediate_size", None), True),
-                                   ("shared_expert_intermediate_size",
-                                    getattr(text, "shared_expert_intermediate_size", None), True)):
-        per_rank = (dim or 0) // size
-        if dim and (per_rank % group_n or (row_parallel and per_rank % group_k)):
-            return (f"its {key} ({dim}) split {size} ways is {per_rank} per rank, not whole FP8 scale blocks of "
-                    f"{group_n} x {group_k}")
     return None
 
 
@@ -141,21 +116,17 @@ def _set(lin: torch.nn.Linear, name: str, value: torch.Tensor | None) -> None:
 
 
 def _rows_(lin: torch.nn.Linear, parts: list[tuple[int, int]], rank: int, size: int, copy: bool = True) -> None:
-    """Keep rank's 1/size of each (start, rows) part of the output rows (weight and bias; an Fp8Linear's scale
-    rows too: per channel one a row, block scales one per group_n rows). One part: a view unless `copy`; several:
-    joined, a copy."""
-    scale_rows = (1 if lin.group_k is None else lin.group_n) if isinstance(lin, Fp8Linear) else None
-    for name in ("weight", "bias", "weight_scale"):
-        t = getattr(lin, name, None)  # a norm (OLMo2's q/k) has no bias; only an Fp8Linear has scales
-        if t is None or (name == "weight_scale" and scale_rows is None):
+    """Keep rank's 1/size of each (start, rows) part of the output rows (weight and bias; a quantised weight's
+    scale rows too, quant/linear.py row_tensors). One part: a view unless `copy`; several: joined, a copy."""
+    for name, per in row_tensors(lin):  # per: weight rows a row of the tensor covers
+        t = getattr(lin, name, None)  # a norm (OLMo2's q/k) has no bias
+        if t is None:
             continue
-        per = 1 if name != "weight_scale" else scale_rows  # weight rows a row of t covers
         pieces = [t[(start + rank * (rows // size)) // per:(start + (rank + 1) * (rows // size)) // per]
                   for start, rows in parts]
         joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         _set(lin, name, joined.clone() if copy and len(pieces) == 1 else joined)
-    if isinstance(lin, Fp8Linear):
-        lin.out_features = lin.weight.shape[0]
+    sync_sizes(lin)
 
 
 def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
@@ -166,10 +137,10 @@ def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
     axis = 2 if transposed else 1  # gate_up's 2 I axis (down's I axis: the other of 1 and 2)
     inter = experts.gate_up_proj.shape[axis] // 2
     part = inter // size
-    # (name, axis, weight rows or columns per element along it): FP8 experts' scales follow their blocks
-    fp8 = isinstance(experts, Fp8Experts)
-    gate_ups = [("gate_up_proj", axis, 1)] + ([("gate_up_proj_scale", 1, experts.group_n)] if fp8 else [])
-    downs = [("down_proj", 3 - axis, 1)] + ([("down_proj_scale", 2, experts.group_k)] if fp8 else [])
+    # (name, axis, weight rows or columns per element along it): quantised experts' scales follow their blocks
+    gate_up_scales, down_scales = experts_scale_tensors(experts)
+    gate_ups = [("gate_up_proj", axis, 1)] + gate_up_scales
+    downs = [("down_proj", 3 - axis, 1)] + down_scales
     for name, dim, per in gate_ups:
         t = getattr(experts, name)
         pieces = [t.narrow(dim, (start + rank * part) // per, part // per) for start in (0, inter)]
@@ -182,16 +153,14 @@ def _experts_(experts: torch.nn.Module, rank: int, size: int) -> None:
 
 
 def _columns_(lin: torch.nn.Linear, rank: int, size: int) -> None:
-    """Keep rank's 1/size of the input columns (a contiguous copy: a column slice is strided; an Fp8Linear's
-    block scales likewise, one column per group_k; per-channel scales stay whole); the bias stays on rank 0 only
-    (added once before the sum over ranks)."""
+    """Keep rank's 1/size of the input columns (a contiguous copy: a column slice is strided; a quantised weight's
+    block scales likewise, quant/linear.py column_tensors); the bias stays on rank 0 only (added once before the
+    sum over ranks)."""
     cols = lin.weight.shape[1] // size
-    _set(lin, "weight", lin.weight[:, rank * cols:(rank + 1) * cols].contiguous())
-    if isinstance(lin, Fp8Linear):
-        lin.in_features = cols
-        if lin.group_k is not None:
-            per = lin.group_k
-            _set(lin, "weight_scale", lin.weight_scale[:, rank * cols // per:(rank + 1) * cols // per].contiguous())
+    for name, per in column_tensors(lin):  # per: weight columns a column of the tensor covers
+        t = getattr(lin, name)
+        _set(lin, name, t[:, rank * cols // per:(rank + 1) * cols // per].contiguous())
+    sync_sizes(lin)
     if lin.bias is not None and rank != 0:
         _set(lin, "bias", None)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.quant.linear import Fp8Linear, Fp8Weight, fuse_fp8, mixed_reason
+from batchgen.quant.linear import LinearWeight, fused_weight, mixed_reason
 
 
-def fuse_linears(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
+def fuse_linears(linears: list[torch.nn.Module]) -> tuple[LinearWeight, torch.Tensor | None]:
     """Concatenate the Linears' weights (and biases) along the output dim; rebind each as a view into it.
-    Idempotent: weights already laid out back to back in one tensor are reused, not copied again. FP8 projections
-    (quant/linear.py Fp8Linear, all or none of `linears`) give an Fp8Weight over the fused fp8 weight, with their
-    scales concatenated (`fuse_fp8`)."""
+    Idempotent: weights already laid out back to back in one tensor are reused, not copied again. Quantised
+    projections (all or none of `linears`) give a quantised weight over the fused one, with their scales joined
+    (quant/linear.py fused_weight)."""
     reason = mixed_reason([linears])
     if reason is not None:
         raise ValueError(reason)
@@ -27,8 +27,7 @@ def fuse_linears(linears: list[torch.nn.Module]) -> tuple[torch.Tensor | Fp8Weig
     if fused is None:
         fused = torch.cat([w.detach() for w in weights])
         _rebind(linears, "weight", fused)
-    if isinstance(linears[0], Fp8Linear):
-        fused = fuse_fp8(linears, fused)
+    fused = fused_weight(linears, fused)
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return fused, None

@@ -1,2 +1,3 @@
-"""Quantised checkpoints, one home: FP8 schemes (scheme.py), loading (loader.py, experts.py), the FP8 linear layer
-the models use (linear.py) and the hand-offs between fused kernels (fusion.py). Kernels: batchgen/kernels/fp8/."""
+"""Quantised checkpoints, one home: the linear-layer interface the models use (linear.py), the FP8 modules
+checkpoints load into (modules.py), FP8 schemes (scheme.py), loading (loader.py, experts.py) and the hand-offs
+between fused kernels (fusion.py). Kernels: batchgen/kernels/fp8/."""

@@ -1,11 +1,11 @@
-"""Mixture-of-experts tensors of an FP8 checkpoint into the model batchgen's FP8 loader builds (fp8_loader.py).
+"""Mixture-of-experts tensors of an FP8 checkpoint into the model batchgen's FP8 loader builds (loader.py).
 
 Checkpoints store each expert's projections as 2-D tensors (`<layer>.mlp.experts.<e>.gate_proj.weight`, its
 `weight_scale_inv`; Mixtral: `<layer>.block_sparse_moe.experts.<e>.w1` / `w3` / `w2` for gate / up / down, and its
 router under `block_sparse_moe.gate`), while transformers 5.x's models hold a layer's experts as 3-D parameters
 (`mlp.experts.gate_up_proj` [E, 2 I, H]: each expert's gate rows then its up rows; `down_proj` [E, H, I]).
 `ExpertAssembler` writes each checkpoint tensor into its slice of the 3-D ones, on the target device, one tensor
-at a time: FP8 experts into a models/fp8.Fp8Experts that replaces the layer's experts module (weights in
+at a time: FP8 experts into a quant/modules.py Fp8Experts that replaces the layer's experts module (weights in
 float8_e4m3fn, block scales [E, 2 I / group_n, H / group_k] and [E, H / group_n, I / group_k]); float experts (an
 FP8 checkpoint that left them unquantised) into the module's own parameters. Every slice must be written once:
 `finish` names the first one missing.
@@ -19,7 +19,7 @@ import torch
 
 from batchgen.errors import JobError
 from batchgen.kernels.fp8.quant import FP8_DTYPE
-from batchgen.quant.linear import Fp8Experts
+from batchgen.quant.modules import Fp8Experts
 from batchgen.quant.scheme import Fp8Scheme
 
 # <owner: the layer's experts module>.<expert index>.<projection>.<tensor>

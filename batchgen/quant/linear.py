@@ -1,148 +1,124 @@
-"""FP8 linear weights: `Fp8Linear`, the module an FP8 checkpoint's projections load into (quant/loader.py),
-`Fp8Weight`, what the fused decoders hold for such a projection (one or several fused), and `linear`, the one
-call the fused blocks make for every projection, bf16 or FP8.
-
-Fusing (q/k/v, gate/up) concatenates the fp8 weights as `weights.fuse_linears` does bf16 ones (the modules'
-weights are rebound as views into the fused tensor: no byte held twice) and the scales consistently:
-per-channel scales [N_i, 1] concatenate; block scales concatenate their rows when every part but the last
-starts on a block boundary (row counts multiples of group_n, as in every real checkpoint: q 4096, k/v 1024),
-otherwise each part's block rows are expanded to one scale row per weight row (group_n 1, [N, ceil(K / group_k)]:
-a few % more scale bytes). A per-tensor scale was already expanded to per-channel on load, so q, k and v with
-different per-tensor scales fuse into one per-channel weight.
+"""The one linear-layer interface of the models, whatever a checkpoint's format: what a fused layer holds for a
+projection (`linear_weight`, `experts_weights`, `fused_weight`), the GEMM it runs on it (`make_linear`, `linear`),
+and how a projection's tensors follow its weight when a tensor-parallel rank keeps a slice of it
+(`row_tensors`, `column_tensors`, `experts_scale_tensors`, `sync_sizes`). The models name the types below and
+never a format's own (FP8: quant/modules.py, kernels/fp8/); a new format is a case here and in those modules.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.fp8.blockwise import blockwise_scaled_mm_supported, refuse_unavailable
 from batchgen.kernels.fp8.gemm import fp8_linear
-from batchgen.kernels.fp8.quant import FP8_DTYPE, Fp8Weight, QuantizedActs
+from batchgen.kernels.fp8.quant import ActQuant, Fp8Weight, QuantizedActs
 from batchgen.kernels.fp8.splitk_common import SplitKPartials
-from batchgen.kernels.moe.experts import fused_experts
+from batchgen.kernels.invariant.linear import InvariantLinear
+from batchgen.quant.modules import Fp8Experts, Fp8Linear, fuse_fp8, mixed_reason
+from batchgen.quant.scheme import is_fp8, parse
 
-__all__ = ["Fp8Experts", "Fp8Linear", "Fp8Weight", "linear", "linear_weight", "fuse_fp8", "mixed_reason"]
+__all__ = ["InputQuant", "Linear", "LinearInput", "LinearOutput", "LinearWeight", "column_tensors",
+           "experts_scale_tensors", "experts_weights", "fused_weight", "linear", "linear_weight", "make_linear",
+           "mixed_reason", "probe_gemms", "row_tensors", "sync_sizes"]
 
-
-class Fp8Linear(torch.nn.Module):
-    """An nn.Linear's replacement holding an FP8 weight and its scales; its forward (transformers' modules: prefill
-    of unfused families, the fallback decode) runs the same GEMM as the fused decoders."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_n: int, group_k: int | None,
-                 act_quant: bool, scale_ub: float | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.group_n = group_n  # rows per weight-scale block (1: per row, also per channel)
-        self.group_k = group_k  # columns per weight-scale block and activation group; None: per-channel scales
-        self.act_quant = act_quant  # the checkpoint quantises activations (dynamically); False: weight-only
-        self.scale_ub = scale_ub  # fbgemm's activation_scale_ub: cap on an activation row's absolute max
-        scale_shape = (out_features, 1) if group_k is None else \
-            (-(-out_features // group_n), -(-in_features // group_k))
-        # [N, K] fp8
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                         requires_grad=False)
-        # [N, 1] or [ceil(N / group_n), ceil(K / group_k)] fp32
-        self.weight_scale = torch.nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device),
-                                               requires_grad=False)
-        # [N] in the model's dtype, or None
-        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                       requires_grad=False) if bias else None
-
-    def as_weight(self) -> Fp8Weight:
-        return Fp8Weight(self.weight, self.weight_scale, self.group_n, self.group_k, self.act_quant, self.scale_ub)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.as_weight(), self.bias)
-
-    def extra_repr(self) -> str:
-        scales = "per channel" if self.group_k is None else f"blocks {self.group_n}x{self.group_k}"
-        return f"in={self.in_features}, out={self.out_features}, fp8 {scales}, act_quant={self.act_quant}"
+LinearWeight = torch.Tensor | Fp8Weight  # one projection's weight [N, K] (or several fused; experts: [E, N, K])
+LinearInput = torch.Tensor | QuantizedActs  # a GEMM's input [M, K], maybe quantised already by the kernel writing it
+LinearOutput = torch.Tensor | SplitKPartials  # a GEMM's output [M, N], maybe a split-K GEMM's partials, unsummed
+InputQuant = ActQuant  # how a GEMM wants its input quantised by the kernel that writes it (quant/fusion.py)
+# the decoder's GEMM, with F.linear's signature: `linear` (F.linear, or a quantised weight's GEMM, which also takes
+# quantised inputs), or engine.deterministic's batch-invariant InvariantLinear (plain weights only)
+Linear = Callable[[LinearInput, LinearWeight, torch.Tensor | None], LinearOutput]
 
 
-class Fp8Experts(torch.nn.Module):
-    """A mixture-of-experts layer's experts kept in FP8, in place of transformers 5.x's experts module (same
-    layout: gate_up [E, 2 I, H], the gate rows then the up rows; down [E, H, I]) with block scales [E, 2 I / group_n,
-    H / group_k] and [E, H / group_n, I / group_k] (group_n must divide I: the gate and up blocks stay apart).
-    quant/loader.py fills it from the checkpoint's per-expert tensors; the fused MoE decoders read `weights()`;
-    its forward (transformers' sparse block: prefill of unfused paths, the fallback decode) runs the same
-    kernels/moe.fused_experts."""
-
-    # the layout flags models/moe.py reads from transformers' experts modules
-    is_transposed = False
-    is_concatenated = True
-    has_bias = False
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, group_n: int, group_k: int, act_quant: bool,
-                 scale_ub: float | None, activation: str, device: torch.device | str) -> None:
-        super().__init__()
-        if inter % group_n:
-            raise ValueError(f"expert intermediate size {inter} is not a multiple of the scale blocks' {group_n} rows")
-        self.group_n, self.group_k, self.act_quant, self.scale_ub = group_n, group_k, act_quant, scale_ub
-        self.activation = activation
-        self.intermediate_dim = inter
-
-        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.gate_up_proj = param(num_experts, 2 * inter, hidden, dtype=FP8_DTYPE)  # [E, 2 I, H] fp8
-        self.gate_up_proj_scale = param(num_experts, 2 * inter // group_n, -(-hidden // group_k), dtype=torch.float32)
-        self.down_proj = param(num_experts, hidden, inter, dtype=FP8_DTYPE)  # [E, H, I] fp8
-        self.down_proj_scale = param(num_experts, -(-hidden // group_n), -(-inter // group_k), dtype=torch.float32)
-
-    def weights(self) -> tuple[Fp8Weight, Fp8Weight]:
-        """(gate_up, down) as kernels/moe/experts.py takes FP8 experts."""
-        return tuple(Fp8Weight(w, s, self.group_n, self.group_k, self.act_quant, self.scale_ub)
-                     for w, s in ((self.gate_up_proj, self.gate_up_proj_scale), (self.down_proj, self.down_proj_scale)))
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(hidden_states, *self.weights(), top_k_index, top_k_weights, self.activation,
-                             use_triton=hidden_states.is_cuda)
-
-    def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
-        return f"experts={e}, hidden={h}, inter={two_i // 2}, fp8 blocks {self.group_n}x{self.group_k}"
-
-
-def linear(x: torch.Tensor | QuantizedActs, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
-           fp8_path: str = "auto", unreduced: bool = False) -> torch.Tensor | SplitKPartials:
-    """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8/gemm.py) for an
-    Fp8Weight, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here. An
-    Fp8Weight's GEMM also takes x already quantised (QuantizedActs) and, `unreduced`, may return split-K partials
-    (quant/fusion.py)."""
+def linear(x: LinearInput, weight: LinearWeight, bias: torch.Tensor | None = None, fp8_path: str = "auto",
+           unreduced: bool = False) -> LinearOutput:
+    """x [..., K] @ weight^T + bias: F.linear for a plain weight, the FP8 GEMM (kernels/fp8/gemm.py) for an FP8
+    one, by `fp8_path` (engine.fp8_gemm). Every projection of the fused blocks goes through here. A quantised
+    weight's GEMM also takes x already quantised and, `unreduced`, may return split-K partials (quant/fusion.py)."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight.weight, weight.scale, weight.group_n, weight.group_k, bias, weight.act_quant,
                           weight.scale_ub, path=fp8_path, unreduced=unreduced)
     return F.linear(x, weight, bias)
 
 
-def linear_weight(module: torch.nn.Module) -> torch.Tensor | Fp8Weight:
-    """What `linear` takes for this projection module: its weight, or its Fp8Weight."""
+def make_linear(fp8_gemm: str = "auto", deterministic: bool = False) -> Linear:
+    """A decoder's GEMM: batch-invariant (engine.deterministic; its InvariantLinear is the decoder's own, holding
+    each weight's self-checked choice of kernel), else `linear` with engine.fp8_gemm's path."""
+    if deterministic:
+        return InvariantLinear()
+    return linear if fp8_gemm == "auto" else functools.partial(linear, fp8_path=fp8_gemm)
+
+
+def probe_gemms(config, device: torch.device, fp8_gemm: str, fused: bool) -> None:
+    """The quantised GEMMs' one device probe (a sync), to run before any CUDA-graph capture: fp8_gemm.gemm_path
+    reads it. A forced engine.fp8_gemm path the device lacks raises, where that path applies (`fused`: a fused
+    decoder, not compiled; block scales with quantised activations). Nothing for plain checkpoints or off CUDA."""
+    if not is_fp8(config) or device.type != "cuda":
+        return
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    blockwise_scaled_mm_supported(device_index)
+    scheme = parse(config)
+    if fused and scheme.group_k is not None and scheme.act_quant:
+        refuse_unavailable(fp8_gemm, device_index)
+
+
+def linear_weight(module: torch.nn.Module) -> LinearWeight:
+    """What `linear` takes for this projection module: its weight, or its quantised weight."""
     return module.as_weight() if isinstance(module, Fp8Linear) else module.weight
 
 
-def mixed_reason(groups: list[list[torch.nn.Module]]) -> str | None:
-    """Why projections fused into one GEMM cannot be (FP8 and plain mixed, or different FP8 schemes), or None."""
-    for modules in groups:
-        kinds = {(m.group_n, m.group_k, m.act_quant, m.scale_ub) if isinstance(m, Fp8Linear) else None for m in modules}
-        if len(kinds) > 1:
-            return "projections fused into one GEMM are not all FP8 with one scheme (" + \
-                ", ".join(type(m).__name__ for m in modules) + ")"
-    return None
+def experts_weights(experts: torch.nn.Module) -> tuple[LinearWeight, LinearWeight]:
+    """(gate_up [E, 2 I, H], down [E, H, I]) of a transformers 5.x experts module: its own parameters, or
+    transposed views of them where the module stores them transposed; a quantised checkpoint's experts: their
+    quantised weights."""
+    if isinstance(experts, Fp8Experts):
+        return experts.weights()
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):  # [E, H, 2 I] and [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
 
 
-def fuse_fp8(linears: list[Fp8Linear], fused_weight: torch.Tensor) -> Fp8Weight:
-    """The Fp8Weight of `linears` stacked by output rows, over `fused_weight` [sum N_i, K] (their fp8 weights,
-    already concatenated by weights.fuse_linears). The scales are a new small tensor (see the module docstring)."""
-    first = linears[0]
-    if mixed_reason([linears]) is not None:
-        raise ValueError(mixed_reason([linears]))
-    scales = [lin.weight_scale for lin in linears]
-    group_n = first.group_n
-    if first.group_k is not None and any(lin.out_features % group_n for lin in linears[:-1]):
-        # a part starting inside a block: one scale row per weight row
-        scales = [s.repeat_interleave(group_n, 0)[:lin.out_features] for s, lin in zip(scales, linears)]
-        group_n = 1
-    return Fp8Weight(fused_weight, torch.cat(scales).contiguous(), group_n, first.group_k, first.act_quant,
-                     first.scale_ub)
+def fused_weight(linears: list[torch.nn.Module], fused: torch.Tensor) -> LinearWeight:
+    """The weight of `linears` stacked by output rows, over `fused` [sum N_i, K] (their weights, concatenated by
+    models/weights.fuse_linears): `fused` itself, or for quantised projections (all or none of them) a quantised
+    weight over it with their scales joined (quant/modules.py fuse_fp8)."""
+    return fuse_fp8(linears, fused) if isinstance(linears[0], Fp8Linear) else fused
+
+
+# ---- tensor-parallel slices ---------------------------------------------------------------------------------------
+
+
+def row_tensors(module: torch.nn.Module) -> tuple[tuple[str, int], ...]:
+    """(name, weight rows one row of it covers) of the tensors that follow a projection's output rows: weight and
+    bias, and a quantised weight's scales (per channel one a row, block scales one per group_n rows). A tensor
+    the module lacks (a norm's bias) is None on it."""
+    if isinstance(module, Fp8Linear):
+        return ("weight", 1), ("bias", 1), ("weight_scale", 1 if module.group_k is None else module.group_n)
+    return ("weight", 1), ("bias", 1)
+
+
+def column_tensors(module: torch.nn.Module) -> tuple[tuple[str, int], ...]:
+    """(name, weight columns one column of it covers) of the tensors that follow a projection's input columns:
+    the weight, and a quantised weight's block scales (per-channel scales stay whole)."""
+    if isinstance(module, Fp8Linear) and module.group_k is not None:
+        return ("weight", 1), ("weight_scale", module.group_k)
+    return (("weight", 1),)
+
+
+def experts_scale_tensors(experts: torch.nn.Module) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(gate_up's, down's) scale tensors of quantised experts as (name, axis, weight rows or columns one element
+    along it covers): their blocks follow the weights' intermediate dimension; ([], []) for plain experts."""
+    if not isinstance(experts, Fp8Experts):
+        return [], []
+    return [("gate_up_proj_scale", 1, experts.group_n)], [("down_proj_scale", 2, experts.group_k)]
+
+
+def sync_sizes(module: torch.nn.Module) -> None:
+    """A quantised projection's recorded sizes (in_features, out_features) set to its weight's after slicing."""
+    if isinstance(module, Fp8Linear):
+        module.out_features, module.in_features = module.weight.shape

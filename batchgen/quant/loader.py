@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from batchgen.errors import JobError
-from batchgen.quant.linear import Fp8Linear
+from batchgen.quant.modules import Fp8Linear
 from batchgen.quant.scheme import Fp8Scheme, UnsupportedFp8, parse
 from batchgen.quant.experts import EXPERT_KEY, ExpertAssembler, model_key
 

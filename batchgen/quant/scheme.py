@@ -21,7 +21,7 @@ from dataclasses import dataclass
 FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 # config keys that give a model's expert count (any mixture-of-experts family); registry.py reads them too
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# mixture-of-experts families whose FP8 experts load (models/fp8.Fp8Experts in place of transformers 5.x's 3-D
+# mixture-of-experts families whose FP8 experts load (quant/modules.py Fp8Experts in place of transformers 5.x's 3-D
 # experts module) and run (the fused MoE decoders, models/moe.py)
 FP8_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
@@ -81,6 +81,51 @@ def parse(config) -> Fp8Scheme:
                                  f"activations (quant_method fp8 with weight_block_size, or compressed-tensors "
                                  f"block / group weights); use such a checkpoint or a bf16 one")
     return scheme
+
+
+def split_reason(config, size: int) -> str | None:
+    """Why this checkpoint's quantisation cannot be split `size` ways by tensor parallelism, or None: not FP8, or
+    a scheme that cannot run at all (the loader's error names that, not this)."""
+    if not is_fp8(config):
+        return None
+    try:
+        scheme = parse(config)
+    except UnsupportedFp8:
+        return None
+    return fp8_split_reason(config, scheme.group_n, scheme.group_k, size)
+
+
+def invariant_reason(config) -> str | None:
+    """Why engine.deterministic cannot run this checkpoint's GEMMs (the batch-invariant GEMMs read plain weights
+    only), or None."""
+    if is_fp8(config):
+        return "batch-invariant FP8 GEMMs are not built (the checkpoint's quantization_config is FP8)"
+    return None
+
+
+def fp8_split_reason(config, group_n: int, group_k: int | None, size: int) -> str | None:
+    """Why an FP8 checkpoint's block scales cannot be split `size` ways, or None: every rank's slice of a
+    column-parallel weight (q, k, v, gate, up, the experts' gate and up) must be whole blocks of group_n rows,
+    and of a row-parallel one (o, down, the experts' down) whole blocks of group_k columns. Per-channel scales
+    (group_k None) split with their rows."""
+    if group_k is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # (what, its size, also the input columns of a row-parallel weight: o_proj's are q's, down's the MLP's)
+    for key, dim, row_parallel in (("num_attention_heads x head_dim", heads * head_dim, True),
+                                   ("num_key_value_heads x head_dim", kv_heads * head_dim, False),
+                                   ("intermediate_size", getattr(text, "intermediate_size", None), True),
+                                   ("moe_intermediate_size", getattr(text, "moe_intermediate_size", None), True),
+                                   ("shared_expert_intermediate_size",
+                                    getattr(text, "shared_expert_intermediate_size", None), True)):
+        per_rank = (dim or 0) // size
+        if dim and (per_rank % group_n or (row_parallel and per_rank % group_k)):
+            return (f"its {key} ({dim}) split {size} ways is {per_rank} per rank, not whole FP8 scale blocks of "
+                    f"{group_n} x {group_k}")
+    return None
 
 
 def _qconfig(config) -> dict | None:

@@ -8,7 +8,7 @@ fbgemm's `weight_scale`): a scale multiplies, value = fp8 * scale. A weight [N, 
   - per-channel scales [N, 1] (group_k None; a per-tensor scale is expanded to this on load), or
   - block scales [ceil(N / group_n), ceil(K / group_k)]: one per (group_n rows x group_k columns) block; the last
     block of a dimension may be partial. group_n 1 is a per-row block scale (what fusing q/k/v whose row counts
-    are not multiples of the block leaves, see quant/linear.py).
+    are not multiples of the block leaves, see quant/modules.py).
 Activations x [M, K] are quantised dynamically: per token (one scale per row) for _scaled_mm, or per token and
 group of group_k columns for the block GEMM; scale = max(amax, AMAX_EPS) / 448 (fbgemm: amax capped at its
 activation_scale_ub first), q = clamp(x / scale, +-448) rounded to nearest even.
@@ -37,7 +37,7 @@ AMAX_EPS = 1e-10  # floor of a row's (group's) absolute max: an all-zero row get
 class Fp8Weight:
     """One (possibly fused) FP8 projection as the fused decoders hold it (quant/linear.py), or a layer's FP8 experts
     (a leading expert dimension E on both tensors, kernels/moe/experts.py). Invariant: scale's shape follows (group_n,
-    group_k) and weight's as models/fp8.Fp8Linear's does."""
+    group_k) and weight's as quant/modules.py Fp8Linear's does."""
 
     weight: torch.Tensor  # [N, K] (experts: [E, N, K]) float8_e4m3fn
     # [N, 1] fp32 (group_k None) or [ceil(N / group_n), ceil(K / group_k)] fp32 (experts: [E, ...])
