@@ -346,7 +346,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               help="Also run transformers: seed: 'sync,async' (generate_batch); mixed: 'async'.")] = "",
           variants: Annotated[str, typer.Option(
               help="seed: our engine's variants, comma-separated (batchgen/bench/seed.py VARIANTS: eager, graphs, "
-                   "graphs_async, graphs_async_auto (per-bucket BLAS choice), graphs_async_fp8_splitk (engine."
+                   "graphs_async, graphs_async_cublas (cuBLAS in the graphs), graphs_async_fp8_splitk (engine."
                    "fp8_gemm) and others; an unknown name lists them).")] = "graphs",
           max_num_seqs: Annotated[Optional[int], typer.Option(
               help="Engine max_num_seqs (seed: --requests, mixed: 256).")] = None,

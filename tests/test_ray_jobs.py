@@ -1,7 +1,8 @@
 """`batchgen run --ray`: units dealt to Ray worker actors as they free up give the same rows as one plain worker,
 exactly once, also when an actor is killed mid-run, when the driver is killed and the job is run again with
-another worker count, and with a slow worker (which gets fewer rows). Each run is the CLI in its own process,
-starting its own local Ray instance."""
+another worker count, and with a slow worker (which gets fewer rows). The driver-kill test runs the CLI in its
+own process with its own local Ray; the others run the driver here, on one local Ray instance for the module
+(starting Ray costs ~10 s on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -21,7 +23,7 @@ from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
 pytest.importorskip("ray")
 
 NUM_ROWS = 48
-SLOW = {"BATCHGEN_FAULT_SLOW": "engine_step:0.03"}  # every worker: a run long enough to be killed mid-way
+SLOW = {"BATCHGEN_FAULT_SLOW": "engine_step:0.02"}  # every worker: a run long enough to be killed mid-way
 
 
 def _content(out):
@@ -52,45 +54,74 @@ def setup(tmp_path_factory, tiny_model_dir):
     return tmp, job, _content(single)
 
 
+@pytest.fixture(scope="module")
+def ray_here():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run_here(job, out, monkeypatch, workers: int, env: dict | None = None, during=None):
+    """The driver in this process (on the module's Ray), `during` in a thread meanwhile."""
+    from batchgen.job.job_file import load_spec
+    from batchgen.ray.driver import run_on_ray
+
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)  # the driver forwards BATCHGEN_* to its actors
+    side = threading.Thread(target=during, daemon=True) if during else None
+    if side:
+        side.start()
+    result = run_on_ray(load_spec(job, [], str(out)), workers=workers, show_progress=False)
+    if side:
+        side.join(timeout=60)
+    return result
+
+
 def _start(job, out, *extra, env=None):
     return subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), "--no-progress",
                              "--ray", *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-def _wait_for_commits(out, tag: str, num_lines: int, proc, timeout_s: float = 120) -> None:
+def _wait_for_commits(out, tag: str, num_lines: int, proc=None, timeout_s: float = 120) -> None:
     path = out / "manifest" / f"{tag}.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists() and len(path.read_text().splitlines()) >= num_lines:
             return
-        assert proc.poll() is None, proc.communicate()
+        assert proc is None or proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     raise AssertionError(f"{path} did not reach {num_lines} records")
 
 
-def test_three_ray_workers_equal_one_plain_worker_row_for_row(setup):
+def test_three_ray_workers_equal_one_plain_worker_row_for_row(setup, ray_here, monkeypatch):
     tmp, job, reference = setup
     out = tmp / "three"
-    done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "3", env=SLOW)  # all three take part
-    assert done.returncode == 0, done.stderr
+    result = _run_here(job, out, monkeypatch, 3, env=SLOW)  # slowed: all three take part before the job ends
     assert _content(out) == reference
-    assert "(Ray, 3 workers)" in done.stdout and f"{NUM_ROWS} rows committed" in done.stdout
+    assert result.rows_committed == NUM_ROWS and result.interrupted_by is None
+    assert sorted(result.report["workers"]) == [0, 1, 2]
     assert set(_rows_by_worker(out)) == {"w00000", "w00001", "w00002"}
     assert not list(out.glob(".lock-*")), "a finished Ray job leaves no lock file"
     assert (out / "README.md").exists() and (out / "reports" / "w00002.json").exists()
 
 
-def test_a_killed_ray_worker_is_replaced_and_the_job_ends_exactly_once(setup):
+def test_a_killed_ray_worker_is_replaced_and_the_job_ends_exactly_once(setup, ray_here, monkeypatch, capfd):
     tmp, job, reference = setup
     out = tmp / "killed"
-    proc = _start(job, out, "--workers", "3", env=SLOW)
-    _wait_for_commits(out, "w00001", 2, proc)
-    pid = json.loads((out / ".lock-w00001").read_text())["pid"]  # the actor's process
-    os.kill(pid, signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert "Ray worker 1 failed" in err
+    killed = []
+
+    def kill_worker_1():
+        _wait_for_commits(out, "w00001", 2)
+        pid = json.loads((out / ".lock-w00001").read_text())["pid"]  # the actor's process
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    result = _run_here(job, out, monkeypatch, 3, env=SLOW, during=kill_worker_1)
+    assert killed and "Ray worker 1 failed" in capfd.readouterr().err
+    assert result.interrupted_by is None
     assert _content(out) == reference
 
 
@@ -113,12 +144,10 @@ def test_a_killed_driver_resumes_with_two_workers_exactly_once(setup):
     assert _content(out) == reference
 
 
-def test_a_slow_ray_worker_gets_fewer_units_than_a_fast_one(setup):
+def test_a_slow_ray_worker_gets_fewer_units_than_a_fast_one(setup, ray_here, monkeypatch):
     tmp, job, _ = setup
     out = tmp / "slow"
-    done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "2",
-                   env={"BATCHGEN_FAULT_SLOW": "engine_step:0.2", "BATCHGEN_FAULT_WORKER": "1"})
-    assert done.returncode == 0, done.stderr
+    _run_here(job, out, monkeypatch, 2, env={"BATCHGEN_FAULT_SLOW": "engine_step:0.2", "BATCHGEN_FAULT_WORKER": "1"})
     rows = _rows_by_worker(out)
     assert rows["w00000"] + rows["w00001"] == NUM_ROWS
     assert rows["w00001"] * 2 < rows["w00000"], rows

@@ -18,7 +18,7 @@ import yaml
 from batchgen.errors import JobError
 from batchgen.output import manifest as mf
 from batchgen.output.layout import refuse_pending_fresh, resolved_job_path
-from batchgen.output.lock import is_held
+from batchgen.output.lock import holder, is_held
 
 STALLED_AFTER_S = 600  # a running worker without a commit for this long is flagged
 LOG_TAIL_BYTES = 1 << 16  # a throughput record is ~1 KB: the last one is in the file's last 64 KiB
@@ -33,6 +33,7 @@ class _Worker:
     tokens: int = 0
     last_commit: float | None = None  # unix time
     running: bool = False  # a live process holds the worker's lock
+    dealer: str | None = None  # who deals its rows while it runs ("ray <host>:<pid>"); None: a fixed partition
     started: float | None = None  # unix time the latest run took the lock (the lock file's mtime)
     log: dict | None = None  # the last throughput record
     report: dict | None = None  # reports/wNNNNN.json: written when a run ends normally (done or signalled)
@@ -101,6 +102,8 @@ def _read_workers(out_dir: Path) -> dict[str, _Worker]:
             except FileNotFoundError:  # removed meanwhile (a failed start cleaning up)
                 continue
             w.running = is_held(lock)
+            if w.running:
+                w.dealer = holder(lock).get("dealer")
     for log in (out_dir / "logs").glob("throughput-w*.jsonl"):
         if (w := worker(log.stem.removeprefix("throughput-"))) is not None:
             w.log = _last_record(log)
@@ -137,7 +140,8 @@ def _worker_line(w: _Worker, now: float, rows_remain: bool) -> str:
     rate = w.rate_rows_s
     if w.running:
         rec = w.latest_log
-        line = f"running{f' for {_ago(now - w.started)}' if w.started is not None else ''}; {committed}"
+        line = (f"running{f' for {_ago(now - w.started)}' if w.started is not None else ''}"
+                f"{f' (rows dealt by {w.dealer})' if w.dealer else ''}; {committed}")
         if rec is None:
             line += "; no row finished yet in this run (loading the model or in its first steps)"
         else:

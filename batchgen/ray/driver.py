@@ -229,8 +229,8 @@ class RayJob:
         except Exception:
             pass  # already gone
         lost = sorted(s.held.values(), key=lambda u: u.start)
-        if not lost and (self.finishing or self.stopping):
-            return  # nothing of it is unfinished: the job does not need it back
+        if self.stopping or (not lost and self.finishing):
+            return  # stopping (its uncommitted rows are the next run's), or nothing of it is unfinished
         if s.failures + 1 >= MAX_FAILURES_PER_SLOT:
             self._stop_all()
             raise RuntimeError(f"worker {s.index} on Ray failed {s.failures + 1} times in a row with no unit "
