@@ -164,3 +164,20 @@ def test_ray_refuses_a_static_worker_identity_with_a_clear_message(setup, extra,
     done = run_cli("run", str(job), "-o", str(tmp / "refused"), "--ray", *extra, env=env)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp / "refused").exists()
+
+
+def test_sigterm_to_the_driver_commits_what_is_finished_and_a_rerun_completes_it(setup, ray_here, monkeypatch):
+    tmp, job, reference = setup
+    out = tmp / "sigterm"
+
+    def terminate_driver():
+        _wait_for_commits(out, "w00000", 2)
+        os.kill(os.getpid(), signal.SIGTERM)  # the driver's handler runs in this process's main thread
+
+    stopped = _run_here(job, out, monkeypatch, 2, env=SLOW, during=terminate_driver)
+    assert stopped.interrupted_by == signal.SIGTERM and 0 < stopped.rows_committed < NUM_ROWS
+    assert not running_workers(out) and not list(out.glob(".lock-*"))
+    monkeypatch.delenv("BATCHGEN_FAULT_SLOW")
+    resumed = _run_here(job, out, monkeypatch, 2)
+    assert resumed.rows_skipped == stopped.rows_committed and resumed.interrupted_by is None
+    assert _content(out) == reference
