@@ -148,3 +148,13 @@ def test_a_fixed_partition_worker_and_a_ray_job_never_share_an_output(tmp_path):
         check_partition(tmp_path, other_driver)
     for lock in (ray_worker, same_dealer, static, other_driver):
         lock.remove()
+
+
+def test_a_worker_that_cannot_see_the_output_directory_stops_the_job_with_one_clear_error(tmp_path):
+    from batchgen.ray.worker import RayWorker
+
+    spec = _spec().model_copy(update={"output": _spec().output.model_copy(update={"dir": str(tmp_path / "elsewhere")})})
+    worker = RayWorker(spec.model_dump(by_alias=True), 0, 1, "ray host:1")
+    with pytest.raises(JobError, match=r"output directory .*elsewhere is not visible from the Ray node .*every node"):
+        worker.run()
+    assert not (tmp_path / "elsewhere").exists()

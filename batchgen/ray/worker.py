@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from batchgen.config import JobSpec
 from batchgen.errors import JobError
 from batchgen.job.loop import JobLoop
 from batchgen.job.workers import WorkerInfo
+from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DirectoryLock, WorkerLock, check_partition
 from batchgen.ray.units import Unit, UnitFeed
@@ -43,6 +45,10 @@ class RayWorker:
         os.environ["BATCHGEN_WORKER_INDEX"] = str(self.slot)  # fault injection by worker (output/faults.py)
         spec = JobSpec.model_validate(self.spec_data)
         out_dir = Path(spec.output.dir)
+        if not (out_dir / layout.MARKER_FILE).is_file():  # the driver wrote it before starting any worker
+            raise JobError(f"the output directory {out_dir} is not visible from the Ray node {socket.gethostname()} "
+                           f"(the driver created it, this worker cannot see it): output.dir must be a path every "
+                           f"node of the cluster sees (a shared file system such as NFS or Lustre)")
         tag = mf.worker_tag(self.slot)
         lock = self._take_lock(out_dir, tag)
         try:
