@@ -86,7 +86,7 @@ def test_the_fp8_floor_counts_projection_weights_at_one_byte_and_the_lm_head_at_
 def test_an_fp8_job_limit_times_projection_flops_at_the_fp8_rate_and_the_lm_head_at_bf16():
     """The job bench's limit at 256 sequences is compute-bound: an FP8 checkpoint's projections run at the FP8
     rate measured in the run (2x bf16's here), its LM head at bf16's; without a measured FP8 rate, bf16's."""
-    from batchgen.bench.job import run_limit_s
+    from batchgen.bench.job_run import run_limit_s
     from batchgen.bench.seed import Ceilings
 
     bf16_cfg = model_config("llama-8b")
@@ -158,7 +158,7 @@ def test_a_bench_fp8_moe_model_saves_per_expert_tensors_that_load_back_equal(tmp
 
 def test_ab_summary_pairs_the_a_and_b_runs_of_each_configuration():
     """Also an A/B of code (--compare: A is the other checkout's runs, B this one's)."""
-    from batchgen.bench.job import ab_summary
+    from batchgen.bench.job_run import ab_summary
 
     runs = [{"code": ".prev" if v == "A" else "this", "max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v,
              "tok_s_end_to_end": t} for v, t in (("A", 100.0), ("B", 80.0), ("B", 90.0), ("A", 110.0))]
@@ -174,7 +174,7 @@ def test_an_ab_summary_also_gives_b_over_a_without_the_runs_that_built_kernels_i
     """On the H200 (2026-12-02) the first run of a fresh machine built Triton kernels in its loop (2.1-2.4 s)
     and ran 3-14 % slower than its twin; that run says nothing about its variant."""
     from batchgen.bench.ab import COLD_BUILD_S, variant_means
-    from batchgen.bench.job import ab_summary
+    from batchgen.bench.job_run import ab_summary
 
     runs = [{"max_num_seqs": 256, "repetition_penalty": 1.0, "variant": v, "tok_s_end_to_end": t,
              "triton_compile_s": c} for v, t, c in (("A", 60.0, 2.4), ("B", 90.0, 0.0), ("B", 92.0, COLD_BUILD_S),
@@ -190,10 +190,10 @@ def test_an_ab_summary_also_gives_b_over_a_without_the_runs_that_built_kernels_i
 
 
 def test_window_rates_of_a_throughput_log_see_a_run_that_slows_down(tmp_path):
-    """The long-run check of issue 18 compares the middle tenth of the rows with the last tenths."""
+    """The long-run check compares the middle tenth of the rows with the last tenths."""
     import json
 
-    from batchgen.bench.job import window_tok_s
+    from batchgen.bench.job_run import window_tok_s
 
     records, t, tokens = [], 0.0, 0
     for rows_done in range(0, 1001, 25):  # 100 tokens a row; the last fifth of the rows at half the rate
@@ -226,7 +226,7 @@ def test_the_seed_summary_lists_a_refused_variant_beside_the_ones_that_ran():
 
 
 def test_the_job_bench_splits_a_loop_into_decode_mixed_and_idle_shares_of_its_wall_time():
-    from batchgen.bench.job import step_kinds
+    from batchgen.bench.job_run import step_kinds
 
     stats = {"num_decode_steps": 200, "num_mixed_steps": 10, "num_prefill_tokens": 5000, "gpu_busy_s_decode": 1.8,
              "gpu_busy_s_mixed": 0.5, "gpu_idle_s_before_decode": 0.02, "gpu_idle_s_before_mixed": 0.08,

@@ -120,7 +120,7 @@ def counters_since(before: dict, after: dict) -> dict:
 
 
 def run_ours(model, prompts, output_lens, max_num_seqs: int, overrides: dict | None = None) -> dict:
-    from batchgen.bench.job import step_kinds
+    from batchgen.bench.job_run import step_kinds
     from batchgen.engine.engine import Engine
     from batchgen.job.metrics import CompileTimer, Totals
     from batchgen.sampling_params import SamplingParams
@@ -226,25 +226,8 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
               "copy_TBps": ceilings.copy_bytes_s / 1e12, "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
               "floor_s": floor, "floor_tok_s": sum(output_lens) / floor}
     if ab_sets:
-        def save(runs: list[dict]) -> None:
-            if json_path:
-                with open(json_path, "w") as f:
-                    json.dump({**report, "ab_runs_so_far": runs}, f, indent=1)
-
-        report["ab"] = ab = ab_runs(model, prompts, output_lens, max_num_seqs, overrides, floor, after_run=save)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(report, f, indent=1)
-        print(f"{'run':<6}{'wall s':>10}{'tok/s':>10}{'x floor':>9}{'builds s':>9}  (B: {' '.join(ab_sets)})")
-        for r in ab["runs"]:
-            print(f"{r['variant']:<6}{r['wall_s']:>10.2f}{r['tok_s']:>10.0f}{r['x_floor']:>9.2f}"
-                  f"{r['triton_compile_s']:>9.2f}")
-        print(f"A/B: A {ab['A_wall_s']:.2f} s, B {ab['B_wall_s']:.2f} s, B/A {ab['B_over_A']:.4f} (means of two)")
-        if ab["num_cold_runs"]:
-            warm = (f"B/A {ab['B_over_A_warm']:.4f}" if ab["B_over_A_warm"]
-                    else "no figure (every run of a variant built)")
-            print(f"A/B without the {ab['num_cold_runs']} run(s) that built Triton kernels in their loop: {warm} "
-                  f"(no longer balanced against drift)")
+        report["ab"] = _ab(model, prompts, output_lens, max_num_seqs, overrides, floor, report, json_path)
+        _print_ab(report["ab"], ab_sets)
         return report
     report["ours_graphs_async"] = ours = run_ours(model, prompts, output_lens, max_num_seqs)
     ours["x_floor"] = ours["wall_s"] / floor
@@ -255,9 +238,44 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
         tr["x_floor"] = tr["wall_s"] / floor  # a lower bound when not completed
         tr["ours_speedup"] = tr["wall_s"] / ours["wall_s"]  # likewise
         print("transformers", json.dumps(tr), flush=True)
+    _save(report, json_path)
+    _print_modes(report, floor)
+    return report
+
+
+def _save(report: dict, json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _ab(model, prompts, output_lens, max_num_seqs: int, overrides: dict, floor: float, report: dict,
+        json_path: str | None) -> dict:
+    """The A/B's runs (ab_runs), the report saved after each run (with the runs so far) and at the end."""
+    def save(runs: list[dict]) -> None:
+        _save({**report, "ab_runs_so_far": runs}, json_path)
+
+    ab = ab_runs(model, prompts, output_lens, max_num_seqs, overrides, floor, after_run=save)
+    _save({**report, "ab": ab}, json_path)
+    return ab
+
+
+def _print_ab(ab: dict, ab_sets: list[str]) -> None:
+    """The A/B's runs and B/A, and B/A without the runs that built Triton kernels in their loop."""
+    print(f"{'run':<6}{'wall s':>10}{'tok/s':>10}{'x floor':>9}{'builds s':>9}  (B: {' '.join(ab_sets)})")
+    for r in ab["runs"]:
+        print(f"{r['variant']:<6}{r['wall_s']:>10.2f}{r['tok_s']:>10.0f}{r['x_floor']:>9.2f}"
+              f"{r['triton_compile_s']:>9.2f}")
+    print(f"A/B: A {ab['A_wall_s']:.2f} s, B {ab['B_wall_s']:.2f} s, B/A {ab['B_over_A']:.4f} (means of two)")
+    if ab["num_cold_runs"]:
+        warm = (f"B/A {ab['B_over_A_warm']:.4f}" if ab["B_over_A_warm"]
+                else "no figure (every run of a variant built)")
+        print(f"A/B without the {ab['num_cold_runs']} run(s) that built Triton kernels in their loop: {warm} "
+              f"(no longer balanced against drift)")
+
+
+def _print_modes(report: dict, floor: float) -> None:
+    """The floor, ours and transformers' (a bound where it stopped at its time limit)."""
     print(f"{'mode':<22}{'wall s':>10}{'tok/s':>10}{'x floor':>9}")
     print(f"{'floor':<22}{floor:>10.2f}{report['floor_tok_s']:>10.0f}{1:>9.2f}")
     for key in ("ours_graphs_async", "transformers_async"):
@@ -268,4 +286,3 @@ def main(requests: int = 2000, max_num_seqs: int = 256, transformers: bool = Tru
             else:
                 print(f"{key:<22}{'>' + format(r['wall_s'], '.2f'):>10}{'?':>10}{'>' + format(r['x_floor'], '.2f'):>9}"
                       f"  (stopped at the time limit: {r['finished_requests']} requests finished)")
-    return report

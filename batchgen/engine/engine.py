@@ -47,7 +47,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 # Finished requests become results (their text detokenized) at most this many a step, or an eighth of those
 # waiting if more, while the device has work: rows finishing together (a wave of equal lengths) are handed out
-# over several steps instead of one host stall the device waits out (issue 18)
+# over several steps instead of one host stall the device waits out
 MIN_RESULTS_PER_STEP = 16
 
 # Decode steps of up to this many sequences replay CUDA graphs (engine/sizing.graph_buckets): auto's largest
@@ -69,7 +69,6 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        text_config = model.config.get_text_config()
         self.max_model_len = config.context_length(model.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # think markers for SamplingParams.thinking_budget: the tokenizer's <think> / </think> when it has them;
@@ -80,43 +79,13 @@ class Engine:
         self.tensor_parallel = tp = for_engine(model, config, tensor_parallel)
         geometry = local_kv_geometry(KVGeometry.from_config(model.config), tp)
         kv_dtype = cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype, self.device)
-        # Reserved beside the KV cache: activations of the largest step, and per sequence slot the sampler's [S, V]
-        # buffers and the decode graphs' pool; the slots are as many as sizing.capacity allows (auto) or set
-        graphs = config.cuda_graphs and self.device.type == "cuda"
-        costs = sizing.row_costs(text_config, (geometry.num_heads + 2 * geometry.num_kv_heads) * geometry.head_dim,
-                                 next(model.parameters()).element_size(), -(-self.max_model_len // config.block_size),
-                                 graphs)
-        sized = isinstance(config.max_num_seqs, Auto) and self.device.type == "cuda"  # by the memory left
-        budget = geometry.bytes_per_block(config.block_size, kv_dtype) * plan_num_blocks(
-            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization, reserve_bytes=0,
-            cpu_max_bytes=config.cpu_kv_cache_bytes) if sized else 0
-        cap = sizing.capacity(self.device.type == "cuda", _setting(config.max_num_seqs),
-                              _setting(config.max_num_batched_tokens), budget, costs)
-        if tp is not None and cap.auto_seqs:  # every rank builds the same graph buckets and tables
-            cap = dataclasses.replace(cap, max_num_seqs=tp.agree_min(cap.max_num_seqs))
+        cap, costs = self._capacity(geometry, kv_dtype)
         self.capacity = cap
         self.batch_size: sizing.BatchSize | None = None  # chosen at the first step with queued prompts
-        num_blocks = config.num_kv_blocks or plan_num_blocks(
-            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
-            reserve_bytes=costs.reserve_bytes(cap.max_num_seqs, cap.max_num_batched_tokens),
-            cpu_max_bytes=config.cpu_kv_cache_bytes)
-        if tp is not None:  # one block table serves every rank: the blocks that fit on all of them
-            num_blocks = tp.agree_min(num_blocks)
-        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, kv_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self._build_cache(geometry, kv_dtype, costs.reserve_bytes(cap.max_num_seqs, cap.max_num_batched_tokens))
         self.scheduler = Scheduler(self.block_manager, cap.max_num_seqs, cap.max_num_batched_tokens)
         self.async_pipeline = config.async_on(self.device.type)
-        try:
-            self.runner = ModelRunner(model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
-                                      max_graph_batch=min(cap.max_num_seqs, MAX_GRAPH_BATCH),
-                                      max_model_len=self.max_model_len,
-                                      compile=config.compile, fused_decoder=config.fused_decoder,
-                                      blas_library=config.graph_blas_library, max_num_seqs=cap.max_num_seqs,
-                                      tensor_parallel=tp, deterministic=config.deterministic,
-                                      fp8_gemm=config.fp8_gemm)
-        except BaseException:
-            self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
-            raise
+        self.runner = self._build_runner()
         self._decode_path = "fused" if self.runner.decode_forward.is_fused else "transformers"
         self._ids = itertools.count()
         self._pending: dict[str, tuple[PromptResult, SamplingParams, int]] = {}  # request id -> open samples
@@ -129,6 +98,54 @@ class Engine:
         # the host's time advancing matchers' masks into bitmasks
         self._grammars: GrammarCache | None = None
         self.grammar_s = 0.0
+
+    def _capacity(self, geometry: KVGeometry, kv_dtype: torch.dtype) -> tuple[sizing.Capacity, sizing.RowCosts]:
+        """The batch the engine's buffers are built for (engine.max_num_seqs / max_num_batched_tokens, or auto),
+        and what each row of it costs besides the KV cache: activations of the largest step, and per sequence
+        slot the sampler's [S, V] buffers and the decode graphs' pool. Auto on CUDA: as many slots as the memory
+        left beside the cache allows (sizing.capacity)."""
+        config, model, tp = self.config, self.model, self.tensor_parallel
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        costs = sizing.row_costs(model.config.get_text_config(),
+                                 (geometry.num_heads + 2 * geometry.num_kv_heads) * geometry.head_dim,
+                                 next(model.parameters()).element_size(), -(-self.max_model_len // config.block_size),
+                                 graphs)
+        sized = isinstance(config.max_num_seqs, Auto) and self.device.type == "cuda"  # by the memory left
+        budget = geometry.bytes_per_block(config.block_size, kv_dtype) * plan_num_blocks(
+            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization, reserve_bytes=0,
+            cpu_max_bytes=config.cpu_kv_cache_bytes) if sized else 0
+        cap = sizing.capacity(self.device.type == "cuda", _setting(config.max_num_seqs),
+                              _setting(config.max_num_batched_tokens), budget, costs)
+        if tp is not None and cap.auto_seqs:  # every rank builds the same graph buckets and tables
+            cap = dataclasses.replace(cap, max_num_seqs=tp.agree_min(cap.max_num_seqs))
+        return cap, costs
+
+    def _build_cache(self, geometry: KVGeometry, kv_dtype: torch.dtype, reserve_bytes: int) -> None:
+        """The KV cache, of engine.num_kv_blocks blocks or as many as fit beside `reserve_bytes`, and its block
+        manager."""
+        config, tp = self.config, self.tensor_parallel
+        num_blocks = config.num_kv_blocks or plan_num_blocks(
+            geometry, config.block_size, kv_dtype, self.device, config.gpu_memory_utilization,
+            reserve_bytes=reserve_bytes, cpu_max_bytes=config.cpu_kv_cache_bytes)
+        if tp is not None:  # one block table serves every rank: the blocks that fit on all of them
+            num_blocks = tp.agree_min(num_blocks)
+        self.kv_cache = KVCache(geometry, num_blocks, config.block_size, kv_dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+
+    def _build_runner(self) -> ModelRunner:
+        """The model runner over the cache (its decode forward, CUDA graphs up to the batch's size)."""
+        config, cap = self.config, self.capacity
+        try:
+            return ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=config.cuda_graphs,
+                               max_graph_batch=min(cap.max_num_seqs, MAX_GRAPH_BATCH),
+                               max_model_len=self.max_model_len,
+                               compile=config.compile, fused_decoder=config.fused_decoder,
+                               blas_library=config.graph_blas_library, max_num_seqs=cap.max_num_seqs,
+                               tensor_parallel=self.tensor_parallel, deterministic=config.deterministic,
+                               fp8_gemm=config.fp8_gemm)
+        except BaseException:
+            self.kv_cache.release()  # a failed start (out of memory in graph capture) gives the cache back
+            raise
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "auto",

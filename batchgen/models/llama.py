@@ -8,10 +8,10 @@ and v projections far below the memory bandwidth (at 32 rows, a 1024x4096 bf16 G
     -> add+RMSNorm -> gate/up GEMM -> SiLU*up -> down GEMM
 
 (plus a merge kernel when the batch is too small for one attention split per (sequence, KV head), and a
-separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; quantised GEMMs' hand-offs: quant/fusion.py). Prefill and
-mixed steps (`forward_packed`) run the same layers over every token, with the rotary + K/V write kernel and the
-prefill attention kernel (decode kernel for the step's decode rows). On CPU, and wherever Triton is absent, every
-kernel has a torch reference with the same rounding, so CI runs this exact code path.
+separate rotary kernel for Qwen3, whose q/k RMSNorm runs there; quantised GEMMs' hand-offs: quant/fusion.py).
+Prefill and mixed steps (`forward_packed`) run the same layers over every token, with the rotary + K/V write
+kernel and the prefill attention kernel (decode kernel for the step's decode rows). On CPU, and wherever Triton
+is absent, every kernel has a torch reference with the same rounding, so CI runs this exact code path.
 """
 
 from __future__ import annotations

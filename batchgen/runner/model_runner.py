@@ -11,7 +11,6 @@ last copy.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,8 +18,9 @@ import torch
 from batchgen.attention.interface import METADATA_KWARG, AttentionMetadata, paged_attention_enabled
 from batchgen.attention.kv_cache import KVCache
 from batchgen.engine.batch import ScheduledBatch, StepOutput
-from batchgen.kernels.attention.prefill_launch import PrefillWork, prefill_launch, prefill_work
+from batchgen.kernels.attention.prefill_launch import PrefillWork
 from batchgen.models.registry import build_decode_forward
+from batchgen.runner.device_step import DeferredStep, DeviceStep, InFlight
 from batchgen.runner.staging import StepStaging
 from batchgen.runner.step_arrays import StepArrays
 from batchgen.runner.step_timing import BusyWindow, StepTiming
@@ -36,33 +36,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-@dataclass
-class InFlight:
-    """A dispatched step: its sampled ids on the device and (once `done`) in host memory."""
-
-    tokens_gpu: torch.Tensor  # [S] int64, also the carry-over source of the next step
-    tokens_host: torch.Tensor  # [S] int64, pinned on CUDA
-    done: torch.cuda.Event | None  # recorded after the copy back; None on CPU (already there)
-    logprobs_host: dict[str, torch.Tensor] | None = None  # LogprobResult's tensors, pinned on CUDA; None: none
-    # timing events on the compute stream around the step's device work (after the host prepared it), so
-    # gaps between steps, where the device waits for the host, are not counted as busy; None on CPU
-    busy: BusyWindow | None = None
-
-
-# structured output
-@dataclass
-class DeferredStep:
-    """A dispatched step whose forward is queued but whose sampling waits for its constrained rows' bitmasks
-    (sample/grammar.py says why); `ModelRunner.sample_deferred` queues the rest of the step."""
-
-    logits: torch.Tensor  # [S + P, V] the LM head's rows: S sampling rows (batch order), then P prompt-scoring
-    sampling: SamplingTensors
-    num_sampled: int  # S
-    forced: torch.Tensor | None  # [S] int64 forced ids (-1: none), thinking budget
-    lp_inputs: lpmod.LogprobInputs | None
-    busy: BusyWindow | None
 
 
 class ModelRunner:
@@ -189,64 +162,50 @@ class ModelRunner:
         carry = self._carry_rows(batch, a.last_index)
         decode_only = batch.num_prefill_tokens == 0  # one token per sequence, and every sequence samples
         graphed = self.graphs is not None and decode_only and self.graphs.bucket_for(len(batch.seqs)) is not None
-        sampled = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
-        keep = a.last_index[sampled]  # [S (+ P)] rows through the LM head: sampling rows, then prompt scoring
-        plan = lpmod.LogprobPlan.build(batch, a.last_index) if batch.num_logprob_seqs else None
-        extra = plan.host_arrays() if plan is not None else []
-        if plan is not None and plan.prompt_positions is not None:
-            keep = np.concatenate([keep, plan.prompt_positions])
-        if batch.num_forced:
-            extra.append(np.array([s.sampling.forced_token_id for s in batch.seqs if s.sampling is not None],
-                                  dtype=np.int64))
-        # the Triton prefill kernel's work list, for steps that run transformers' forward on CUDA, cut for its launch
-        max_query_len = int(a.q_lens.max())
-        launch = prefill_launch(max_query_len, self.kv_cache.geometry.head_dim, self._act_bytes)
-        work = [prefill_work(a.q_lens, a.query_start_loc, launch.block_m)] if self.use_triton and not graphed else []
-        self.staging.begin_step()
-        ids_d, pos_d, slots_d, lens_d, tables_d, qsl_d, keep_d, *rest = self.staging.to_device(
-            [a.input_ids, a.positions, a.slot_mapping, a.seq_lens.astype(np.int32), a.block_tables,
-             a.query_start_loc.astype(np.int32), keep, *work, *extra, *carry])
-        work_d = rest.pop(0) if work else None
-        lp_inputs = lpmod.LogprobInputs.from_device(plan, rest) if plan is not None else None
-        rest = rest[len(plan.host_arrays()):] if plan is not None else rest
-        forced_d = rest.pop(0) if batch.num_forced else None
-        carry_d = rest
+        step = DeviceStep.stage(batch, a, carry, self.use_triton and not graphed, self.kv_cache.geometry.head_dim,
+                                self._act_bytes, self.staging.begin_step, self.staging.to_device)
         # its start recorded before the first work this step queues on the compute stream
         busy = self.timing.dispatched(batch.num_prefill_tokens, self.compute_stream is not None)
         sampling = self._sampling(batch)
         self.prepare_s += time.perf_counter() - t0
-        if carry_d:  # placeholders take the previous step's sampled tokens, on the device
-            ids_d[carry_d[0]] = self._last_tokens[carry_d[1]]
-        num_sampled = len(sampled)
+        if step.carry:  # placeholders take the previous step's sampled tokens, on the device
+            step.input_ids[step.carry[0]] = self._last_tokens[step.carry[1]]
+        num_sampled = step.num_sampled
         if graphed:
-            assert plan is None or plan.prompt_positions is None, "a decode step scores no prompt"
-            logits, greedy = self.graphs.replay(ids_d, pos_d, slots_d, lens_d, tables_d)
+            assert step.lp_inputs is None or step.lp_inputs.prompt_positions is None, "a decode step scores no prompt"
+            logits, greedy = self.graphs.replay(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                                step.block_tables)
             # clone: the graph's buffer is rewritten by the next replay
             tokens = greedy.clone() if sampling is None else None if batch.num_constrained else \
                 sample(logits, sampling, self.use_triton)
         else:
-            if decode_only:  # one token per sequence, all sample, in batch order
-                logits = self.decode_forward(ids_d, pos_d, slots_d, tables_d, lens_d, int(a.seq_lens.max()))
-            else:
-                attention = AttentionMetadata(
-                    kv_cache=self.kv_cache, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
-                    block_tables=tables_d, max_query_len=max_query_len, max_seq_len=int(a.seq_lens.max()),
-                    use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs,
-                    prefill_work=None if work_d is None else PrefillWork(work_d, launch))
-                if self.decode_forward.has_packed:  # the fused layers, with the prefill attention kernel
-                    logits = self.decode_forward.forward_packed(ids_d, pos_d, attention, keep_d)
-                else:
-                    with paged_attention_enabled(self.model):
-                        out = self.model(input_ids=ids_d[None], position_ids=pos_d[None], logits_to_keep=keep_d,
-                                         use_cache=False, **{METADATA_KWARG: attention})
-                    logits = out.logits[0]  # [S + P, V]: the `keep` rows only, sampling rows in batch order
+            logits = self._forward(step, decode_only)
             sample_logits = logits[:num_sampled]
             tokens = None if batch.num_constrained else sample_logits.argmax(dim=-1) if sampling is None else \
                 sample(sample_logits, sampling, self.use_triton)
         if batch.num_constrained:  # structured output: sampled below, from the masked logits
-            deferred = DeferredStep(logits, sampling, num_sampled, forced_d, lp_inputs, busy)
+            deferred = DeferredStep(logits, sampling, num_sampled, step.forced, step.lp_inputs, busy)
             return deferred if bitmask is None else self._sample(deferred, bitmask)
-        return self._finish_step(tokens, logits, num_sampled, sampling, forced_d, lp_inputs, busy)
+        return self._finish_step(tokens, logits, num_sampled, sampling, step.forced, step.lp_inputs, busy)
+
+    def _forward(self, step: DeviceStep, decode_only: bool) -> torch.Tensor:
+        """The eager forward of a step: the LM head's rows [K, V] (`step.keep`'s; a decode step: every sequence's
+        last token, in batch order)."""
+        a = step.arrays
+        if decode_only:  # one token per sequence, all sample, in batch order
+            return self.decode_forward(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                                       step.seq_lens, int(a.seq_lens.max()))
+        attention = AttentionMetadata(
+            kv_cache=self.kv_cache, slot_mapping=step.slot_mapping, query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens, block_tables=step.block_tables, max_query_len=step.max_query_len,
+            max_seq_len=int(a.seq_lens.max()), use_triton=self.use_triton, num_decode_seqs=a.num_decode_seqs,
+            prefill_work=None if step.prefill_work is None else PrefillWork(step.prefill_work, step.launch))
+        if self.decode_forward.has_packed:  # the fused layers, with the prefill attention kernel
+            return self.decode_forward.forward_packed(step.input_ids, step.positions, attention, step.keep)
+        with paged_attention_enabled(self.model):
+            out = self.model(input_ids=step.input_ids[None], position_ids=step.positions[None],
+                             logits_to_keep=step.keep, use_cache=False, **{METADATA_KWARG: attention})
+        return out.logits[0]  # [S + P, V]: the `keep` rows only, sampling rows in batch order
 
     def _sample(self, step: DeferredStep, bitmask: torch.Tensor) -> InFlight:
         """Structured output: the masked draw of a step with constrained rows, then the rest."""
