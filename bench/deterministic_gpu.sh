@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# engine.deterministic on the GPU, issue 20's targets in one command (8B geometry, random bf16 weights, sampled
+# engine.deterministic on the GPU: its targets in one command (8B geometry, random bf16 weights, sampled
 # at temperature 0.7 / top_p 0.9, 256 new tokens; the job workload of `batchgen bench --workload job`):
 #   1. identical completion token ids between max_num_seqs 16 and 256
 #   2. between an uninterrupted run and one killed twice (kill -9 after a commit) and resumed

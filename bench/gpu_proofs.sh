@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proofs still open (issues 15, 18, 19, 20), one section per argument. Each step is bounded by `timeout`
+# GPU proofs and measurements, one section per argument. Each step is bounded by `timeout`
 # and by DEADLINE (seconds since the script started, default 585: the device's 10-minute commands), so a command
 # ends with its archive written; a step that no longer fits is skipped and says so. Most sections fill a command.
 # The logs and JSON reports go to $LOGS (/tmp/gpu_proofs_logs) and, after every step, into one archive

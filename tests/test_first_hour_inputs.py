@@ -1,4 +1,4 @@
-"""A new user's first hour, the inputs (issue 17): nulls in templates, sandboxed templates, JSONL values that
+"""A new user's first hour, the inputs: nulls in templates, sandboxed templates, JSONL values that
 do not fit their column, files whose content contradicts their type, and splits that do not exist."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A new user's first hour, the model and the hub (issue 17): a missing local folder or GGUF file is named, a
+"""A new user's first hour, the model and the hub: a missing local folder or GGUF file is named, a
 hub name without a reachable hub fails in seconds with one line, and GGUF conversions are cached by content."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 17, a new user's first hour, the run's start: a device the machine lacks is refused up front by
+"""A new user's first hour, the run's start: a device the machine lacks is refused up front by
 validate and run; a refused resume and a job with every row done never load the model's weights."""
 
 from __future__ import annotations

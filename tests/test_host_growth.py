@@ -1,4 +1,4 @@
-"""Issue 18: the host's cost per engine step must not grow with the rows a run has processed. These tests check
+"""The host's cost per engine step must not grow with the rows a run has processed. These tests check
 the structure behind that (what is kept per row or per cached block, and for how long), not timings."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Structured output (issue 14): grammars compiled by xgrammar, one matcher per running sequence, and the token
+"""Structured output: grammars compiled by xgrammar, one matcher per running sequence, and the token
 bitmask that constrains its next token.
 
 Pieces, host to device:
