@@ -30,7 +30,7 @@ from batchgen.ray import cluster
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
 from batchgen.sources import open_source
 
-POLL_INTERVAL_S = 0.1
+POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a worker queues ~2 steps of rows ahead)
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
 GROW_CHECK_S = 10.0
 # the driver's settings its workers take along: batchgen's own (cache folder, fault injection) and offline switches
