@@ -132,50 +132,68 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
 
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
-    from batchgen.errors import JobError
-    from batchgen.job.run import fresh_start, run_job
     from batchgen.job.job_file import load_spec
-    from batchgen.job.workers import resolve_worker
 
     overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
                                 else []) + (["engine.deterministic=true"] if deterministic else [])
     spec = load_spec(job, overrides, output)
+    static_identity = worker_index is not None or num_workers is not None
     if on_ray:
-        _run_on_ray(spec, job, workers, fresh, progress, worker_index is not None or num_workers is not None
-                    or gpus is not None)
+        _run_on_ray(spec, job, workers, fresh, progress, static_identity or gpus is not None)
         return
-    if workers is not None:
-        workers = _count(workers, "--workers")
-    size = spec.engine.tensor_parallel_size
-    identity = None  # this process's tensor-parallel rank, when a launcher (ours, torchrun) started it as one
-    if size > 1:
-        from batchgen.distributed.groups import identity_from_environment
-
-        try:
-            identity = identity_from_environment(size)
-        except ValueError as e:
-            raise JobError(str(e)) from None
-    if workers is not None or gpus is not None or (size > 1 and identity is None):
-        from batchgen.job.launcher import launch, resolve_gpus
-
-        if worker_index is not None or num_workers is not None or (workers is not None and gpus is not None):
+    count = _count(workers, "--workers") if workers is not None else None
+    identity = _rank_identity(spec)
+    if count is not None or gpus is not None or (spec.engine.tensor_parallel_size > 1 and identity is None):
+        if static_identity or (count is not None and gpus is not None):
             raise JobError("--workers/--gpus start their own workers: drop --worker-index/--num-workers, and give "
                            "only one of --workers and --gpus")
-        gpu_ids = resolve_gpus(gpus) if gpus is not None else None
-        count = len(gpu_ids) // size if gpu_ids is not None else (workers if workers is not None else 1)
-        if size > 1:
-            import torch
+        raise typer.Exit(_launch_workers(spec, job, overrides, output, count, gpus, fresh, progress))
+    _run_this_worker(spec, job, identity, worker_index, num_workers, fresh, progress)
 
-            from batchgen.job import ranks
 
-            gpu_ids = ranks.worker_gpus(spec, count, gpu_ids, gpus, torch.cuda.device_count())
-            count = len(gpu_ids) // size if gpu_ids is not None else count
-            ranks.check_before_launch(spec)
-        if count is None or count < 1:
-            raise JobError("--workers must be >= 1")
-        if fresh:
-            fresh_start(spec, job_file=job)
-        raise typer.Exit(launch(job, overrides, output, count, gpu_ids, size, progress))
+def _rank_identity(spec):
+    """This process's tensor-parallel rank when a launcher (ours, torchrun) started it as one; else None."""
+    if spec.engine.tensor_parallel_size <= 1:
+        return None
+    from batchgen.distributed.groups import identity_from_environment
+
+    try:
+        return identity_from_environment(spec.engine.tensor_parallel_size)
+    except ValueError as e:
+        raise JobError(str(e)) from None
+
+
+def _launch_workers(spec, job: Path, overrides: list[str], output: str | None, count: int | None, gpus: str | None,
+                    fresh: bool, progress: bool) -> int:
+    """--workers / --gpus (or a tensor-parallel job started plainly): start the worker processes, wait for them;
+    the exit code."""
+    from batchgen.job.launcher import launch, resolve_gpus
+    from batchgen.job.run import fresh_start
+
+    size = spec.engine.tensor_parallel_size
+    gpu_ids = resolve_gpus(gpus) if gpus is not None else None
+    count = len(gpu_ids) // size if gpu_ids is not None else (count if count is not None else 1)
+    if size > 1:
+        import torch
+
+        from batchgen.job import ranks
+
+        gpu_ids = ranks.worker_gpus(spec, count, gpu_ids, gpus, torch.cuda.device_count())
+        count = len(gpu_ids) // size if gpu_ids is not None else count
+        ranks.check_before_launch(spec)
+    if count is None or count < 1:
+        raise JobError("--workers must be >= 1")
+    if fresh:
+        fresh_start(spec, job_file=job)
+    return launch(job, overrides, output, count, gpu_ids, size, progress)
+
+
+def _run_this_worker(spec, job: Path, identity, worker_index: int | None, num_workers: int | None, fresh: bool,
+                     progress: bool) -> None:
+    """This process is one worker (of a Slurm array, torchrun, Kubernetes, or alone), or one rank of one."""
+    from batchgen.job.run import run_job
+    from batchgen.job.workers import resolve_worker
+
     if identity is not None and identity.source == "torchrun":
         from batchgen.job.ranks import torchrun_worker
 
@@ -392,67 +410,14 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     job (`batchgen run` end to end)."""
     import torch
 
-    if workload not in ("seed", "mixed", "job"):
-        typer.echo(f"batchgen: error: --workload must be 'seed', 'mixed' or 'job', got {workload!r}", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    from batchgen.bench.geometries import GEOMETRIES
-
-    if model_geometry not in GEOMETRIES:
-        typer.echo(f"batchgen: error: --model-geometry must be one of {', '.join(GEOMETRIES)}, got {model_geometry!r}",
-                   err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    if tensor_parallel is not None:  # before anything else can refuse the options without naming this one
-        from batchgen.bench.tp_seed import bench_reason
-
-        reason = bench_reason(tensor_parallel, workload, model_geometry, weights, variants, transformers)
-        if reason is not None:
-            typer.echo(f"batchgen: error: {reason}", err=True)
-            raise typer.Exit(EXIT_USER_ERROR)
-    from batchgen.bench.fp8_weights import WEIGHTS
-
-    if weights not in WEIGHTS or (weights != "bf16" and workload == "mixed"):
-        typer.echo(f"batchgen: error: --weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got "
-                   f"{weights!r}", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    if workload != "job" and (job_set or compare or (ab_set and workload != "mixed")):
-        typer.echo("batchgen: error: --job-set and --compare apply to --workload job only, --ab-set to job and "
-                   "mixed", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    mixed_overrides = None
-    if workload == "mixed" and ab_set:
-        if transformers:
-            typer.echo("batchgen: error: --ab-set and --transformers: give one (the mixed A/B runs ours only)",
-                       err=True)
-            raise typer.Exit(EXIT_USER_ERROR)
-        from batchgen.bench.mixed import engine_overrides
-        from batchgen.errors import JobError
-
-        try:
-            mixed_overrides = engine_overrides(ab_set, max_num_seqs or 256)
-        except JobError as e:
-            typer.echo(f"batchgen: error: {e}", err=True)
-            raise typer.Exit(EXIT_USER_ERROR) from None
-    if ab_set and compare:
-        typer.echo("batchgen: error: --ab-set and --compare are two A/Bs: give one", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    from batchgen.bench.seed import VARIANTS
-
-    unknown = [v for v in variants.split(",") if v not in VARIANTS]
-    if workload == "seed" and unknown:  # before a model is built: the bench's variants are EngineConfig overrides
-        typer.echo(f"batchgen: error: --variants: unknown {', '.join(map(repr, unknown))} (one of "
-                   f"{', '.join(VARIANTS)})", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
-    if workload == "mixed" and model_geometry != "llama-8b":
-        typer.echo("batchgen: error: the mixed workload runs the llama-8b geometry only", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
+    mixed_overrides = _check_bench_options(workload, model_geometry, tensor_parallel, weights, variants, transformers,
+                                           job_set, compare, ab_set, max_num_seqs)
     if not torch.cuda.is_available():
-        typer.echo("batchgen: error: `batchgen bench` needs a CUDA GPU", err=True)
-        raise typer.Exit(EXIT_USER_ERROR)
+        _refuse("`batchgen bench` needs a CUDA GPU")
     if tensor_parallel is not None:
         if torch.cuda.device_count() < tensor_parallel:
-            typer.echo(f"batchgen: error: --tensor-parallel {tensor_parallel} needs {tensor_parallel} GPUs; this "
-                       f"machine has {torch.cuda.device_count()}", err=True)
-            raise typer.Exit(EXIT_USER_ERROR)
+            _refuse(f"--tensor-parallel {tensor_parallel} needs {tensor_parallel} GPUs; this machine has "
+                    f"{torch.cuda.device_count()}")
         from batchgen.bench.tp_seed import main as tp_main
 
         requests = requests or 32
@@ -470,11 +435,6 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main
 
-        unknown = set(filter(None, transformers.split(","))) - {"async"}
-        if unknown:
-            typer.echo(f"batchgen: error: the mixed workload compares with transformers 'async' only, got "
-                       f"{sorted(unknown)}", err=True)
-            raise typer.Exit(EXIT_USER_ERROR)
         mixed_main(requests=requests or 2000, max_num_seqs=max_num_seqs or 256, transformers=bool(transformers),
                    json_path=json_out, transformers_time_limit_s=transformers_time_limit or 1e9,
                    ab_sets=ab_set or [], overrides=mixed_overrides)
@@ -485,6 +445,57 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     bench_main(new_tokens=new_tokens or 1024, requests=requests, prompt_len=prompt_len, transformers_modes=transformers,
                json_path=json_out, variants=variants, max_num_seqs=max_num_seqs or requests, geometry=model_geometry,
                weights=weights)
+
+
+def _refuse(message: str):
+    typer.echo(f"batchgen: error: {message}", err=True)
+    raise typer.Exit(EXIT_USER_ERROR)
+
+
+def _check_bench_options(workload, model_geometry, tensor_parallel, weights, variants, transformers, job_set, compare,
+                         ab_set, max_num_seqs):
+    """Refuse (exit 2, one line) the option combinations `bench` cannot run, before a model is built; the mixed
+    workload's engine overrides from --ab-set (None without)."""
+    if workload not in ("seed", "mixed", "job"):
+        _refuse(f"--workload must be 'seed', 'mixed' or 'job', got {workload!r}")
+    from batchgen.bench.geometries import GEOMETRIES
+
+    if model_geometry not in GEOMETRIES:
+        _refuse(f"--model-geometry must be one of {', '.join(GEOMETRIES)}, got {model_geometry!r}")
+    if tensor_parallel is not None:  # before anything else can refuse the options without naming this one
+        from batchgen.bench.tp_seed import bench_reason
+
+        reason = bench_reason(tensor_parallel, workload, model_geometry, weights, variants, transformers)
+        if reason is not None:
+            _refuse(reason)
+    from batchgen.bench.fp8_weights import WEIGHTS
+
+    if weights not in WEIGHTS or (weights != "bf16" and workload == "mixed"):
+        _refuse(f"--weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got {weights!r}")
+    if workload != "job" and (job_set or compare or (ab_set and workload != "mixed")):
+        _refuse("--job-set and --compare apply to --workload job only, --ab-set to job and mixed")
+    if ab_set and compare:
+        _refuse("--ab-set and --compare are two A/Bs: give one")
+    from batchgen.bench.seed import VARIANTS
+
+    unknown = [v for v in variants.split(",") if v not in VARIANTS]
+    if workload == "seed" and unknown:  # the bench's variants are EngineConfig overrides
+        _refuse(f"--variants: unknown {', '.join(map(repr, unknown))} (one of {', '.join(VARIANTS)})")
+    if workload == "mixed" and model_geometry != "llama-8b":
+        _refuse("the mixed workload runs the llama-8b geometry only")
+    if workload == "mixed" and set(filter(None, transformers.split(","))) - {"async"}:
+        _refuse(f"the mixed workload compares with transformers 'async' only, got "
+                f"{sorted(set(filter(None, transformers.split(','))) - {'async'})}")
+    if workload != "mixed" or not ab_set:
+        return None
+    if transformers:
+        _refuse("--ab-set and --transformers: give one (the mixed A/B runs ours only)")
+    from batchgen.bench.mixed import engine_overrides
+
+    try:
+        return engine_overrides(ab_set, max_num_seqs or 256)
+    except JobError as e:
+        _refuse(str(e))
 
 
 def main() -> None:  # pragma: no cover

@@ -62,6 +62,16 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
     return key
 
 
+def _owned_tags(out_dir: Path, worker: WorkerInfo, dealt: bool) -> set[str]:
+    """The worker tags whose crash leftovers this worker deletes: its own; for worker 0 of a fixed partition also
+    those beyond today's count (an earlier, wider run). A dealt job's driver tidies those before it starts any
+    worker (its worker count may grow while it runs)."""
+    owned = {mf.worker_tag(worker.index)}
+    if worker.index == 0 and not dealt and (out_dir / mf.MANIFEST_DIR).is_dir():
+        owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl") if int(p.stem[1:]) >= worker.count}
+    return owned
+
+
 class JobLoop:
     def __init__(self, spec: JobSpec, out_dir: Path, worker: WorkerInfo, show_progress: bool,
                  tensor_parallel=None, dealt: bool = False) -> None:
@@ -108,14 +118,9 @@ class JobLoop:
         check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
                                            tokenizer, __version__))
 
-        owned = {mf.worker_tag(worker.index)}
-        if worker.index == 0 and not dealt:  # workers beyond today's count (an earlier, wider run) are ours
-            # (a dealt job's driver tidies those before it starts any worker: its worker count may grow)
-            owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
-                      if int(p.stem[1:]) >= worker.count} if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
         # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
         # deleted; the committed keys are the rows to skip
-        self.done_keys = mf.prepare_resume(out_dir, owned)
+        self.done_keys = mf.prepare_resume(out_dir, _owned_tags(out_dir, worker, dealt))
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = None if dealt else self.source.progress_rows() if show_progress else self.source.expected_rows

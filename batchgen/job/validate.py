@@ -33,7 +33,6 @@ def tokenizer_and_config(spec: JobSpec):
 
 
 def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
-    from batchgen.attention.kv_cache import KVGeometry
     from batchgen.runner.loader import resolve_device
 
     from batchgen.job import placement
@@ -47,58 +46,16 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     source_line = len(lines)  # its row count is known only once the rows are read (JSONL: counted below)
     lines.append("")
     tokenizer, config = tokenizer_and_config(spec)
-    from batchgen.quant.loader import check_fp8_checkpoint
-
     max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it
-    fp8 = check_fp8_checkpoint(config, spec.model.path)
-    if fp8 is not None:
-        lines.append(f"weights: {fp8.describe()}")
-    text = config.get_text_config()
-    _check_weights(spec)  # after the refusals run makes from the config alone, in run's order
-    context = spec.engine.context_length(config)
-    geo = KVGeometry.from_config(config)
-    lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "
-                 f"{text.num_attention_heads} heads ({geo.num_kv_heads} KV), context {context} tokens, "
-                 f"vocab {text.vocab_size}")
+    lines += _model_lines(spec, config)
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)
-    lengths, rejects, shown = [], {}, []
-    num_read, read_all = 0, True
+    sample = _RowSample()
     for i, row in enumerate(source):
         if i >= sample_rows:
-            read_all = False
+            sample.read_all = False
             break
-        num_read += 1
-        if row.columns is None:
-            rejects["malformed_row"] = rejects.get("malformed_row", 0) + 1
-            continue
-        try:
-            prompt = renderer.render(row.columns)
-            if len(prompt) > spec.limits.max_prompt_chars:  # tokenize's own check, before the tokenizer sees it
-                renderer.tokenize(prompt)
-                prompt = prompt[:spec.limits.max_prompt_chars]
-            ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)  # once: length before policy
-            if not ids:
-                raise RowError("empty_prompt", "the prompt has no tokens")
-            lengths.append(len(ids))
-            if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
-                rejects["prompt_too_long"] = rejects.get("prompt_too_long", 0) + 1
-            row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
-            if len(shown) < show:
-                shown.append(prompt)
-        except RowError as e:
-            rejects[e.error_class] = rejects.get(e.error_class, 0) + 1
-    for n, p in enumerate(shown):
-        lines.append(f"prompt #{n}:\n    " + p.replace("\n", "\n    "))
-    if lengths:
-        ordered = sorted(lengths)
-        p95 = ordered[int(0.95 * (len(ordered) - 1))]
-        over = sum(1 for n in lengths if n > max_prompt)
-        lines.append(f"prompt tokens over {len(lengths)} rendered rows: min {min(lengths)}, median "
-                     f"{statistics.median(lengths):.0f}, p95 {p95}, max {max(lengths)}; {over} exceed the "
-                     f"{max_prompt}-token limit (policy: {spec.prompt.on_too_long})")
-    if rejects:
-        lines.append("rows that would be rejected in the sample: "
-                     + ", ".join(f"{k}: {v}" for k, v in sorted(rejects.items())))
+        sample.add(spec, row, renderer, tokenizer, row_sampling, max_prompt, show)
+    lines += sample.lines(spec, max_prompt)
     lines.append(f"sampling: n={spec.sampling.n}, max_new_tokens={spec.sampling.max_new_tokens}, "
                  f"temperature={spec.sampling.temperature}, seed={spec.sampling.seed}"
                  + (f", response_format={spec.sampling.response_format.type}" if spec.sampling.response_format else "")
@@ -108,11 +65,77 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     keys_line, num_scanned = _check_keys(spec, source, schema)
     lines.append(keys_line)
     num_rows = source.expected_rows if source.expected_rows is not None else \
-        num_read if read_all else num_scanned
+        sample.num_read if sample.read_all else num_scanned
     count = f"{num_rows:,} rows" if num_rows is not None else \
         f"more than {sample_rows:,} rows (the first {sample_rows:,} rendered)"
     lines[source_line] = f"source: {source.description}; {count}; columns: {', '.join(source.columns)}"
     return "\n".join(lines)
+
+
+def _model_lines(spec: JobSpec, config) -> list[str]:
+    """The weights' format and the model's shape; the refusals run makes from the config, in run's order."""
+    from batchgen.attention.kv_cache import KVGeometry
+    from batchgen.quant.loader import check_fp8_checkpoint
+
+    lines = []
+    fp8 = check_fp8_checkpoint(config, spec.model.path)
+    if fp8 is not None:
+        lines.append(f"weights: {fp8.describe()}")
+    text = config.get_text_config()
+    _check_weights(spec)
+    context = spec.engine.context_length(config)
+    geo = KVGeometry.from_config(config)
+    lines.append(f"model: {type(config).__name__.removesuffix('Config')}, {geo.num_layers} layers, "
+                 f"{text.num_attention_heads} heads ({geo.num_kv_heads} KV), context {context} tokens, "
+                 f"vocab {text.vocab_size}")
+    return lines
+
+
+class _RowSample:
+    """The first rows rendered and tokenized as run would: prompt lengths, the rejects run would make, a few
+    prompts to show."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self.rejects: dict[str, int] = {}
+        self.shown: list[str] = []
+        self.num_read, self.read_all = 0, True
+
+    def add(self, spec: JobSpec, row, renderer, tokenizer, row_sampling, max_prompt: int, show: int) -> None:
+        self.num_read += 1
+        if row.columns is None:
+            self.rejects["malformed_row"] = self.rejects.get("malformed_row", 0) + 1
+            return
+        try:
+            prompt = renderer.render(row.columns)
+            if len(prompt) > spec.limits.max_prompt_chars:  # tokenize's own check, before the tokenizer sees it
+                renderer.tokenize(prompt)
+                prompt = prompt[:spec.limits.max_prompt_chars]
+            ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)  # once: length before policy
+            if not ids:
+                raise RowError("empty_prompt", "the prompt has no tokens")
+            self.lengths.append(len(ids))
+            if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
+                self.rejects["prompt_too_long"] = self.rejects.get("prompt_too_long", 0) + 1
+            row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
+            if len(self.shown) < show:
+                self.shown.append(prompt)
+        except RowError as e:
+            self.rejects[e.error_class] = self.rejects.get(e.error_class, 0) + 1
+
+    def lines(self, spec: JobSpec, max_prompt: int) -> list[str]:
+        lines = [f"prompt #{n}:\n    " + p.replace("\n", "\n    ") for n, p in enumerate(self.shown)]
+        if self.lengths:
+            ordered = sorted(self.lengths)
+            p95 = ordered[int(0.95 * (len(ordered) - 1))]
+            over = sum(1 for n in self.lengths if n > max_prompt)
+            lines.append(f"prompt tokens over {len(self.lengths)} rendered rows: min {min(self.lengths)}, median "
+                         f"{statistics.median(self.lengths):.0f}, p95 {p95}, max {max(self.lengths)}; {over} exceed "
+                         f"the {max_prompt}-token limit (policy: {spec.prompt.on_too_long})")
+        if self.rejects:
+            lines.append("rows that would be rejected in the sample: "
+                         + ", ".join(f"{k}: {v}" for k, v in sorted(self.rejects.items())))
+        return lines
 
 
 def _check_weights(spec: JobSpec) -> None:
