@@ -20,13 +20,13 @@ from HBM: weight copies are rotated over more than the L2 cache. Errors: max |ou
 emulated W8A8 reference (same quantisation in fp32).
 
 --sweep times the Triton GEMM (activations quantised once, outside the timing) over a few launch configs per
-(shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and a SHAPE_CONFIGS
-literal for batchgen/kernels/fp8/gemm.py (commit only the buckets where the best beats the default: an M above a
+(shape, M) with graph replays (explicit `config=` arguments), prints the best per (shape, M), and its entries for
+batchgen/kernels/fp8/gemm_launches.json (commit only the buckets where the best beats the default: an M above a
 shape's largest listed bucket takes the default configs); and the split-K GEMM over (BLOCK_N, splits, warps,
 stages, TMA) (SPLITK_TILES x split counts at M <= 64; above, SPLITK_TILES_LARGE_M x row tiles of 64 and 128; splits
 do not recompile), its best per (shape, M) printed beside the Triton GEMM's and the cuBLAS block-wise GEMM alone,
-then a SPLITK_SHAPE_ROWS literal for batchgen/kernels/fp8/gemm.py (the rows up to which split-K's default config
-beat cuBLAS block-wise at every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
+then the 'splitk' entries of that file (the rows up to which split-K's default config beat cuBLAS block-wise at
+every swept M above SPLITK_MAX_ROWS). ~2-3 minutes on an H200 at M <= 64, mostly Triton
 compiles; ~2 more a swept M above 64.
 """
 
@@ -302,17 +302,24 @@ def main() -> None:
                       f"{s['best_ms']:>10.4f}"
                       f"{s.get('cublas_alone_ms', float('nan')):>10.4f}"
                       f"  {tuple(s['splitk_best'])} / {tuple(s['splitk_default'])}")
-        print("\nSHAPE_CONFIGS = {")
+        print("\nentries for batchgen/kernels/fp8/gemm_launches.json (commit the 'triton' ones whose us beats "
+              "baseline_us; device: this GPU's name):")
+        device = torch.cuda.get_device_name()
+        by_shape = {(s["N"], s["K"], s["M"]): s for s in sweeps}
         for (n, k), per_m in table.items():
-            last = max(per_m)
-            inner = ", ".join(f"{m if m != last else '1 << 62'}: GemmConfig{cfg}" for m, cfg in sorted(per_m.items()))
-            print(f"    ({n}, {k}): {{{inner}}},")
-        print("}")
-        shape_rows = splitk_shape_rows(sweeps, sweep_m, fp8_gemm.SPLITK_MAX_ROWS)
-        print("\nSPLITK_SHAPE_ROWS = {  # split-K's default config faster than cuBLASLt block-wise up to these rows")
-        for (n, k), m in shape_rows.items():
-            print(f"    ({n}, {k}): {m},")
-        print("}")
+            for m, cfg in sorted(per_m.items()):
+                s = by_shape[(n, k, m)]
+                print(json.dumps({"kernel": "triton", "n": n, "k": k, "max_rows": m,
+                                  "config": dict(zip(GemmConfig._fields, cfg)), "us": round(1000 * s["best_ms"], 1),
+                                  "baseline_us": round(1000 * s["default_ms"], 1), "baseline": "the default config",
+                                  "device": device, "what": s["shape"]}) + ",")
+        for (n, k), m in splitk_shape_rows(sweeps, sweep_m, fp8_gemm.SPLITK_MAX_ROWS).items():
+            s = by_shape[(n, k, m)]
+            print(json.dumps({"kernel": "splitk", "n": n, "k": k, "max_rows": m, "config": None,
+                              "us": round(1000 * s["splitk_default_ms"], 1),
+                              "baseline_us": round(1000 * s["cublas_alone_ms"], 1),
+                              "baseline": "cuBLASLt block-wise _scaled_mm", "device": device,
+                              "what": s["shape"]}) + ",")
     print(f"\n({time.time() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -32,7 +32,7 @@
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh fp8splitk  # split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py
 #                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
-#                                       # SPLITK_SHAPE_ROWS literal says which shapes take split-K at the FP8 job's
+#                                       # gemm_launches.json split-K entries say which shapes take split-K at the FP8 job's
 #                                       # sizes (~8 min?; SPLITK_SWEEP_ROWS narrows it)
 #   bash bench/gpu_proofs.sh fp8kv      # engine.kv_cache_dtype: fp8: its GPU tests, then the job at 256 seqs, default (A)
 #                                       # vs an fp8 K/V cache (B), A B B A (~7 min)

@@ -14,10 +14,11 @@ launch changes nothing but speed.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from pathlib import Path
+
+from batchgen.kernels.launch_tables import check_keys, read_entries
 
 TABLE_PATH = Path(__file__).with_name("decode_launches.json")
 MAX_SPLITS = 32  # the most context splits a (sequence, KV head) gets: the heuristic's cap and the table's
@@ -137,8 +138,7 @@ def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: 
 @functools.lru_cache(maxsize=8)  # read once a process; the entries are immutable
 def load_table(path: Path | str = TABLE_PATH) -> tuple[TableEntry, ...]:
     """The entries of a launch table file, validated (parse_table)."""
-    with open(path) as f:
-        return parse_table(json.load(f), str(path))
+    return parse_table({"entries": list(read_entries(path))}, str(path))
 
 
 def _pow2(v: int) -> bool:
@@ -168,17 +168,6 @@ _LAUNCH_KEYS = {
 assert set(_LAUNCH_KEYS) == {f.name for f in fields(DecodeLaunch)}
 
 
-def _check_keys(obj: dict, spec: dict, where: str, prefix: str = "") -> None:
-    unknown = sorted(obj.keys() - spec.keys())
-    if unknown:
-        raise ValueError(f"{where}: key {prefix + unknown[0]!r} is not one of {', '.join(spec)}")
-    for key, (ok, what) in spec.items():
-        if key not in obj:
-            raise ValueError(f"{where}: key {prefix + key!r} is missing")
-        if not ok(obj[key]):
-            raise ValueError(f"{where}: key {prefix + key!r} is {obj[key]!r}, not {what}")
-
-
 def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
     """A launch table's JSON ({"about": str, "entries": [...]}) as entries. A malformed entry raises ValueError
     naming the file, the entry's index and the key; so does a second entry for the same (head_dim, num_kv_heads,
@@ -190,8 +179,8 @@ def parse_table(data: object, path: str) -> tuple[TableEntry, ...]:
         where = f"{path}: entry {i}"
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: not an object")
-        _check_keys(raw, _ENTRY_KEYS, where)
-        _check_keys(raw["launch"], _LAUNCH_KEYS, where, "launch.")
+        check_keys(raw, _ENTRY_KEYS, where)
+        check_keys(raw["launch"], _LAUNCH_KEYS, where, "launch.")
         entry = TableEntry(**{**raw, "launch": DecodeLaunch(**raw["launch"])})
         key = (entry.head_dim, entry.num_kv_heads, entry.group, entry.num_seqs)
         if key in seen:

@@ -26,8 +26,8 @@ Where the kernel that writes a GEMM's input quantises it itself (`input_quant` s
 fused decoders' RMSNorms and gated activation), fp8_linear takes its QuantizedActs and runs the path's GEMM alone.
 
 Launch configs of the Triton GEMM: CONFIGS, one per M bucket (the largest M it covers), replaced for the weight
-shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (committed here: no
-environment variable or file read at import); a default config whose grid would not fill the GPU's SMs narrows
+shapes and M buckets `python3 bench/fp8_gemm.py --sweep` measured better by SHAPE_CONFIGS (gemm_launches.json,
+read once at import; no environment variable); a default config whose grid would not fill the GPU's SMs narrows
 its column tile (down to 32). bench/fp8_gemm.py passes explicit configs to the functions it times.
 
 Every path is CUDA-graph capturable: no host syncs, outputs whose shapes follow x's and the weight's only. The
@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from batchgen.kernels.fp8 import blockwise as fp8_blockwise
+from batchgen.kernels.fp8 import gemm_table
 from batchgen.kernels.fp8.quant import (CHANNEL_ACT_GROUP, ActQuant, Fp8Weight, QuantizedActs, gemm_operands,
                                         linear_ref, quantize_groups, quantize_rows)
 from batchgen.kernels.fp8.splitk import num_sms as _num_sms, splitk_matmul
@@ -73,31 +74,15 @@ CONFIGS: dict[int, GemmConfig] = {
     512: GemmConfig(64, 128, 8, 4, 3),
     1 << 62: GemmConfig(128, 128, 8, 8, 3),
 }
-# (N, K) -> {M bucket: config}: where bench/fp8_gemm.py --sweep measured a config faster than the default (one
-# H200, CUDA-graph replays of the GEMM alone). Only the buckets listed: an M above the largest
-# takes CONFIGS (the sweep found the defaults best for these shapes at M = 256). Llama-3.1-8B-sized layers:
-SHAPE_CONFIGS: dict[tuple[int, int], dict[int, GemmConfig]] = {
-    (6144, 4096): {32: GemmConfig(16, 32, 8, 4, 4)},  # q/k/v fused: 0.0182 ms vs the default's 0.0220 at M 32
-    (28672, 4096): {32: GemmConfig(32, 64, 8, 4, 4)},  # gate/up fused: 0.0420 ms vs 0.0602 at M 32
-}
 # The split-K GEMM (kernels/fp8/splitk.py) for block-scaled weights at M <= this many rows: the largest M at which
 # a GPU run measured it faster end to end (W1's 32 rows, 2026-12-01: 5.27 s vs the Triton GEMM's 6.20 s). Above it
 # the block-wise _scaled_mm where its probe passes, else the Triton GEMM; unless SPLITK_SHAPE_ROWS lists the
 # weight's shape.
 SPLITK_MAX_ROWS = 32
-# (N, K) -> the most rows at which the split-K GEMM (its default config) takes a weight of that shape: where
-# bench/fp8_gemm.py --sweep measured it faster than cuBLASLt's block-wise _scaled_mm above SPLITK_MAX_ROWS (its
-# `SPLITK_SHAPE_ROWS` literal: the GEMMs alone, graph replays). Measured on the H200 on 2026-12-02 (`bash
-# bench/gpu_proofs.sh fp8splitk`, M 64 / 128 / 256 / 512, µs a call split-K default vs cuBLASLt): qkv 13.7 vs 15.2 at
-# 64, 17.8 vs 15.2 at 128; o 10.9 vs 14.8, then 17.7 vs 14.9; down 34.2 vs 41.8, then 47.6 vs 41.8; gate_up loses at
-# 64 already (49.2 vs 36.8). At 256-512 rows cuBLASLt wins every shape (qkv 24.0 vs 15.8, down 80.0 vs 42.0 at 256):
-# there the GEMMs are no longer a stream of the weight. Where cuBLASLt block-wise is off, a listed shape's split-K
-# replaces the Triton GEMM (column `triton ms`: slower than split-K at every M measured).
-SPLITK_SHAPE_ROWS: dict[tuple[int, int], int] = {
-    (6144, 4096): 64,  # Llama-8B q/k/v fused
-    (4096, 4096): 64,  # Llama-8B o
-    (4096, 14336): 64,  # Llama-8B down
-}
+# Measured per weight shape (gemm_launches.json, read once: gemm_table.py): SHAPE_CONFIGS, (N, K) -> {M bucket:
+# config} where the sweep found a config faster than CONFIGS' (only the buckets listed: an M above the largest takes
+# CONFIGS); SPLITK_SHAPE_ROWS, (N, K) -> the most rows at which split-K takes that shape beyond SPLITK_MAX_ROWS.
+SHAPE_CONFIGS, SPLITK_SHAPE_ROWS = gemm_table.load(GemmConfig)
 
 
 def _bucket(table: dict[int, GemmConfig], m: int) -> GemmConfig:
