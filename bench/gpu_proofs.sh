@@ -80,24 +80,24 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((DEADLINE - S
 sections=("$@")
 for section in "${sections[@]}"; do
   case $section in
-    autotests) step graph_tests 300 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
-                 tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider
+    autotests) step graph_tests 300 python3 -m pytest -q -m gpu tests/runner/test_decode_graph_buckets.py \
+                 tests/engine/test_engine_gpu.py tests/engine/test_engine_lifetime.py -rfE -p no:cacheprovider
                step w1 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json" ;;
     autoone) step job_auto 390 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512 --penalties 1.0 --rows 3000 --json "$LOGS/job_auto.json"
              step w1 100 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json"
-             step graph_tests 200 python3 -m pytest -q -m gpu tests/test_decode_graph_buckets.py \
-               tests/test_engine_gpu.py tests/test_engine_lifetime.py -rfE -p no:cacheprovider ;;
+             step graph_tests 200 python3 -m pytest -q -m gpu tests/runner/test_decode_graph_buckets.py \
+               tests/engine/test_engine_gpu.py tests/engine/test_engine_lifetime.py -rfE -p no:cacheprovider ;;
     autojob) step job_auto 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512,auto --penalties 1.0 --rows 4000 --json "$LOGS/job_auto.json" ;;
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
-             --ignore=tests/test_job_end_to_end.py --ignore=tests/test_output_report.py ;;
-    newtests) step new_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_fp8_kernels.py \
-                tests/test_layernorm_kernel.py -rfE -p no:cacheprovider ;;
+             --ignore=tests/job/test_job_end_to_end.py --ignore=tests/output/test_output_report.py ;;
+    newtests) step new_gpu_tests 240 python3 -m pytest -q -m gpu tests/kernels/test_kernels.py \
+                tests/quant/test_fp8_kernels.py tests/kernels/test_layernorm_kernel.py -rfE -p no:cacheprovider ;;
     logprobs) step job_logprobs 560 "${JOB[@]}" --rows 1000 --ab-set sampling.logprobs=5 --json "$LOGS/job_lp5.json" ;;
     moe) step moe_seed 150 "${BG[@]}" --new-tokens 1024 --variants graphs_async --model-geometry qwen3-30b-a3b \
            --json "$LOGS/moe_seed.json" ;;
-    fp8moe) step fp8_moe_tests 200 python3 -m pytest -q -m gpu tests/test_fp8_moe.py -rfE -p no:cacheprovider
+    fp8moe) step fp8_moe_tests 200 python3 -m pytest -q -m gpu tests/quant/test_fp8_moe.py -rfE -p no:cacheprovider
          step w1_fp8_moe 300 "${BG[@]}" --new-tokens 1024 --weights fp8 --variants graphs_async \
            --model-geometry qwen3-30b-a3b --json "$LOGS/w1_fp8_moe.json" ;;
     fp8moejob) rm -rf /tmp/gpu_proofs_work/model  # the 8B's folder: room for the ~31 GB FP8 MoE checkpoint
@@ -124,7 +124,7 @@ for section in "${sections[@]}"; do
           --context 768 --json "$LOGS/profile-$g.json"; done ;;
     fp8) # the block-wise _scaled_mm with rows padded to 4 (its probe said no on 2026-12-01), then W1 by the default
          # (split-K at <= 32 rows) against block-wise forced, and the job (M = 256: block-wise where the probe passes)
-         step fp8_tests 120 python3 -m pytest -q -m gpu tests/test_fp8_kernels.py -rfE -p no:cacheprovider \
+         step fp8_tests 120 python3 -m pytest -q -m gpu tests/quant/test_fp8_kernels.py -rfE -p no:cacheprovider \
            -k "blockwise or probe or block_scaled or group_quantiser or per_channel"
          step fp8_probe 60 python3 -c "from batchgen.kernels.fp8.blockwise import blockwise_unsupported_reason as r; \
 print('block-wise _scaled_mm:', r(0) or 'yes')"
@@ -143,14 +143,14 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
          step job_fp8_70b 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /dev/shm/bg70 --profile-steps 0 \
            --seqs 256 --penalties 1.0 --rows 500 --model-geometry llama-70b --weights fp8 --json "$LOGS/job_fp8_70b.json"
          rm -rf /dev/shm/bg70 ;;
-    tp) step tp_tests 200 python3 -m pytest -q -m gpu tests/test_bench_tensor_parallel.py tests/test_tensor_parallel.py \
-          -rfE -p no:cacheprovider
+    tp) step tp_tests 200 python3 -m pytest -q -m gpu tests/bench/test_bench_tensor_parallel.py \
+          tests/distributed/test_tensor_parallel.py -rfE -p no:cacheprovider
         step tp2_70b 380 "${BG[@]}" --tensor-parallel 2 --model-geometry llama-70b --new-tokens 1024 \
           --variants graphs_async --json "$LOGS/tp2_70b.json" ;;
-    fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/test_fp8_splitk.py -rfE -p no:cacheprovider
+    fp8gemm) step splitk_tests 100 python3 -m pytest -q tests/quant/test_fp8_splitk.py -rfE -p no:cacheprovider
              step fp8_gemm 470 python3 bench/fp8_gemm.py --rows 32,64 --sweep --sweep-rows 16,32,64 \
                --json "$LOGS/fp8_gemm.json" ;;
-    fp8kv) step fp8kv_tests 150 python3 -m pytest -q -m gpu tests/test_fp8_kv_cache.py -rfE -p no:cacheprovider
+    fp8kv) step fp8kv_tests 150 python3 -m pytest -q -m gpu tests/quant/test_fp8_kv_cache.py -rfE -p no:cacheprovider
            step job_fp8kv 420 "${JOB[@]}" --rows 1000 --ab-set engine.kv_cache_dtype=fp8 --json "$LOGS/job_fp8kv.json" ;;
     refill) step job_refill 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
               --profile-steps 0 --seqs 256 --penalties 1.0,1.1 --rows 1000 --compare .prev --json "$LOGS/job_refill.json" ;;
@@ -169,7 +169,7 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                [ -f "$LOGS/kernels_prev.json" ] && [ -f "$LOGS/kernels_this.json" ] && python3 bench/mixed_kernels.py \
                  --compare "$LOGS/kernels_prev.json" "$LOGS/kernels_this.json" | tee "$LOGS/kernels_compare.txt"
                tar czf "$OUT/proofs.tgz" -C "$LOGS" . ;;
-    fp8splitk) step splitk_tests 150 python3 -m pytest -q -m gpu tests/test_fp8_splitk.py -p no:cacheprovider -rfE
+    fp8splitk) step splitk_tests 150 python3 -m pytest -q -m gpu tests/quant/test_fp8_splitk.py -p no:cacheprovider -rfE
                step fp8_gemm_256 420 python3 bench/fp8_gemm.py --rows 256,512 --sweep \
                  --sweep-rows "${SPLITK_SWEEP_ROWS:-64,128,256,512}" \
                  --json "$LOGS/fp8_gemm_256.json" ;;
@@ -177,8 +177,9 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
               step "job_$w" 560 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                 --profile-steps 0 --seqs "${FP8_SEQS:-256,512}" --penalties 1.0 --rows 1000 --weights "$w" \
                 --json "$LOGS/job_$w.json"; done ;;
-    detcheck) step det_tests 200 python3 -m pytest -q -m gpu tests/test_fixed_row_gemm.py \
-                tests/test_invariant_kernels.py tests/test_deterministic_engine.py -rfE -p no:cacheprovider
+    detcheck) step det_tests 200 python3 -m pytest -q -m gpu tests/kernels/test_fixed_row_gemm.py \
+                tests/kernels/test_invariant_kernels.py tests/engine/test_deterministic_engine.py \
+                -rfE -p no:cacheprovider
               step invariant_gemm 150 python3 bench/invariant_gemm.py --json "$LOGS/invariant_gemm.json"
               step profile_det 120 python3 bench/profile_decode.py --deterministic --batch 256 --context 768 \
                 --json "$LOGS/profile_det.json" ;;

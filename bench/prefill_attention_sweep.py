@@ -24,7 +24,7 @@ cache (a launch compiles in seconds; the default grid holds 72). --json PATH wri
 
 --check: nothing timed; every launch's output against the torch reference (paged_attention_ref) on the device at
 hand: on CPU under TRITON_INTERPRET=1 (fp32; tiny shapes, geometry and grid by default: warps and stages change
-nothing there), or on a GPU (bf16). Exits 1 if any launch is off. tests/test_prefill_launch.py runs it.
+nothing there), or on a GPU (bf16). Exits 1 if any launch is off. tests/kernels/test_prefill_launch.py runs it.
 """
 
 from __future__ import annotations

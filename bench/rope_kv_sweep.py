@@ -5,7 +5,7 @@ BLOCK_T 1) and the bytes floor, at each token count asked for (Llama-8B's heads 
     python3 bench/rope_kv_sweep.py --tokens 256,2048,8192 [--heads 32 --kv-heads 8 --head-dim 128]
         [--qk-norm qwen3|gemma3] [--rotate-fp32] [--kv-fp8] [--block-tokens 1,2,4 --warps 1,4] [--json F]
     python3 bench/rope_kv_sweep.py --check   # CPU, TRITON_INTERPRET=1, tiny shapes: every variant against the
-                                             # reference (tests/test_kernels.py runs it)
+                                             # reference (tests/kernels/test_kernels.py runs it)
 
 Each call writes its tokens' keys and values to random distinct slots of a paged cache (as a packed step of
 many sequences does). Every variant's q and caches must equal the old launch's bit for bit (the run stops
@@ -151,7 +151,7 @@ def check() -> None:
     one tile wider than the step): every BLOCK_T's q and caches equal the old launch's bit for bit, and those
     equal the reference's: exactly without a q/k norm, else within 1e-5 (the fp32 sum of squares is summed in
     another order than torch's). An fp8 cache is compared with the old launch's only (the interpreter rounds to
-    fp8 unlike torch: tests/test_kernels.fp8_carry_dropped)."""
+    fp8 unlike torch: tests/kernels/test_kernels.fp8_carry_dropped)."""
     modes = [dict(qk_norm="none"), dict(qk_norm="qwen3"), dict(qk_norm="gemma3"), dict(rotate_fp32=True),
              dict(kv_fp8=True)]
     num_tokens = 7

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,6 +30,26 @@ def _share_cores_between_xdist_workers() -> None:
 
 
 _share_cores_between_xdist_workers()
+
+
+def _area_folders_are_no_packages() -> None:
+    """tests/ is on sys.path (pytest puts the root conftest's folder there: `from jobutil import ...`), so a
+    tests/<area>/ folder named like a package that is not installed would import as an empty namespace package:
+    tests/ray/ as `ray` where Ray is absent, and pytest.importorskip("ray") would not skip. Such a name imports as
+    missing instead (not one the repository's root has a folder of too: scripts import `bench.` from there)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.startswith("_") or not name.isidentifier() or name in sys.modules:
+            continue
+        if not os.path.isdir(os.path.join(here, name)) or os.path.isdir(os.path.join(os.path.dirname(here), name)):
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin in (None, "namespace") and all(
+                os.path.dirname(os.path.abspath(path)) == here for path in spec.submodule_search_locations):
+            sys.modules[name] = None
+
+
+_area_folders_are_no_packages()
 
 # Triton 3.6's interpreter fails on numpy >= 2.4 (InterpreterError: only 0-dimensional arrays can be converted to
 # Python scalars): the interpreter tests are skipped there, saying so

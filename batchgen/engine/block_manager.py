@@ -24,7 +24,7 @@ from collections.abc import Sequence
 # object (169 bytes at 16 tokens) that the cyclic garbage collector does not track and that keeps nothing else
 # alive. The (hash, tuple of ints) key it replaces held ~800 bytes a block, kept the block's token id ints alive
 # and passed twice per block through the collector's young generation: the host's time per step grew as the
-# cache filled (tests/test_host_growth.py).
+# cache filled (tests/engine/test_host_growth.py).
 BlockKey = bytes
 
 

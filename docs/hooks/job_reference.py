@@ -4,7 +4,7 @@ holds), so that it cannot drift from the code.
 Used two ways:
 - as an MkDocs hook (mkdocs.yml `hooks:`): the marker JOB_REFERENCE_MARKER in a page is replaced at build time
   by one table per section (key path, type, default, description);
-- by tests/test_docs.py, which walks the same keys and checks each one has a description.
+- by tests/project/test_docs.py, which walks the same keys and checks each one has a description.
 
 A key's description is its field's `Field(description=...)`, written for users; the models are the only source.
 """

@@ -7,7 +7,8 @@ not (and under TRITON_INTERPRET=1 in tests).
 Why the default GEMMs are not: cuBLAS / cuBLASLt pick a kernel, a tile and a split-K factor per shape, so the
 same row is summed in another order at M = 16 than at M = 256; on CPU, MKL runs M = 1 as a GEMV and M >= 3 as a
 GEMM (measured on this project's CPU machines, torch 2.13, fp32: row 0 of an [M, 576] x [576, 1536] product
-differs between M = 1 and M = 3 in 1,111 of its 1,536 values; tests/test_invariant_kernels.py keeps that check).
+differs between M = 1 and M = 3 in 1,111 of its 1,536 values; tests/kernels/test_invariant_kernels.py keeps that
+check).
 
 CUDA: a persistent Triton GEMM whose tile configuration and K partition depend on the weight (N, K, dtype) alone,
 never on M (`gemm_plan`): BLOCK_N 64 for N <= 8192 (else the dtype's 128), and a fixed split-K: K is cut at

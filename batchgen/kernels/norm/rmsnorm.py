@@ -110,7 +110,7 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 def _num_warps(block: int) -> int:
     """Warps a row's program runs: 16 for rows of >= 4096 (FP8 W1 on an H200 4.59 -> 4.53 s against 8 with the FP8
     hand-offs, 2026-12-02). The same count with and without the hand-offs: the warps set the layout of the row's
-    fp32 sum of squares, so the fused kernels keep the unfused ones' bits (tests/test_fp8_fusion_kernels.py)."""
+    fp32 sum of squares, so the fused kernels keep the unfused ones' bits (tests/quant/test_fp8_fusion_kernels.py)."""
     return 16 if block >= 4096 else 4
 
 

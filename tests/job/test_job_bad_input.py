@@ -1,0 +1,256 @@
+"""Bad input gets a clear message naming the key or value, and loses no data; fingerprint drift is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from jobutil import read_rows, seed_rows, write_job, write_jsonl
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["run", *map(str, args), "--no-progress"])
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
+    return write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+
+
+def _edit(job, **sections):
+    raw = yaml.safe_load(job.read_text())
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value}
+    job.write_text(yaml.safe_dump(raw))
+    return job
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampling.temprature=0.5", "unknown key 'sampling.temprature': did you mean 'sampling.temperature'?"),
+    ("engin.max_num_seqs=4", "unknown key 'engin': did you mean 'engine'?"),
+    ("sampling.temperature=-1", "'sampling.temperature' = -1: Input should be greater than or equal to 0"),
+    ("sampling.top_p=1.5", "'sampling.top_p' = 1.5"),
+    ("sampling.n=0", "'sampling.n' = 0"),
+    ("engine.max_num_seqs=0", "'engine.max_num_seqs' = 0"),
+    ("sampling.max_new_tokens=lots", "'sampling.max_new_tokens' = 'lots'"),
+    ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
+    ("sampling.frequency_penalty=2.5", "'sampling.frequency_penalty' = 2.5"),
+    ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
+    ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
+    ("engine.graph_blas_library=cublasLt", "'engine.graph_blas_library' = 'cublasLt': Input should be"),
+])
+def test_spec_errors_name_the_key_and_value(job, override, message):
+    result = _run(job, "--set", override)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_job_file_setting_a_removed_option_is_refused_naming_the_key_and_what_to_do(job):
+    raw = yaml.safe_load(job.read_text())
+    raw["engine"] = {**raw.get("engine", {}), "admission_group": 4}
+    job.write_text(yaml.safe_dump(raw))
+    result = _run(job)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "unknown key 'engine.admission_group': this option was removed" in result.output
+    assert "delete the line" in result.output
+
+
+def test_invalid_yaml_and_missing_job_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: x\nsource: [")
+    result = _run(bad)
+    assert result.exit_code == 2 and "is not valid YAML" in result.output
+    result = _run(tmp_path / "nope.yaml")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_template_naming_a_missing_column(job):
+    result = _run(_edit(job, prompt={"template": "About {{ topik }}"}))
+    assert result.exit_code == 2
+    assert "prompt.template uses topik, which is not a column of the source; columns: id, topic, level" in result.output
+
+
+def test_jinja_syntax_error(job):
+    result = _run(_edit(job, prompt={"template": "About {{ topic "}))
+    assert result.exit_code == 2 and "Jinja2 syntax error at line 1" in result.output
+
+
+def test_missing_source_files_and_key_column(job, tmp_path):
+    result = _run(_edit(job, source={"path": "missing/*.jsonl"}))
+    assert result.exit_code == 2 and "matches no jsonl files" in result.output
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    result = _run(_edit(job, source={"path": "rows.jsonl", "key_column": "uid"}))
+    assert result.exit_code == 2 and "source.key_column 'uid' is not a column" in result.output
+
+
+def test_missing_model_path(job, tmp_path):
+    result = _run(_edit(job, model={"path": str(tmp_path / "no-model")}))
+    assert result.exit_code == 2 and f"model.path: no such folder {tmp_path / 'no-model'}" in result.output
+
+
+def test_corrupt_parquet_file_is_named(job, tmp_path):
+    pq.write_table(pa.Table.from_pylist(seed_rows(4)), tmp_path / "good.parquet")
+    (tmp_path / "bad.parquet").write_bytes((tmp_path / "good.parquet").read_bytes()[:100])
+    result = _run(_edit(job, source={"path": "*.parquet"}))
+    assert result.exit_code == 2 and "bad.parquet" in result.output and "corrupt or truncated" in result.output
+
+
+def test_bad_rows_go_to_rejects_and_the_job_goes_on(job, tmp_path):
+    rows = seed_rows(5)
+    rows[1]["topic"] = "   "  # renders fine
+    lines = [__import__("json").dumps(r) for r in rows]
+    lines.insert(2, '{"id": "broken", "topic": ')  # malformed JSON line
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    _edit(job, prompt={"template": None, "column": "topic", "chat": False},
+          output={"keep_columns": ["level"]})
+    result = _run(job, "--set", "prompt.max_prompt_tokens=3")
+    assert result.exit_code == 0, result.output
+    rejects = {r["row_position"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert rejects[1]["error_class"] == "empty_prompt"
+    assert rejects[2]["error_class"] == "malformed_row" and "malformed JSON" in rejects[2]["message"]
+    assert rejects[2]["id"] == "<unparsed row 2>"
+    assert {r["error_class"] for p, r in rejects.items() if p not in (1, 2)} <= {"prompt_too_long"}
+    done = {r["id"] for r in read_rows(tmp_path / "out")} | {r["id"] for r in rejects.values()}
+    assert len(done) == 6  # every row accounted for, once
+    again = _run(job, "--set", "prompt.max_prompt_tokens=3")
+    assert "0 rows committed" in again.output  # rejects count as done: not retried forever
+
+
+def test_truncation_policy_keeps_over_long_prompts(job, tmp_path):
+    result = _run(job, "--set", "prompt.max_prompt_tokens=4", "--set", "prompt.on_too_long=truncate_left")
+    assert result.exit_code == 0, result.output
+    out = read_rows(tmp_path / "out")
+    assert len(out) == 6 and all(r["num_prompt_tokens"] == 4 for r in out)
+
+
+def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
+    assert _run(job).exit_code == 0
+    result = _run(job, "--set", "sampling.temperature=0.5")
+    assert result.exit_code == 2
+    assert "sampling.temperature: 0.0 -> 0.5" in result.output and "--fresh" in result.output
+    result = _run(job, "--set", "prompt.template=Other {{ topic }}")
+    assert result.exit_code == 2 and "prompt.template" in result.output
+    # a change of the data shards' columns would leave shards of two schemas in one output
+    result = _run(job, "--set", "output.keep_token_ids=true")
+    assert result.exit_code == 2 and "output_columns.keep_token_ids: False -> True" in result.output
+
+
+def test_an_output_begun_before_a_fingerprint_component_existed_still_resumes(job, tmp_path):
+    assert _run(job).exit_code == 0
+    path = tmp_path / "out" / "fingerprint.json"
+    recorded = json.loads(path.read_text())
+    del recorded["components"]["output_columns"]  # as written by a batchgen that did not record it
+    path.write_text(json.dumps(recorded))
+    again = _run(job)
+    assert again.exit_code == 0 and "6 already done" in again.output, again.output
+    assert _run(job, "--set", "sampling.temperature=0.5").exit_code == 2  # the recorded components still count
+
+
+def test_engine_knob_change_is_accepted_and_fresh_starts_over(job, tmp_path):
+    assert _run(job, "--set", "output.rows_per_shard=100").exit_code == 0
+    assert _run(job, "--set", "engine.max_num_seqs=2", "--set", "engine.block_size=4").exit_code == 0
+    changed = _run(job, "--set", "sampling.seed=9", "--fresh")
+    assert changed.exit_code == 0 and "6 rows committed" in changed.output
+    assert len(read_rows(tmp_path / "out")) == 6
+
+
+def test_second_process_on_the_same_output_and_worker_is_refused(job, tmp_path):
+    from batchgen.output.lock import WorkerLock
+
+    (tmp_path / "out").mkdir()
+    held = WorkerLock(tmp_path / "out", "w00000")
+    try:
+        result = _run(job)
+        assert result.exit_code == 2 and "another batchgen run" in result.output
+    finally:
+        held.release()
+    assert _run(job).exit_code == 0
+
+
+def test_duplicate_keys_are_refused_naming_the_key_and_rows(job, tmp_path):
+    rows = seed_rows(5)
+    rows[3]["id"] = rows[1]["id"]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    result = _run(job)
+    assert result.exit_code == 2
+    assert "duplicate key 'row-0001' (rows 1 and 3)" in result.output
+
+
+def test_empty_parquet_source_is_an_error(job, tmp_path):
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "topic": pa.array([], pa.string()),
+                             "level": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
+    result = _run(_edit(job, source={"path": "empty.parquet"}))
+    assert result.exit_code == 2 and "holds no rows (empty source)" in result.output
+
+
+def test_null_non_string_and_non_utf8_prompt_values(job, tmp_path):
+    lines = [b'{"id": "a", "topic": null, "level": 1}', b'{"id": "b", "topic": 12345, "level": 1}',
+             b'{"id": "c", "topic": "caf\xe9 \xff bytes", "level": 1}', b'{"id": "d", "topic": "fine", "level": 1}']
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    # keep_columns: none, since 12345 fits no text column of the output
+    # (see tests/sources/test_nulls_types_and_splits.py)
+    _edit(job, prompt={"template": None, "column": "topic", "chat": False}, output={"keep_columns": "none"})
+    result = _run(job)
+    assert result.exit_code == 0, result.output
+    rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert set(rejects) == {"a", "<unparsed row 2>"} and rejects["a"]["error_class"] == "null_value"
+    bad = rejects["<unparsed row 2>"]  # invalid UTF-8 is never guessed: the line is a reject naming itself
+    assert bad["error_class"] == "malformed_row" and "line 3 of" in bad["message"] and "not valid UTF-8" in bad["message"]
+    assert {r["id"] for r in read_rows(tmp_path / "out")} == {"b", "d"}  # 12345 rendered as text
+
+
+def test_chat_template_that_raises_for_a_row_rejects_only_that_row(job, tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model-raising"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if 'rome' in m['content'] %}"
+                               "{{ raise_exception('no Rome allowed') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    result = _run(_edit(job, model={"path": str(model)}))
+    assert result.exit_code == 0, result.output
+    rejects = read_rows(tmp_path / "out", "rejects")
+    assert [r["id"] for r in rejects] == ["row-0002"]
+    assert rejects[0]["error_class"] == "chat_template_error" and "no Rome allowed" in rejects[0]["message"]
+    assert len(read_rows(tmp_path / "out")) == 5
+
+
+def test_model_folder_without_weights_and_a_fake_gguf_are_named(job, tmp_path, tiny_model_dir):
+    import shutil
+
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    result = _run(_edit(job, model={"path": str(no_weights)}))
+    assert result.exit_code == 2 and f"model.path '{no_weights}'" in result.output
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "model.gguf").write_text("this is not a GGUF file")
+    result = _run(_edit(job, model={"path": str(fake), "gguf_file": "model.gguf"}))
+    assert result.exit_code == 2 and "gguf_file 'model.gguf'" in result.output
+
+
+def test_a_run_with_a_thousand_shards_loads_with_datasets(job, tmp_path):
+    import datasets
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(1000))
+    result = _run(job, "--set", "output.rows_per_shard=1", "--set", "sampling.max_new_tokens=1",
+                  "--set", "engine.max_num_seqs=64")
+    assert result.exit_code == 0, result.output
+    files = sorted(str(p) for p in (tmp_path / "out" / "data").glob("*.parquet"))
+    assert len(files) >= 1000
+    ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    assert ds.num_rows == 1000 and len(set(ds["id"])) == 1000
