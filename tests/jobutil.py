@@ -62,6 +62,16 @@ def read_rows(out_dir: Path, folder: str = "data") -> list[dict]:
     return rows
 
 
+def content_once(out_dir: Path) -> list[dict]:
+    """An output's sample rows in (id, sample_idx) order, asserting none was written twice; num_cached_tokens left
+    out (it depends on which rows shared a batch)."""
+    rows = read_rows(out_dir)
+    keys = [(r["id"], r["sample_idx"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
+                  key=lambda r: (r["id"], r["sample_idx"]))
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`batchgen ...` as a separate process (what a user or a scheduler runs)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}

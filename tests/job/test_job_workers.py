@@ -11,17 +11,9 @@ import time
 
 import pytest
 
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import content_once, REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 40
-
-
-def _content(out):
-    rows = read_rows(out)
-    keys = [(r["id"], r["sample_idx"]) for r in rows]
-    assert len(keys) == len(set(keys)), "a row was written twice"
-    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
-                  key=lambda r: (r["id"], r["sample_idx"]))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +25,7 @@ def setup(tmp_path_factory, tiny_model_dir):
                     output={"rows_per_shard": 2})
     single = tmp / "single"
     assert run_cli("run", str(job), "-o", str(single)).returncode == 0
-    return tmp, job, _content(single)
+    return tmp, job, content_once(single)
 
 
 def _start(job, out, index, count):
@@ -50,7 +42,7 @@ def test_three_concurrent_workers_equal_one_worker(setup):
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    assert _content(out) == reference
+    assert content_once(out) == reference
     assert {f.name for f in (out / "manifest").iterdir()} == {"w00000.jsonl", "w00001.jsonl", "w00002.jsonl"}
     status = run_cli("status", str(out))
     assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout and "w00002:" in status.stdout
@@ -73,7 +65,7 @@ def test_kill_one_of_three_then_resume_with_two_workers_is_exact(setup):
     for p in resumed:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    assert _content(out) == reference
+    assert content_once(out) == reference
 
 
 def test_local_launcher_runs_n_workers_and_equals_one_worker(setup):
@@ -82,7 +74,7 @@ def test_local_launcher_runs_n_workers_and_equals_one_worker(setup):
     result = run_cli("run", str(job), "-o", str(out), "--workers", "3")
     assert result.returncode == 0, result.stderr
     assert "all 3 workers done" in result.stderr
-    assert _content(out) == reference
+    assert content_once(out) == reference
     # the dataset card is written once, after every worker, and counts every worker's rows
     card = (out / "README.md").read_text()
     assert f"{len(reference):,} rows in" in card
@@ -108,4 +100,4 @@ def test_a_failing_worker_makes_the_launcher_exit_non_zero_after_the_others_comm
         mine = {f"row-{p:04d}" for p in range(NUM_ROWS) if (p // unit_rows) % 3 == w}
         assert mine <= done, f"worker {w} did not finish ({manifests})"
     assert run_cli("run", str(job), "-o", str(out), "--workers", "3").returncode == 0
-    assert _content(out) == reference
+    assert content_once(out) == reference

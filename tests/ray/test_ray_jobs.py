@@ -18,20 +18,12 @@ import pytest
 
 from batchgen.output.lock import running_workers
 from batchgen.output.manifest import checked_ledger
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import content_once, REPO, run_cli, seed_rows, write_job, write_jsonl
 
 pytest.importorskip("ray")
 
 NUM_ROWS = 48
 SLOW = {"BATCHGEN_FAULT_SLOW": "engine_step:0.02"}  # every worker: a run long enough to be killed mid-way
-
-
-def _content(out):
-    rows = read_rows(out)
-    keys = [(r["id"], r["sample_idx"]) for r in rows]
-    assert len(keys) == len(set(keys)), "a row was written twice"
-    return sorted(({k: v for k, v in r.items() if k != "num_cached_tokens"} for r in rows),
-                  key=lambda r: (r["id"], r["sample_idx"]))
 
 
 def _rows_by_worker(out) -> dict[str, int]:
@@ -51,7 +43,7 @@ def setup(tmp_path_factory, tiny_model_dir):
                     output={"rows_per_shard": 2})
     single = tmp / "single"
     assert run_cli("run", str(job), "-o", str(single)).returncode == 0
-    return tmp, job, _content(single)
+    return tmp, job, content_once(single)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +92,7 @@ def test_three_ray_workers_equal_one_plain_worker_row_for_row(setup, ray_here, m
     tmp, job, reference = setup
     out = tmp / "three"
     result = _run_here(job, out, monkeypatch, 3, env=SLOW)  # slowed: all three take part before the job ends
-    assert _content(out) == reference
+    assert content_once(out) == reference
     assert result.rows_committed == NUM_ROWS and result.interrupted_by is None
     assert sorted(result.report["workers"]) == [0, 1, 2]
     assert set(_rows_by_worker(out)) == {"w00000", "w00001", "w00002"}
@@ -122,7 +114,7 @@ def test_a_killed_ray_worker_is_replaced_and_the_job_ends_exactly_once(setup, ra
     result = _run_here(job, out, monkeypatch, 3, env=SLOW, during=kill_worker_1)
     assert killed and "Ray worker 1 failed" in capfd.readouterr().err
     assert result.interrupted_by is None
-    assert _content(out) == reference
+    assert content_once(out) == reference
 
 
 def test_a_killed_driver_resumes_with_two_workers_exactly_once(setup):
@@ -141,7 +133,7 @@ def test_a_killed_driver_resumes_with_two_workers_exactly_once(setup):
     done = run_cli("run", str(job), "-o", str(out), "--ray", "--workers", "2")
     assert done.returncode == 0, done.stderr
     assert f"{committed} already done" in done.stdout
-    assert _content(out) == reference
+    assert content_once(out) == reference
 
 
 def test_a_slow_ray_worker_gets_fewer_units_than_a_fast_one(setup, ray_here, monkeypatch):
@@ -180,4 +172,4 @@ def test_sigterm_to_the_driver_commits_what_is_finished_and_a_rerun_completes_it
     monkeypatch.delenv("BATCHGEN_FAULT_SLOW")
     resumed = _run_here(job, out, monkeypatch, 2)
     assert resumed.rows_skipped == stopped.rows_committed and resumed.interrupted_by is None
-    assert _content(out) == reference
+    assert content_once(out) == reference
