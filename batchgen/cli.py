@@ -391,6 +391,9 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
               "--ab-set", help="job, mixed: an A/B of these sets: each configuration runs as A (without) and B "
                                "(with them) in the order A B B A, and the report gives B/A (repeatable; mixed: "
                                "engine.KEY=VALUE only).")] = None,
+          ab_run: Annotated[Optional[str], typer.Option(
+              "--ab-run", help="job: an A/B of `batchgen run` options: A runs without them, B with them (one "
+                               "string, e.g. '--ray --workers 1'; one worker), A B B A.")] = None,
           model_geometry: Annotated[str, typer.Option(
               help="seed, job: the model's shape, random bf16 weights (llama-8b, llama-70b (with --weights fp8 or --tensor-parallel 2), mistral-7b, qwen3-8b, gemma2-9b, "
                    "gemma3-12b, gemma-7b, qwen2-7b, starcoder2-3b, phi3-mini, olmo2-7b, granite-8b, qwen3-30b-a3b, "
@@ -411,7 +414,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
     import torch
 
     mixed_overrides = _check_bench_options(workload, model_geometry, tensor_parallel, weights, variants, transformers,
-                                           job_set, compare, ab_set, max_num_seqs)
+                                           job_set, compare, ab_set, max_num_seqs, ab_run)
     if not torch.cuda.is_available():
         _refuse("`batchgen bench` needs a CUDA GPU")
     if tensor_parallel is not None:
@@ -430,7 +433,7 @@ def bench(workload: Annotated[str, typer.Option(help="'seed': 32 x 256-token pro
         job_main(rows=rows, seqs=seqs, penalties=penalties, new_tokens=new_tokens or 256,
                  tokenizer=tokenizer, work_dir=work_dir, profile_steps_n=profile_steps, json_path=json_out,
                  compare=compare, geometry=model_geometry, extra_sets=job_set or [],
-                 weights=weights, ab_sets=ab_set or [])
+                 weights=weights, ab_sets=ab_set or [], ab_run_args=(ab_run or "").split())
         return
     if workload == "mixed":
         from batchgen.bench.mixed import main as mixed_main
@@ -453,7 +456,7 @@ def _refuse(message: str):
 
 
 def _check_bench_options(workload, model_geometry, tensor_parallel, weights, variants, transformers, job_set, compare,
-                         ab_set, max_num_seqs):
+                         ab_set, max_num_seqs, ab_run=None):
     """Refuse (exit 2, one line) the option combinations `bench` cannot run, before a model is built; the mixed
     workload's engine overrides from --ab-set (None without)."""
     if workload not in ("seed", "mixed", "job"):
@@ -474,8 +477,10 @@ def _check_bench_options(workload, model_geometry, tensor_parallel, weights, var
         _refuse(f"--weights must be one of {', '.join(WEIGHTS)} (mixed workload: bf16), got {weights!r}")
     if workload != "job" and (job_set or compare or (ab_set and workload != "mixed")):
         _refuse("--job-set and --compare apply to --workload job only, --ab-set to job and mixed")
-    if ab_set and compare:
-        _refuse("--ab-set and --compare are two A/Bs: give one")
+    if ab_run and workload != "job":
+        _refuse("--ab-run applies to --workload job only")
+    if sum(map(bool, (ab_set, compare, ab_run))) > 1:
+        _refuse("--ab-set, --ab-run and --compare are three A/Bs: give one")
     from batchgen.bench.seed import VARIANTS
 
     unknown = [v for v in variants.split(",") if v not in VARIANTS]

@@ -194,7 +194,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
          tokenizer: str | None = None, work_dir: str | None = None, profile_steps_n: int = 20,
          json_path: str | None = None, compare: str | None = None,
          geometry: str = "llama-8b", extra_sets: list[str] = (), weights: str = "bf16",
-         ab_sets: list[str] = ()) -> dict:
+         ab_sets: list[str] = (), ab_run_args: list[str] = ()) -> dict:
     import tempfile
 
     from transformers import AutoConfig
@@ -211,15 +211,16 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
               "fp8_matmul_TFLOPs": ceilings.fp8_matmul_flop_s and ceilings.fp8_matmul_flop_s / 1e12,
               "rows": rows, "new_tokens": new_tokens, "vocab_size": config.get_text_config().vocab_size,
               "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
-              "ab_sets": list(ab_sets), "profiles": []}
-    variants = _variants(compare, extra_sets, ab_sets)
+              "ab_sets": list(ab_sets), "ab_run_args": list(ab_run_args), "profiles": []}
+    variants = _variants(compare, extra_sets, ab_sets, ab_run_args)
     seq_values = [x.strip() if x.strip() == "auto" else int(x) for x in seqs.split(",")]
     penalty_values = [float(x) for x in penalties.split(",")]
     _warm_up(work, model_dir, seq_values, penalty_values, new_tokens, config, ceilings, variants)
     for s in seq_values:
         for p in penalty_values:
-            for name, code, sets in variants + variants[::-1] if len(variants) == 2 else variants:
-                r = {**run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets), "variant": name}
+            for name, code, sets, args in variants + variants[::-1] if len(variants) == 2 else variants:
+                r = {**run_job(job, work / f"out-{s}-{p}", s, p, rows, config, ceilings, code, sets, args),
+                     "variant": name}
                 report["runs"].append(r)
                 print("run", json.dumps(r), flush=True)
     if profile_steps_n:
@@ -232,7 +233,8 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     _print_runs(report["runs"])
     if len(variants) == 2:
         report["ab"] = ab_summary(report["runs"])
-        _print_ab(report["ab"], f"B = {' '.join(ab_sets)}" if ab_sets else f"A = {compare}, B = this checkout")
+        b = " ".join([*ab_sets, *ab_run_args])
+        _print_ab(report["ab"], f"B = {b}" if b else f"A = {compare}, B = this checkout")
         if json_path:
             Path(json_path).write_text(json.dumps(report, indent=1))
     for r in report["profiles"]:
@@ -241,16 +243,17 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     return report
 
 
-def _variants(compare: str | None, extra_sets: list[str], ab_sets: list[str]) -> list[tuple]:
-    """The job's variants as (name, checkout, sets): A alone, or for an A/B (`ab_sets`: the job without and with
-    those sets; `compare`: that checkout's batchgen and this one's) A and B. An A/B runs every configuration twice
+def _variants(compare: str | None, extra_sets: list[str], ab_sets: list[str], ab_run_args: list[str] = ()) -> list[tuple]:
+    """The job's variants as (name, checkout, sets, run options): A alone, or for an A/B (`ab_sets`: the job
+    without and with those sets; `ab_run_args`: `batchgen run` without and with those options; `compare`: that
+    checkout's batchgen and this one's) A and B. An A/B runs every configuration twice
     as A and twice as B, in the order A B B A, so that a drift linear in time (the first run of a process tree is
     slower) cancels in the pair means."""
-    variants = [("A", compare, list(extra_sets))]
-    if ab_sets:
-        variants.append(("B", None, list(extra_sets) + list(ab_sets)))
+    variants = [("A", compare, list(extra_sets), [])]
+    if ab_sets or ab_run_args:
+        variants.append(("B", None, list(extra_sets) + list(ab_sets), list(ab_run_args)))
     elif compare:
-        variants.append(("B", None, list(extra_sets)))
+        variants.append(("B", None, list(extra_sets), []))
     return variants
 
 
@@ -267,8 +270,8 @@ def _warm_up(work: Path, model_dir: Path, seq_values: list, penalty_values: list
     for s in dict.fromkeys(seq_values):
         warm = write_job(work, model_dir, write_source(work, _num_rows(s) + 64), new_tokens, name=f"warm-{s}")
         for p in penalty_values:
-            for _, code, sets in variants:
-                run_job(warm, work / "out-warm", s, p, _num_rows(s) + 64, config, ceilings, code, sets)
+            for _, code, sets, args in variants:
+                run_job(warm, work / "out-warm", s, p, _num_rows(s) + 64, config, ceilings, code, sets, args)
 
 
 def _print_runs(runs: list[dict]) -> None:

@@ -56,13 +56,14 @@ def steady_tok_s(log_path: Path, rows: int) -> float | None:
 
 
 def run_job(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, rows: int, config, c: Ceilings,
-            batchgen_dir: str | None = None, extra_sets: list[str] = ()) -> dict:
+            batchgen_dir: str | None = None, extra_sets: list[str] = (), run_args: list[str] = ()) -> dict:
     """One `batchgen run` of the job, by this batchgen or, for an A/B, the one in `batchgen_dir` (a checkout),
     and its record. max_num_seqs "auto": no engine.max_num_seqs set (the job's default); the record gives the
-    engine's choice."""
+    engine's choice. run_args: more `batchgen run` options (e.g. --ray --workers 1); the report read is worker
+    0's, so they must give one worker."""
     import pyarrow.parquet as pq
 
-    process_s = _run_process(job, out_dir, max_num_seqs, penalty, batchgen_dir, extra_sets)
+    process_s = _run_process(job, out_dir, max_num_seqs, penalty, batchgen_dir, extra_sets, run_args)
     report = json.loads((out_dir / "reports" / "w00000.json").read_text())
     outputs = pq.read_table(glob.glob(str(out_dir / "data" / "*.parquet")),
                             columns=["num_prompt_tokens", "num_completion_tokens"]).to_pylist()
@@ -83,7 +84,7 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, r
 
 
 def _run_process(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, batchgen_dir: str | None,
-                 extra_sets: list[str]) -> float:
+                 extra_sets: list[str], run_args: list[str] = ()) -> float:
     """Run `batchgen run` in a subprocess (the other checkout's from its own folder: `python -m` puts the working
     folder first on sys.path); its wall seconds."""
     env = dict(os.environ)
@@ -92,7 +93,7 @@ def _run_process(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: flo
     cmd = [sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out_dir), "--fresh", "--no-progress",
            *(["--set", f"engine.max_num_seqs={max_num_seqs}"] if max_num_seqs != "auto" else []),
            "--set", f"sampling.repetition_penalty={penalty}",
-           *[arg for kv in extra_sets for arg in ("--set", kv)]]
+           *[arg for kv in extra_sets for arg in ("--set", kv)], *run_args]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=batchgen_dir or None)
     return time.perf_counter() - t0
