@@ -10,6 +10,7 @@ kernel has already written the K/V).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +19,11 @@ from batchgen.kernels.invariant.attention import query_attention_rows
 from batchgen.kernels.attention.reference import paged_attention_ref, write_kv
 from batchgen.kernels.attention.paged_prefill import paged_prefill_attention
 from batchgen.kernels.attention.prefill_launch import PrefillWork
-from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs
 from batchgen.kernels.attention.rope_kv import QKNorm
-from batchgen.kernels.fp8.splitk_common import SplitKPartials
+
+if TYPE_CHECKING:  # FP8 hand-offs pass through decode_rope untouched: only quant/ builds or reads them
+    from batchgen.kernels.fp8.quant import ActQuant, QuantizedActs
+    from batchgen.kernels.fp8.splitk_common import SplitKPartials
 
 
 @dataclass

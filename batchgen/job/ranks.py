@@ -12,6 +12,7 @@ they wait for BUILD, load their shard, build their engine and follow rank 0's st
 from __future__ import annotations
 
 import signal
+import threading
 
 from batchgen.errors import JobError
 from batchgen.config import JobSpec
@@ -105,8 +106,9 @@ def follow_job(spec: JobSpec, tp) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rank 0 shows the job's progress
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor's call may run on another thread
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
     message = tp.plans.recv()
     if message == STOP:
         return

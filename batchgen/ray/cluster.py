@@ -11,6 +11,7 @@ from tqdm import tqdm
 from batchgen.config import JobSpec
 from batchgen.errors import JobError
 
+RESOURCE_NAMES = {"num_gpus": "GPU", "num_cpus": "CPU"}  # an actor's options -> Ray's resource names
 INSTALL_HINT = "pip install 'batchgen[ray]' (or pip install 'ray[data]')"
 
 
@@ -23,14 +24,15 @@ def import_ray():
     return ray
 
 
-def connect(ray, workers: int | str) -> bool:
+def connect(ray, workers: int | str, ranks_per_worker: int = 1) -> bool:
     """Join the cluster in RAY_ADDRESS, or start a local Ray instance (one already running in this process is
-    used as it is). A local instance offers a CPU slot per worker asked for even beyond the machine's cores (CPU
+    used as it is). A local instance offers a CPU slot per rank asked for even beyond the machine's cores (CPU
     workers share them). True when this call started Ray (the driver then shuts it down)."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS") or None
-    local = {} if address is not None or workers == "auto" else {"num_cpus": max(os.cpu_count() or 1, int(workers))}
+    local = {} if address is not None or workers == "auto" else \
+        {"num_cpus": max(os.cpu_count() or 1, int(workers) * ranks_per_worker)}
     try:
         ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
     except ConnectionError as e:
@@ -48,24 +50,32 @@ def _gpu_job(spec: JobSpec, num_gpus: int) -> bool:
 
 
 def plan_workers(ray, spec: JobSpec, workers: int | str) -> tuple[int, dict]:
-    """(how many workers, the Ray resources of each). A worker takes engine.tensor_parallel_size GPUs, or one CPU
-    on a cluster without GPUs (or model.device: cpu). `workers` "auto": as many as the cluster holds."""
+    """(how many workers, the Ray resources of each rank). A worker is engine.tensor_parallel_size ranks on one
+    node, each taking a GPU, or one CPU on a cluster without GPUs (or model.device: cpu). `workers` "auto": as
+    many as the cluster holds."""
     resources = ray.cluster_resources()
     num_gpus, num_cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
     size = spec.engine.tensor_parallel_size
-    if size > 1:
-        raise JobError(f"engine.tensor_parallel_size {size} with --ray: a Ray worker runs one GPU's engine; run "
-                       f"tensor-parallel jobs with --gpus or torchrun")
     if _gpu_job(spec, num_gpus):
         if num_gpus == 0:
             raise JobError(f"model.device is {spec.model.device!r} but the Ray cluster has no GPU (it has "
                            f"{num_cpus} CPUs); set model.device: auto or cpu, or add GPU nodes")
-        each, have, what = {"num_gpus": 1, "num_cpus": 1}, num_gpus, "GPUs"
+        each, key, have, what = {"num_gpus": 1, "num_cpus": 1}, "GPU", num_gpus, "GPUs"
     else:
-        each, have, what = {"num_cpus": 1}, num_cpus, "CPUs"
+        each, key, have, what = {"num_cpus": 1}, "CPU", num_cpus, "CPUs"
+    if size > 1:  # a worker's ranks share one node: count what each node holds whole
+        per_node = sorted((int(n["Resources"].get(key, 0)) for n in ray.nodes() if n.get("Alive")), reverse=True)
+        have = sum(c // size for c in per_node)
     count = have if workers == "auto" else int(workers)
     if count < 1:
-        raise JobError(f"--workers must be >= 1 (the Ray cluster has {num_gpus} GPUs and {num_cpus} CPUs)")
+        raise JobError(f"--workers must be >= 1 (the Ray cluster has {num_gpus} GPUs and {num_cpus} CPUs)" +
+                       (f", and engine.tensor_parallel_size {size} needs {size} {what} on one node for a worker; "
+                        f"its nodes have {', '.join(map(str, per_node))}" if size > 1 else ""))
+    if count > have and size > 1:
+        raise JobError(f"--workers {count} with engine.tensor_parallel_size {size} needs {count} nodes' worth of "
+                       f"{size} {what} on one node each, but the Ray cluster's nodes have "
+                       f"{', '.join(map(str, per_node))} {what}: room for {have}; start at most {have} workers, "
+                       f"or --workers auto")
     if count > have:
         raise JobError(f"--workers {count} needs {count} {what} (one each) but the Ray cluster has {have} "
                        f"({num_gpus} GPUs, {num_cpus} CPUs); start at most {have} workers, or --workers auto")
@@ -73,7 +83,7 @@ def plan_workers(ray, spec: JobSpec, workers: int | str) -> tuple[int, dict]:
 
 
 def describe_resources(each: dict) -> str:
-    return ", ".join(f"{v} {k.removeprefix('num_').upper()}" for k, v in each.items())
+    return ", ".join(f"{v} {RESOURCE_NAMES[k]}" for k, v in each.items())
 
 
 class Progress:

@@ -27,14 +27,16 @@ from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DirectoryLock, describe, running_workers
 from batchgen.ray import cluster
+from batchgen.ray.ranks import RankGroup, RayRank
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
 from batchgen.sources import open_source
 
 POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a worker queues ~2 steps of rows ahead)
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
-GROW_CHECK_S = 10.0
+GROW_CHECK_S = 10.0  # --workers auto: how often the cluster is asked whether it grew
+RANK_GRACE_S = 30.0  # how long a tensor-parallel worker's other ranks may take to end after its rank 0 returned
 # the driver's settings its workers take along: batchgen's own (cache folder, fault injection) and offline switches
-FORWARDED_ENV = ("BATCHGEN_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")  # --workers auto: how often the cluster is asked whether it grew
+FORWARDED_ENV = ("BATCHGEN_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 @dataclass
@@ -52,6 +54,10 @@ class _Slot:
     generated_tokens: int = 0
     result: dict | None = None
     finished: bool = False  # its run returned (result) or it was let go after the last unit
+    # a tensor-parallel worker's ranks 1..T-1 (ranks.py), their run calls not yet returned, and its placement group
+    ranks: list = field(default_factory=list)
+    rank_refs: list = field(default_factory=list)
+    group: object = None
 
 
 class RayJob:
@@ -68,7 +74,7 @@ class RayJob:
         self.stopping = self.finishing = False
         self.base_tokens = 0  # tokens of replaced actors (their counters died with them)
         self.started_ray = False
-        self.remote_class = None
+        self.remote_class = self.rank_class = None
         self.committed_before = (0, 0)  # (rows, rejects) the output held when this run started
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -110,27 +116,44 @@ class RayJob:
         return num_rows
 
     def _start_actor(self, index: int, failures: int = 0) -> _Slot:
+        """Worker `index`: its RayWorker, and with tensor parallelism its other ranks in one placement group."""
         if self.remote_class is None:  # threads: `run` holds one for the job; deal/poll/finish/stop use the others
             env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
             options = {"runtime_env": {"env_vars": env}} if env else {}
             self.remote_class = self.ray.remote(max_concurrency=4, **options, **self.resources)(_actor_class())
+            self.rank_class = self.ray.remote(**options, **self.resources)(RayRank)
         spec = self.spec
         if "num_gpus" in self.resources and spec.model.device.startswith("cuda:"):  # an actor sees its GPU alone
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": "cuda"})})
-        actor = self.remote_class.remote(spec.model_dump(by_alias=True), index, max(self.num_slots, index + 1),
-                                         self.dealer)
-        slot = _Slot(index, actor, actor.run.remote(), failures=failures)
+        spec_data = spec.model_dump(by_alias=True)
+        size = spec.engine.tensor_parallel_size
+        group = RankGroup(self.ray, size, _bundle(self.resources)) if size > 1 else None
+        placed = group.options(0) if group else {}
+        actor = self.remote_class.options(**placed).remote(spec_data, index, max(self.num_slots, index + 1),
+                                                           self.dealer)
+        address = actor.rendezvous.remote() if group else None  # resolved by Ray before each rank's run starts
+        slot = _Slot(index, actor, actor.run.remote(address), failures=failures, group=group)
+        if group:
+            slot.ranks = [self.rank_class.options(**group.options(r)).remote(spec_data, r) for r in range(1, size)]
+            slot.rank_refs = [a.run.remote(address) for a in slot.ranks]
         slot.poll_ref = actor.poll.remote()
         return slot
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        self.started_ray = cluster.connect(self.ray, self.workers_arg)
+        size = self.spec.engine.tensor_parallel_size
+        if size > 1:
+            from batchgen.job.ranks import check_before_launch
+
+            check_before_launch(self.spec)  # from the model's config alone, before Ray starts
+        self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
             self._prepare_output(self.num_slots)
             num_rows = self._plan(self.num_slots)
-            print(f"batchgen: Ray: {self.num_slots} workers ({cluster.describe_resources(self.resources)} each), "
+            ranks = f"{size} ranks of " if size > 1 else ""
+            print(f"batchgen: Ray: {self.num_slots} worker{'s' if self.num_slots != 1 else ''} ({ranks}{cluster.describe_resources(self.resources)} "
+                  f"each), "
                   f"{len(self.queue)} units of up to {self.queue[0].num_rows if self.queue else 0} rows",
                   file=sys.stderr)
             started = time.monotonic()
@@ -139,6 +162,7 @@ class RayJob:
                 self._drive(stop, progress)
             return self._result(time.monotonic() - started, stop.signum)
         finally:
+            self._release_groups()
             if self.started_ray:
                 self.ray.shutdown()
 
@@ -168,6 +192,13 @@ class RayJob:
 
     def _collect_runs(self) -> None:
         for s in self._live():
+            if s.rank_refs:  # a rank that fails fails its worker (rank 0 would wait for it in a collective)
+                ready, s.rank_refs = self.ray.wait(s.rank_refs, num_returns=len(s.rank_refs), timeout=0)
+                try:
+                    self.ray.get(ready)
+                except Exception as e:
+                    self._failed(s, e)
+                    continue
             ready, _ = self.ray.wait([s.run_ref], timeout=0)
             if not ready:
                 continue
@@ -224,10 +255,7 @@ class RayJob:
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0
-        try:
-            self.ray.kill(s.actor, no_restart=True)
-        except Exception:
-            pass  # already gone
+        self._kill(s)
         lost = sorted(s.held.values(), key=lambda u: u.start)
         if self.stopping or (not lost and self.finishing):
             return  # stopping (its uncommitted rows are the next run's), or nothing of it is unfinished
@@ -252,10 +280,29 @@ class RayJob:
 
     def _stop_all(self) -> None:
         for s in self._live():
+            self._kill(s)
+
+    def _kill(self, s: _Slot) -> None:
+        """A worker's actors (all its ranks) and placement group, gone at once."""
+        for actor in [s.actor, *s.ranks]:
             try:
-                self.ray.kill(s.actor, no_restart=True)
+                self.ray.kill(actor, no_restart=True)
             except Exception:
-                pass
+                pass  # already gone
+        s.ranks, s.rank_refs = [], []
+        if s.group is not None:
+            s.group.remove()
+            s.group = None
+
+    def _release_groups(self) -> None:
+        """At the end: tensor-parallel ranks end at their rank 0's STOP; any still running after RANK_GRACE_S is
+        killed, and every placement group is given back (on a long-lived cluster they would hold its GPUs)."""
+        refs = [r for s in self.slots for r in s.rank_refs]
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=RANK_GRACE_S)
+        for s in self.slots:
+            if s.group is not None:
+                self._kill(s)
 
     def _result(self, wall_s: float, signum: int | None) -> RunResult:
         """Counted from the manifests (a replaced worker's commits count too; its own report died with it)."""
@@ -277,6 +324,11 @@ class RayJob:
 def _committed(ledger) -> tuple[int, int]:
     """(rows, rejects) an output's records hold."""
     return (sum(e.record["num_rows"] for e in ledger.entries), sum(e.record["num_rejects"] for e in ledger.entries))
+
+
+def _bundle(resources: dict) -> dict:
+    """A placement-group bundle holding one rank's actor options ({"num_gpus": 1, ...} -> {"GPU": 1, ...})."""
+    return {cluster.RESOURCE_NAMES[k]: v for k, v in resources.items()}
 
 
 def _actor_class():

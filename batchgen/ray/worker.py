@@ -22,6 +22,7 @@ from batchgen.job.workers import WorkerInfo
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DirectoryLock, WorkerLock, check_partition
+from batchgen.ray.ranks import join_group, rendezvous_address
 from batchgen.ray.units import Unit, UnitFeed
 
 LOCK_WAIT_S = 30.0  # a replacement waits this long for its dead predecessor's lock to be let go
@@ -40,10 +41,31 @@ class RayWorker:
         self.stop_flag = _Stop()
         self.loop: JobLoop | None = None
 
-    def run(self) -> dict:
-        """Set up, generate the dealt units until `finish` (or `stop`), commit; the worker's report."""
+    def rendezvous(self) -> str:
+        """A tensor-parallel worker's meeting address, on this actor's node (ranks.py)."""
+        return rendezvous_address()
+
+    def run(self, init_method: str | None = None) -> dict:
+        """Set up, generate the dealt units until `finish` (or `stop`), commit; the worker's report.
+        `init_method`: a tensor-parallel worker's rendezvous (this actor is its rank 0), None without."""
         os.environ["BATCHGEN_WORKER_INDEX"] = str(self.slot)  # fault injection by worker (output/faults.py)
         spec = JobSpec.model_validate(self.spec_data)
+        if init_method is None:
+            return self._run(spec, None)
+        from batchgen.distributed import groups
+
+        tp, spec = join_group(spec, init_method, 0)
+        try:
+            return self._run(spec, tp)
+        finally:
+            if not tp.plans.stopped:  # no engine was built (a refused or finished job), or it failed mid-build
+                try:
+                    tp.plans.send_stop()
+                except Exception:  # a rank is gone already: the driver ends the group; the first error stands
+                    pass
+            groups.destroy()
+
+    def _run(self, spec: JobSpec, tp) -> dict:
         out_dir = Path(spec.output.dir)
         if not (out_dir / layout.MARKER_FILE).is_file():  # the driver wrote it before starting any worker
             raise JobError(f"the output directory {out_dir} is not visible from the Ray node {socket.gethostname()} "
@@ -55,7 +77,7 @@ class RayWorker:
             with DirectoryLock(out_dir):
                 check_partition(out_dir, lock)
             self.loop = loop = JobLoop(spec, out_dir, WorkerInfo(self.slot, self.num_slots, source="ray"),
-                                       show_progress=False, dealt=True)
+                                       show_progress=False, tensor_parallel=tp, dealt=True)
             self.feed.attach(loop.source, loop.refresh_done_keys)
             loop.use_feed(self.feed)
             result = loop.run(self.stop_flag)

@@ -55,7 +55,7 @@ def ray_here():
     ray.shutdown()
 
 
-def _run_here(job, out, monkeypatch, workers: int, env: dict | None = None, during=None):
+def _run_here(job, out, monkeypatch, workers: int, env: dict | None = None, during=None, overrides=()):
     """The driver in this process (on the module's Ray), `during` in a thread meanwhile."""
     from batchgen.job.job_file import load_spec
     from batchgen.ray.driver import run_on_ray
@@ -65,9 +65,9 @@ def _run_here(job, out, monkeypatch, workers: int, env: dict | None = None, duri
     side = threading.Thread(target=during, daemon=True) if during else None
     if side:
         side.start()
-    result = run_on_ray(load_spec(job, [], str(out)), workers=workers, show_progress=False)
+    result = run_on_ray(load_spec(job, list(overrides), str(out)), workers=workers, show_progress=False)
     if side:
-        side.join(timeout=60)
+        side.join(timeout=300)
     return result
 
 
@@ -173,3 +173,42 @@ def test_sigterm_to_the_driver_commits_what_is_finished_and_a_rerun_completes_it
     resumed = _run_here(job, out, monkeypatch, 2)
     assert resumed.rows_skipped == stopped.rows_committed and resumed.interrupted_by is None
     assert content_once(out) == reference
+
+
+def _rank_pids(rank_class: str = "RayRank") -> list[int]:
+    """The processes of this Ray's tensor-parallel follower actors (Ray names a process after its actor)."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if any(rank_class in part for part in p.info["cmdline"]
+                                                                     or [])]
+
+
+def test_tensor_parallel_ray_workers_survive_a_lost_rank_and_write_the_single_rank_rows_once(
+        setup, tiny_model_dir, ray_here, monkeypatch, capfd):
+    """engine.tensor_parallel_size 2 on CPU (gloo): a worker of 2 ranks in one placement group; its rank 1 is
+    SIGKILLed mid-run, the whole group is replaced and its unfinished units dealt again."""
+    from batchgen.job.job_file import load_spec
+    from batchgen.job.run import run_job
+
+    tmp = setup[0]
+    job = write_job(tmp, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "worker_unit_rows": 3},
+                    name="tp.yaml", sampling={"temperature": 0.0, "max_new_tokens": 10},
+                    engine={"max_num_seqs": 3}, output={"rows_per_shard": 2})
+    run_job(load_spec(job, [], str(tmp / "tp-single")), show_progress=False)  # the reference: one rank
+    out = tmp / "tp-ray"
+    killed = []
+
+    def kill_a_rank():
+        _wait_for_commits(out, "w00000", 2, timeout_s=300)  # four processes set up on a 2-core machine: slow
+        pids = _rank_pids()
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
+
+    result = _run_here(job, out, monkeypatch, 1, env=SLOW, during=kill_a_rank,
+                       overrides=["engine.tensor_parallel_size=2"])
+    err = capfd.readouterr().err
+    assert killed and "failed" in err, err[-3000:]
+    assert "Ray: 1 worker (2 ranks of 1 CPU each)" in err and "Ray worker 0 failed" in err
+    assert result.interrupted_by is None and not _rank_pids(), "every rank ended with the job"
+    assert content_once(out) == content_once(tmp / "tp-single")

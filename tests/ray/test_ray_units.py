@@ -116,11 +116,17 @@ def _spec(device="auto", tp=1):
 
 
 class _Cluster:
-    def __init__(self, resources):
+    """What plan_workers asks of Ray: the cluster's totals, and its nodes (default: one node holding it all)."""
+
+    def __init__(self, resources, nodes=None):
         self.resources = resources
+        self.node_resources = nodes if nodes is not None else [resources]
 
     def cluster_resources(self):
         return self.resources
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": r} for r in self.node_resources] + [{"Alive": False, "Resources": {"GPU": 8.0}}]
 
 
 def test_the_worker_count_is_bounded_by_the_cluster_with_a_message_naming_what_it_has():
@@ -131,9 +137,22 @@ def test_the_worker_count_is_bounded_by_the_cluster_with_a_message_naming_what_i
         plan_workers(gpus, _spec(), 5)
     with pytest.raises(JobError, match=r"model.device is 'cuda' but the Ray cluster has no GPU \(it has 8 CPUs\)"):
         plan_workers(_Cluster({"CPU": 8.0}), _spec("cuda"), 2)
-    with pytest.raises(JobError, match="engine.tensor_parallel_size 2 with --ray"):
-        plan_workers(gpus, _spec(tp=2), 1)
     assert plan_workers(_Cluster({"CPU": 8.0}), _spec(), "auto") == (8, {"num_cpus": 1})
+
+
+def test_a_tensor_parallel_worker_counts_only_the_gpus_it_finds_together_on_one_node():
+    three_nodes = _Cluster({"CPU": 96.0, "GPU": 7.0}, [{"CPU": 32.0, "GPU": 4.0}, {"CPU": 32.0, "GPU": 2.0},
+                                                       {"CPU": 32.0, "GPU": 1.0}])
+    assert plan_workers(three_nodes, _spec(tp=2), "auto") == (3, {"num_gpus": 1, "num_cpus": 1})  # 2 + 1 + 0
+    assert plan_workers(three_nodes, _spec(tp=4), "auto") == (1, {"num_gpus": 1, "num_cpus": 1})
+    with pytest.raises(JobError, match=r"--workers 4 with engine.tensor_parallel_size 2 needs 4 nodes' worth of 2 "
+                                       r"GPUs on one node each, but the Ray cluster's nodes have 4, 2, 1 GPUs: room "
+                                       r"for 3"):
+        plan_workers(three_nodes, _spec(tp=2), 4)
+    with pytest.raises(JobError, match=r"tensor_parallel_size 8 needs 8 GPUs on one node for a worker; its nodes "
+                                       r"have 4, 2, 1"):
+        plan_workers(three_nodes, _spec(tp=8), "auto")
+    assert plan_workers(_Cluster({"CPU": 5.0}), _spec("cpu", tp=2), "auto") == (2, {"num_cpus": 1})  # CPU ranks
 
 
 def test_a_fixed_partition_worker_and_a_ray_job_never_share_an_output(tmp_path):
