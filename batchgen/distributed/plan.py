@@ -43,6 +43,17 @@ class PlanChannel:
         self._send(STOP)
         self.stopped = True
 
+    def release_followers(self) -> None:
+        """Rank 0 at its end: STOP to the other ranks if they still wait (no engine was built, a refused or
+        finished job, or it failed mid-build). A rank already gone is its launcher's to end (Ray: the driver's):
+        the first error stands."""
+        if self.stopped:
+            return
+        try:
+            self.send_stop()
+        except Exception:
+            pass
+
     def recv(self):
         """The next message from rank 0: BUILD, STOP, or a ScheduledBatch."""
         assert not self.is_leader

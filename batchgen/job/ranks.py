@@ -85,11 +85,7 @@ def run_rank(spec: JobSpec, identity, worker: WorkerInfo, fresh: bool, show_prog
             return run_job(spec, fresh=fresh, worker=worker, show_progress=show_progress, tensor_parallel=tp,
                            job_file=job_file)
         finally:
-            if not tp.plans.stopped:  # no engine was built (a refused or finished job), or it failed mid-build
-                try:
-                    tp.plans.send_stop()
-                except Exception:  # a rank is gone already: the launcher ends the rest; the first error stands
-                    pass
+            tp.plans.release_followers()
     finally:
         groups.destroy()
 

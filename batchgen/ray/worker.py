@@ -58,11 +58,7 @@ class RayWorker:
         try:
             return self._run(spec, tp)
         finally:
-            if not tp.plans.stopped:  # no engine was built (a refused or finished job), or it failed mid-build
-                try:
-                    tp.plans.send_stop()
-                except Exception:  # a rank is gone already: the driver ends the group; the first error stands
-                    pass
+            tp.plans.release_followers()
             groups.destroy()
 
     def _run(self, spec: JobSpec, tp) -> dict:
