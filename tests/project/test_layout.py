@@ -38,8 +38,9 @@ ALLOWED = {
             "kernels", "distributed"} | LOWER,
     "bench": {"bench", "job", "config", "engine", "runner", "models", "quant", "attention", "kernels", "distributed",
               "sample"} | LOWER,
-    # Ray: a driver dealing units to JobLoop workers, and a Ray Data stage over engines
-    "ray": {"ray", "job", "config", "sources", "output", "prompts", "engine"} | LOWER,
+    # Ray: a driver dealing units to JobLoop workers (tensor-parallel ones: process groups, the device), and a Ray
+    # Data stage over engines
+    "ray": {"ray", "job", "config", "sources", "output", "prompts", "engine", "distributed", "runner"} | LOWER,
     "cli.py": {"job", "config", "output", "sources", "bench", "distributed", "ray"} | LOWER,
     "__init__.py": {"engine", "sampling_params"},
     "errors.py": set(), "hub.py": {"errors"}, "seeding.py": set(), "sampling_params.py": set(),
