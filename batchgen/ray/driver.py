@@ -127,7 +127,7 @@ class RayJob:
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": "cuda"})})
         spec_data = spec.model_dump(by_alias=True)
         size = spec.engine.tensor_parallel_size
-        group = RankGroup(self.ray, size, _bundle(self.resources)) if size > 1 else None
+        group = RankGroup(size, _bundle(self.resources)) if size > 1 else None
         placed = group.options(0) if group else {}
         actor = self.remote_class.options(**placed).remote(spec_data, index, max(self.num_slots, index + 1),
                                                            self.dealer)
@@ -151,10 +151,10 @@ class RayJob:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
             self._prepare_output(self.num_slots)
             num_rows = self._plan(self.num_slots)
-            ranks = f"{size} ranks of " if size > 1 else ""
-            print(f"batchgen: Ray: {self.num_slots} worker{'s' if self.num_slots != 1 else ''} ({ranks}{cluster.describe_resources(self.resources)} "
-                  f"each), "
-                  f"{len(self.queue)} units of up to {self.queue[0].num_rows if self.queue else 0} rows",
+            workers = f"{self.num_slots} worker{'s' if self.num_slots != 1 else ''}"
+            each = (f"{size} ranks of " if size > 1 else "") + cluster.describe_resources(self.resources)
+            unit_rows = self.queue[0].num_rows if self.queue else 0
+            print(f"batchgen: Ray: {workers} ({each} each), {len(self.queue)} units of up to {unit_rows} rows",
                   file=sys.stderr)
             started = time.monotonic()
             self.slots = [self._start_actor(i) for i in range(self.num_slots)]

@@ -63,10 +63,9 @@ class RayRank:
 class RankGroup:
     """A worker's placement group and the scheduling options of each of its bundles."""
 
-    def __init__(self, ray, size: int, bundle: dict) -> None:
+    def __init__(self, size: int, bundle: dict) -> None:
         from ray.util.placement_group import placement_group
 
-        self.ray = ray
         self.pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
 
     def options(self, bundle_index: int) -> dict:
