@@ -98,6 +98,8 @@ class Engine:
         # the host's time advancing matchers' masks into bitmasks
         self._grammars: GrammarCache | None = None
         self.grammar_s = 0.0
+        if tp is not None and tp.is_leader:
+            tp.plans.engine_built()  # the build's collectives are behind every rank: a STOP now reaches them
 
     def _capacity(self, geometry: KVGeometry, kv_dtype: torch.dtype) -> tuple[sizing.Capacity, sizing.RowCosts]:
         """The batch the engine's buffers are built for (engine.max_num_seqs / max_num_batched_tokens, or auto),

@@ -48,17 +48,20 @@ def _free_port() -> int:
 
 def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
     """Wait for every worker's ranks, all watched at once; a worker's exit code is its rank 0's, else its first
-    failed rank's. A rank left running RANK_GRACE_S after its rank 0 ended is killed; after another rank of its
-    group failed, rank 0 gets SIGTERM (commit what is finished) and the same grace."""
-    ended_at: dict[int, float] = {}  # group -> when its rank 0 ended or another of its ranks failed
+    failed rank's. A rank left running RANK_GRACE_S after its rank 0 ended well is killed, and at once after it
+    failed (it may have failed while the ranks built their engines, when it cannot tell them to stop:
+    distributed/plan.py); after another rank of its group failed, rank 0 gets SIGTERM (commit what is finished)
+    and the same grace."""
+    kill_at: dict[int, float] = {}  # group -> when its ranks still running are killed
     while any(p.poll() is None for group in groups for p in group):
         for g, group in enumerate(groups):
             leader, others = group[0], group[1:]
-            if g not in ended_at and (leader.poll() is not None or any(p.poll() not in (None, 0) for p in others)):
-                ended_at[g] = time.monotonic()
+            if g not in kill_at and (leader.poll() is not None or any(p.poll() not in (None, 0) for p in others)):
+                failed_leader = leader.poll() is not None and leader.returncode != 0
+                kill_at[g] = time.monotonic() + (0.0 if failed_leader else RANK_GRACE_S)
                 if leader.poll() is None:
                     leader.send_signal(signal.SIGTERM)
-            if g in ended_at and time.monotonic() - ended_at[g] > RANK_GRACE_S:
+            if g in kill_at and time.monotonic() >= kill_at[g]:
                 for p in group:
                     if p.poll() is None:
                         p.kill()

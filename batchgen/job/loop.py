@@ -40,6 +40,11 @@ from batchgen.job.workers import WorkerInfo
 # generated again by the next run.
 MAX_CONSECUTIVE_ENGINE_ERRORS = 32
 
+# A dealt feed (Ray) whose engine has waited this long for rows commits every finished row, whatever
+# output.rows_per_shard and output.commit_interval_s say: the dealer waits for those commits (a gap between two
+# deals is shorter: no small shard then).
+IDLE_COMMIT_S = 0.5
+
 
 def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     if value is None:
@@ -160,6 +165,7 @@ class JobLoop:
             raise JobError(f"cannot load the weights of model.path {spec.model.path!r}: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
         try:
+            faults.raise_if_armed("engine_build", MemoryError("injected: out of memory building the engine"))
             self.engine = Engine(model, self.tokenizer, spec.engine, tensor_parallel=tp)
         except (DeterministicUnsupported, KVCacheUnsupported) as e:  # a model or device the settings cannot run on
             raise JobError(str(e)) from None
@@ -297,6 +303,7 @@ class JobLoop:
         first_seen = KeySet()  # keys seen in this run with their first position (key column only)
         skipped = 0
         exhausted = False
+        idle_since = None  # a dealt feed: when the engine last ran out of rows, while it waits for more
         while True:
             t_admit, setup_before = time.perf_counter(), self.engine_setup_s
             num_admitted = 0  # this pass: rows rendered (skipping rows done earlier is cheap and not counted)
@@ -322,11 +329,19 @@ class JobLoop:
             if stop.signum is not None or (exhausted and idle):
                 return skipped  # on a signal, in-flight rows are abandoned: the next run generates them
             if idle:  # only a dealt feed gets here (a static one is read until the engine is busy or it ends)
+                idle_since = idle_since if idle_since is not None else time.monotonic()
+                if time.monotonic() - idle_since >= IDLE_COMMIT_S:
+                    # the dealer counts a unit done at its commit, and deals its last units or ends the job only
+                    # then: settle everything finished as the end of a run would (held rows rejected too)
+                    self._reject_held_engine_errors()
+                    while self._commit():
+                        pass
                 while writer.should_commit():
                     self._commit()
                 self.meter.maybe_log(self._stats)
                 feed.wait(0.05)
                 continue
+            idle_since = None
             faults.raise_if_armed("engine_step", RuntimeError("injected engine failure"))
             faults.slow_if_armed("engine_step")
             t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Fault injection for the crash tests: BATCHGEN_FAULT=POINT:N acts the Nth time POINT is reached.
 Kill points (SIGKILL): commit_start, shard_renamed, manifest_torn, commit_done.
-Raise points: shard_write (OSError ENOSPC while writing a shard), engine_step (RuntimeError in the loop).
+Raise points: shard_write (OSError ENOSPC while writing a shard), engine_step (RuntimeError in the loop),
+engine_build (MemoryError building the engine, after a tensor-parallel job's other ranks started theirs).
 BATCHGEN_FAULT_WORKER=I limits it to the worker the launcher started with BATCHGEN_WORKER_INDEX=I.
 BATCHGEN_FAULT_SLOW=POINT:SECONDS sleeps that long every time POINT is reached (a slow worker: engine_step).
 

@@ -1,5 +1,5 @@
-"""`batchgen run` with engine.tensor_parallel_size 2 on CPU (gloo): killed mid-run and resumed, the job writes
-exactly the single-rank job's completions, each row once; bad tensor-parallel settings stop the job with one
+"""`batchgen run` with engine.tensor_parallel_size 2 on CPU (gloo): failed while building and killed mid-run,
+then resumed, the job writes exactly the single-rank job's completions, each row once; bad tensor-parallel settings stop the job with one
 message naming the key, before any weight is read (the model folders here hold no weights at all)."""
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ def test_tensor_parallel_job_killed_then_resumed_writes_the_single_rank_output_o
 
     run_job(load_spec(job, [], str(tmp_path / "single")), show_progress=False)  # the reference, in this process
     out = tmp_path / "tp2"
+    # rank 0 fails building its engine while rank 1 builds its own (in the build's collectives): rank 0's error
+    # stands, and the launcher ends rank 1 at once (a STOP then would meet rank 1's collective and hang)
+    refused = run_cli("run", str(job), "-o", str(out), "--tensor-parallel", "2",
+                      env={"BATCHGEN_FAULT": "engine_build:1"}, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "out of memory while setting up the engine" in refused.stderr
+    assert read_rows(out) == []
     # rank 0 is killed (SIGKILL) right after its second commit; the launcher then ends rank 1
     killed = run_cli("run", str(job), "-o", str(out), "--tensor-parallel", "2", env={"BATCHGEN_FAULT": "commit_done:2"},
                      timeout=120)

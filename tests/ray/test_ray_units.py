@@ -177,3 +177,40 @@ def test_a_worker_that_cannot_see_the_output_directory_stops_the_job_with_one_cl
     with pytest.raises(JobError, match=r"output directory .*elsewhere is not visible from the Ray node .*every node"):
         worker.run()
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_the_job(tmp_path, tiny_model_dir):
+    """A RayWorker (here without Ray: its calls from threads) whose engine has run out of dealt rows commits what
+    it finished, though neither output.rows_per_shard nor output.commit_interval_s asks for it: the dealer
+    counts a unit done at its commit and ends the job (or deals the rest) only then."""
+    import threading
+    import time
+
+    from batchgen.job.job_file import load_spec
+    from batchgen.output import layout
+    from batchgen.ray.worker import RayWorker
+    from jobutil import content_once, seed_rows, write_job, write_jsonl
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"temperature": 0.0, "max_new_tokens": 4}, engine={"max_num_seqs": 2},
+                    output={"rows_per_shard": 1000, "commit_interval_s": 3600})
+    out = tmp_path / "out"
+    out.mkdir()
+    layout.write_marker(out)
+    worker = RayWorker(load_spec(job, [], str(out)).model_dump(by_alias=True), 0, 1, "ray host:1")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(worker.run()), daemon=True)
+    thread.start()
+    units = plan_units(6, 4)
+    worker.deal(units[:1])
+    done, deadline = [], time.monotonic() + 120
+    while len(done) < 1 and time.monotonic() < deadline and thread.is_alive():
+        done += worker.poll()["done"]
+        time.sleep(0.05)
+    assert done == [0], "the unit's rows were not committed while the worker waited for more"
+    assert len(content_once(out)) == 4
+    worker.deal(units[1:])
+    worker.finish()
+    thread.join(timeout=120)
+    assert result["rows_committed"] == 6 and len(content_once(out)) == 6
