@@ -116,9 +116,11 @@ class TensorParallelGroup:
         return int(t.item())
 
 
-def init_tensor_parallel(identity: RankIdentity, device_type: str) -> TensorParallelGroup:
+def init_tensor_parallel(identity: RankIdentity, device_type: str, store=None) -> TensorParallelGroup:
     """Join the job's process groups (every process of the world calls this, in any order) and return this
-    process's tensor-parallel group. device_type "cuda": this rank's GPU is cuda:LOCAL_RANK."""
+    process's tensor-parallel group. device_type "cuda": this rank's GPU is cuda:LOCAL_RANK. `store`: the world's
+    rendezvous store, opened by the caller (every rank then passes one: rank 0 its server, the others clients),
+    instead of identity.init_method."""
     global _CURRENT
     if device_type == "cuda":
         device = torch.device("cuda", identity.local_rank)
@@ -128,8 +130,9 @@ def init_tensor_parallel(identity: RankIdentity, device_type: str) -> TensorPara
         # ranks on one host share its cores: without this each would start one thread per core
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // identity.tp_size))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=identity.init_method, rank=identity.world_rank,
-                                world_size=identity.world_size, timeout=PLAN_TIMEOUT)
+        where = {"store": store} if store is not None else {"init_method": identity.init_method}
+        dist.init_process_group("gloo", **where, rank=identity.world_rank, world_size=identity.world_size,
+                                timeout=PLAN_TIMEOUT)
     mine = None
     for g in range(identity.num_groups):  # every process creates every group, in the same order
         ranks = list(range(g * identity.tp_size, (g + 1) * identity.tp_size))

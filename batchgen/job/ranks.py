@@ -19,10 +19,12 @@ from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
 
-def check_before_launch(spec: JobSpec) -> None:
+def check_before_launch(spec: JobSpec, *, model_elsewhere: bool = False) -> None:
     """JobError naming the key when this job cannot run split engine.tensor_parallel_size ways, from the model's
     config alone (no weight is read): heads, KV heads or MLP columns it does not divide, a model without a
-    sharded fused decoder, a device that names one GPU."""
+    sharded fused decoder, a device that names one GPU. model_elsewhere (the Ray driver, which may not see a
+    model path local to the cluster's nodes): a model this process cannot read skips the config checks (each
+    worker makes them again before its ranks meet)."""
     size = spec.engine.tensor_parallel_size
     if size == 1:
         return
@@ -36,7 +38,12 @@ def check_before_launch(spec: JobSpec) -> None:
     from batchgen.job.validate import tokenizer_and_config
     from batchgen.models.registry import tensor_parallel_reason
 
-    _, config = tokenizer_and_config(spec)
+    try:
+        _, config = tokenizer_and_config(spec)
+    except JobError:
+        if model_elsewhere:
+            return
+        raise
     reason = tensor_parallel_reason(config, size)
     if reason is not None:
         raise JobError(f"engine.tensor_parallel_size {size}: {reason}")

@@ -86,6 +86,13 @@ def describe_resources(each: dict) -> str:
     return ", ".join(f"{v} {RESOURCE_NAMES[k]}" for k, v in each.items())
 
 
+def describe_available(ray) -> str:
+    """What the cluster has free now of what it has, in words: 'the cluster has 0 of 4 CPUs free'."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    parts = [f"{free.get(name, 0):g} of {total[name]:g} {name}s" for name in ("GPU", "CPU") if total.get(name)]
+    return f"the cluster has {' and '.join(parts) or 'no GPU or CPU'} free"
+
+
 class Progress:
     """One bar over every worker: rows of committed units, and the generation rate."""
 

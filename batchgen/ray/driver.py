@@ -35,6 +35,10 @@ POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a 
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
 GROW_CHECK_S = 10.0  # --workers auto: how often the cluster is asked whether it grew
 RANK_GRACE_S = 30.0  # how long a tensor-parallel worker's other ranks may take to end after its rank 0 returned
+# a worker the cluster has not placed (its GPUs / CPUs taken, a node lost): said after PLACE_WARN_S; when no worker
+# at all is placed after PLACE_TIMEOUT_S (an autoscaler's new nodes take minutes) the job stops with a JobError
+PLACE_WARN_S = 60.0
+PLACE_TIMEOUT_S = 900.0
 # the driver's settings its workers take along: batchgen's own (cache folder, fault injection) and offline switches
 FORWARDED_ENV = ("BATCHGEN_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
@@ -46,6 +50,9 @@ class _Slot:
     run_ref: object
     held: dict[int, Unit] = field(default_factory=dict)  # dealt, not yet reported committed
     poll_ref: object = None
+    created_at: float = field(default_factory=time.monotonic)
+    placed: bool = False  # its actor answered a poll: the cluster found it room
+    said_waiting: bool = False
     started: bool = False
     num_unread_rows: int = 0  # dealt rows the actor has not read (as of its last poll, plus those dealt since)
     num_queued_units: int = 0
@@ -56,7 +63,7 @@ class _Slot:
     finished: bool = False  # its run returned (result) or it was let go after the last unit
     # a tensor-parallel worker's ranks 1..T-1 (ranks.py), their run calls not yet returned, and its placement group
     ranks: list = field(default_factory=list)
-    rank_refs: list = field(default_factory=list)
+    rank_refs: dict = field(default_factory=dict)  # rank -> its run call's ObjectRef
     group: object = None
 
 
@@ -128,15 +135,20 @@ class RayJob:
         spec_data = spec.model_dump(by_alias=True)
         size = spec.engine.tensor_parallel_size
         group = RankGroup(size, _bundle(self.resources)) if size > 1 else None
-        placed = group.options(0) if group else {}
-        actor = self.remote_class.options(**placed).remote(spec_data, index, max(self.num_slots, index + 1),
-                                                           self.dealer)
-        address = actor.rendezvous.remote() if group else None  # resolved by Ray before each rank's run starts
-        slot = _Slot(index, actor, actor.run.remote(address), failures=failures, group=group)
-        if group:
-            slot.ranks = [self.rank_class.options(**group.options(r)).remote(spec_data, r) for r in range(1, size)]
-            slot.rank_refs = [a.run.remote(address) for a in slot.ranks]
-        slot.poll_ref = actor.poll.remote()
+        slot = _Slot(index, None, None, failures=failures, group=group)
+        try:
+            placed = group.options(0) if group else {}
+            slot.actor = self.remote_class.options(**placed).remote(spec_data, index, max(self.num_slots, index + 1),
+                                                                    self.dealer)
+            address = slot.actor.rendezvous.remote() if group else None  # Ray resolves it before each rank's run
+            slot.run_ref = slot.actor.run.remote(address)
+            if group:
+                slot.ranks = [self.rank_class.options(**group.options(r)).remote(spec_data, r) for r in range(1, size)]
+                slot.rank_refs = {r: a.run.remote(address) for r, a in enumerate(slot.ranks, start=1)}
+            slot.poll_ref = slot.actor.poll.remote()
+        except BaseException:
+            self._kill(slot)  # what was started of it, and its placement group
+            raise
         return slot
 
     # ---- the run --------------------------------------------------------------------------------
@@ -145,26 +157,29 @@ class RayJob:
         if size > 1:
             from batchgen.job.ranks import check_before_launch
 
-            check_before_launch(self.spec)  # from the model's config alone, before Ray starts
+            check_before_launch(self.spec, model_elsewhere=True)  # from the model's config alone, before Ray starts
         self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
             self._prepare_output(self.num_slots)
             num_rows = self._plan(self.num_slots)
             workers = f"{self.num_slots} worker{'s' if self.num_slots != 1 else ''}"
-            each = (f"{size} ranks of " if size > 1 else "") + cluster.describe_resources(self.resources)
+            each = self._each()
             unit_rows = self.queue[0].num_rows if self.queue else 0
             print(f"batchgen: Ray: {workers} ({each} each), {len(self.queue)} units of up to {unit_rows} rows",
                   file=sys.stderr)
             started = time.monotonic()
-            self.slots = [self._start_actor(i) for i in range(self.num_slots)]
+            for i in range(self.num_slots):
+                self.slots.append(self._start_actor(i))
             with StopFlag() as stop, cluster.Progress(num_rows, self.show_progress) as progress:
                 self._drive(stop, progress)
             return self._result(time.monotonic() - started, stop.signum)
         finally:
-            self._release_groups()
-            if self.started_ray:
-                self.ray.shutdown()
+            try:
+                self._release_groups()
+            finally:
+                if self.started_ray:
+                    self.ray.shutdown()
 
     def _drive(self, stop: StopFlag, progress) -> None:
         last_grow = time.monotonic()
@@ -175,12 +190,15 @@ class RayJob:
                     s.actor.stop.remote(stop.signum)
             self._collect_runs()
             self._collect_polls()
+            self._check_placement()
             if not self.stopping:
                 self._deal()
                 if not self.queue and not any(s.held for s in self._live()) and not self.finishing:
                     self.finishing = True
                     for s in self._live():
                         s.actor.finish.remote()
+                if self.finishing:
+                    self._let_go_unplaced()
                 if self.workers_arg == "auto" and time.monotonic() - last_grow >= GROW_CHECK_S:
                     last_grow = time.monotonic()
                     self._grow()
@@ -191,22 +209,38 @@ class RayJob:
         return [s for s in self.slots if not s.finished]
 
     def _collect_runs(self) -> None:
+        """Each worker's run call, once it returned: its result, or its failure. Rank 0's outcome comes first (a
+        finished result stands; its JobError is the job's); a failed rank of a tensor-parallel worker fails the
+        worker (rank 0 would wait for it in a collective), and is named as the cause when rank 0 failed after it
+        with an error of its own (a broken collective, not the reason)."""
         for s in self._live():
-            if s.rank_refs:  # a rank that fails fails its worker (rank 0 would wait for it in a collective)
-                ready, s.rank_refs = self.ray.wait(s.rank_refs, num_returns=len(s.rank_refs), timeout=0)
-                try:
-                    self.ray.get(ready)
-                except Exception as e:
-                    self._failed(s, e)
-                    continue
+            rank_error = self._rank_error(s)
             ready, _ = self.ray.wait([s.run_ref], timeout=0)
+            if ready:
+                try:
+                    s.result = self.ray.get(s.run_ref)
+                    s.finished = True
+                    continue
+                except Exception as e:
+                    if rank_error is None or _is_job_error(e):
+                        self._failed(s, e)
+                        continue
+            if rank_error is not None:
+                self._failed(s, rank_error)
+
+    def _rank_error(self, s: _Slot) -> Exception | None:
+        """The error of the first of a worker's ranks 1..T-1 whose run call failed, else None (a rank returns
+        at rank 0's STOP: its ref is then dropped)."""
+        for rank, ref in sorted(s.rank_refs.items()):
+            ready, _ = self.ray.wait([ref], timeout=0)
             if not ready:
                 continue
             try:
-                s.result = self.ray.get(s.run_ref)
-                s.finished = True
+                self.ray.get(ref)
+                del s.rank_refs[rank]
             except Exception as e:
-                self._failed(s, e)
+                return RankFailed(rank, e)
+        return None
 
     def _collect_polls(self) -> None:
         for s in self._live():
@@ -222,10 +256,42 @@ class RayJob:
                 unit = s.held.pop(unit_id)
                 self.num_units_done_rows += unit.num_rows
                 s.failures = 0
-            s.started = state["started"]
+            s.placed, s.started = True, state["started"]
             s.num_unread_rows, s.num_queued_units = state["num_unread_rows"], state["num_queued_units"]
             s.num_wanted_rows, s.generated_tokens = state["num_wanted_rows"], state["generated_tokens"]
             s.poll_ref = s.actor.poll.remote()
+
+    def _check_placement(self) -> None:
+        """Say which workers wait for the cluster to place them; a JobError when none was placed in time."""
+        waiting = [s for s in self._live() if not s.placed]
+        if not waiting:
+            return
+        now = time.monotonic()
+        size = self.spec.engine.tensor_parallel_size
+        each = self._each() + (" on one node" if size > 1 else "")
+        for s in waiting:
+            if not s.said_waiting and now - s.created_at >= PLACE_WARN_S:
+                s.said_waiting = True
+                print(f"batchgen: Ray worker {s.index} waits for the cluster to place it ({each}); "
+                      f"{cluster.describe_available(self.ray)}", file=sys.stderr)
+        if len(waiting) == len(self._live()) and now - min(s.created_at for s in waiting) >= PLACE_TIMEOUT_S:
+            self._stop_all()
+            raise JobError(f"no Ray worker could be placed in {PLACE_TIMEOUT_S:.0f} s: each asks for {each}, and "
+                           f"{cluster.describe_available(self.ray)}; free or add resources, or lower --workers "
+                           f"(a rerun resumes)")
+
+    def _let_go_unplaced(self) -> None:
+        """Every unit is committed or with a placed worker: a worker still unplaced would never be given one (nor
+        hear `finish`), so it is let go rather than waited for."""
+        for s in self._live():
+            if not s.placed and not s.held:
+                self._kill(s)
+                s.finished = True
+
+    def _each(self) -> str:
+        """What one worker asks of the cluster, in words: '1 GPU, 1 CPU' or '2 ranks of 1 GPU, 1 CPU'."""
+        size = self.spec.engine.tensor_parallel_size
+        return (f"{size} ranks of " if size > 1 else "") + cluster.describe_resources(self.resources)
 
     def _deal(self) -> None:
         """Give each started actor units until it has twice a step's rows queued and one unit beyond the one it
@@ -244,14 +310,18 @@ class RayJob:
                 s.actor.deal.remote(units)
 
     def _failed(self, s: _Slot, error: Exception) -> None:
-        """A worker's run raised or its actor died. A JobError (the job's settings or data) stops the job; any
-        other failure replaces the worker and deals its unfinished units again."""
+        """A worker's run raised or its actor died (or one of its ranks: RankFailed). A JobError (the job's
+        settings or data) stops the job; any other failure replaces the worker and deals its unfinished units
+        again."""
+        rank = f"rank {error.rank}: " if isinstance(error, RankFailed) else ""
+        error = error.error if isinstance(error, RankFailed) else error
         cause = getattr(error, "cause", error)
-        if isinstance(cause, JobError) or isinstance(error, JobError):
+        if _is_job_error(error):
             self._stop_all()
-            raise JobError(f"worker {s.index} on Ray: {cause}") from None
+            raise JobError(f"worker {s.index} on Ray: {rank}{cause}") from None
         text = str(cause).strip()
-        why = text.splitlines()[0][:300] if text else type(cause).__name__  # Ray's first line says what happened
+        # Ray's first line says what happened
+        why = rank + (text.splitlines()[0][:300] if text else type(cause).__name__)
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0
@@ -284,12 +354,12 @@ class RayJob:
 
     def _kill(self, s: _Slot) -> None:
         """A worker's actors (all its ranks) and placement group, gone at once."""
-        for actor in [s.actor, *s.ranks]:
+        for actor in [a for a in (s.actor, *s.ranks) if a is not None]:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:
                 pass  # already gone
-        s.ranks, s.rank_refs = [], []
+        s.ranks, s.rank_refs = [], {}
         if s.group is not None:
             s.group.remove()
             s.group = None
@@ -297,7 +367,7 @@ class RayJob:
     def _release_groups(self) -> None:
         """At the end: tensor-parallel ranks end at their rank 0's STOP; any still running after RANK_GRACE_S is
         killed, and every placement group is given back (on a long-lived cluster they would hold its GPUs)."""
-        refs = [r for s in self.slots for r in s.rank_refs]
+        refs = [r for s in self.slots for r in s.rank_refs.values()]
         if refs:
             self.ray.wait(refs, num_returns=len(refs), timeout=RANK_GRACE_S)
         for s in self.slots:
@@ -319,6 +389,19 @@ class RayJob:
         if self.spec.output.report and interrupted is None:
             write_report_or_say_why(self.out_dir)
         return RunResult(self.out_dir, rows - rows_before, rejects - rejects_before, rows_before, interrupted, report)
+
+
+class RankFailed(Exception):
+    """Rank `rank` (> 0) of a tensor-parallel worker failed with `error`."""
+
+    def __init__(self, rank: int, error: Exception) -> None:
+        super().__init__(f"rank {rank}: {error}")
+        self.rank, self.error = rank, error
+
+
+def _is_job_error(error: Exception) -> bool:
+    """A JobError, raised here or inside an actor (Ray wraps it: RayTaskError.cause)."""
+    return isinstance(error, JobError) or isinstance(getattr(error, "cause", None), JobError)
 
 
 def _committed(ledger) -> tuple[int, int]:

@@ -2,40 +2,50 @@
 (STRICT_PACK), the worker's RayWorker (rank 0, which runs the JobLoop and writes the output) in bundle 0 and a
 RayRank (ranks 1..T-1, which load their shard and run rank 0's steps, job/ranks.py's follow_job) in each other.
 
-The ranks meet at rank 0's address: RayWorker.rendezvous picks a free port on its node, and its object ref is
-handed to every rank's run call unresolved (Ray resolves it before the call runs), so the driver never waits on
-a starting actor. The group lives and dies whole: when any of its actors fails, the driver kills the others
-(the survivors would wait in a collective) and removes the placement group; a new group takes its slot.
+The ranks meet at rank 0's address: RayWorker.rendezvous opens rank 0's TCPStore on a port the system picks on
+its node (held from then on: no other process can take it), and its object ref is handed to every rank's run
+call unresolved (Ray resolves it before the call runs), so the driver never waits on a starting actor. The group
+lives and dies whole: when any of its actors fails, the driver kills the others (the survivors would wait in a
+collective) and removes the placement group; a new group takes its slot.
 """
 
 from __future__ import annotations
 
-import socket
+from datetime import timedelta
 
 from batchgen.config import JobSpec
 
+# how long a rank waits for its group's others to meet (a rank that never starts: its placement group was
+# placed, so only a broken node delays it this long); the collectives after that wait groups.PLAN_TIMEOUT
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 
-def rendezvous_address() -> str:
-    """torch.distributed's init method at a port free now on this node (another process may take it before
-    rank 0 binds it: rare, and the group then fails and is replaced)."""
+
+def open_rendezvous(num_ranks: int):
+    """(rank 0's TCPStore, listening on a port the system picked on this node; its "host:port")."""
     import ray
+    import torch.distributed as dist
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+    host = ray.util.get_node_ip_address()
+    store = dist.TCPStore(host, 0, num_ranks, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    return store, f"{host}:{store.port}"
 
 
-def join_group(spec: JobSpec, init_method: str, rank: int):
+def join_group(spec: JobSpec, address: str, rank: int, store=None):
     """This actor's rank of its worker's group (a world of its own: T processes, group 0), and the spec with
-    model.device set to this rank's device (an actor sees its one GPU as cuda:0)."""
+    model.device set to this rank's device (an actor sees its one GPU as cuda:0). Rank 0 passes the store
+    open_rendezvous gave it; the others connect to it at `address`."""
+    import torch.distributed as dist
+
     from batchgen.distributed import groups
     from batchgen.runner.loader import resolve_device
 
     size = spec.engine.tensor_parallel_size
     device = resolve_device(spec.model.device)
-    identity = groups.RankIdentity(rank, size, rank, size, 0, init_method, "ray")
-    tp = groups.init_tensor_parallel(identity, device.type)
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), size, False, timeout=RENDEZVOUS_TIMEOUT)
+    identity = groups.RankIdentity(rank, size, rank, size, 0, f"tcp://{address}", "ray")
+    tp = groups.init_tensor_parallel(identity, device.type, store)
     if device.type == "cuda":
         spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": str(tp.device)})})
     return tp, spec
@@ -48,11 +58,11 @@ class RayRank:
     def __init__(self, spec_data: dict, rank: int) -> None:
         self.spec_data, self.rank = spec_data, rank
 
-    def run(self, init_method: str) -> int:
+    def run(self, address: str) -> int:
         from batchgen.distributed import groups
         from batchgen.job.ranks import follow_job
 
-        tp, spec = join_group(JobSpec.model_validate(self.spec_data), init_method, self.rank)
+        tp, spec = join_group(JobSpec.model_validate(self.spec_data), address, self.rank)
         try:
             follow_job(spec, tp)
         finally:

@@ -22,7 +22,7 @@ from batchgen.job.workers import WorkerInfo
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DirectoryLock, WorkerLock, check_partition
-from batchgen.ray.ranks import join_group, rendezvous_address
+from batchgen.ray.ranks import join_group, open_rendezvous
 from batchgen.ray.units import Unit, UnitFeed
 
 LOCK_WAIT_S = 30.0  # a replacement waits this long for its dead predecessor's lock to be let go
@@ -40,26 +40,33 @@ class RayWorker:
         self.feed = UnitFeed()
         self.stop_flag = _Stop()
         self.loop: JobLoop | None = None
+        self.store = None  # a tensor-parallel worker's TCPStore (rendezvous), which its ranks meet at
 
     def rendezvous(self) -> str:
-        """A tensor-parallel worker's meeting address, on this actor's node (ranks.py)."""
-        return rendezvous_address()
+        """A tensor-parallel worker's meeting address, on this actor's node; its store is held for `run`
+        (ranks.py)."""
+        size = JobSpec.model_validate(self.spec_data).engine.tensor_parallel_size
+        self.store, address = open_rendezvous(size)
+        return address
 
-    def run(self, init_method: str | None = None) -> dict:
+    def run(self, address: str | None = None) -> dict:
         """Set up, generate the dealt units until `finish` (or `stop`), commit; the worker's report.
-        `init_method`: a tensor-parallel worker's rendezvous (this actor is its rank 0), None without."""
+        `address`: a tensor-parallel worker's rendezvous (`rendezvous`; this actor is its rank 0), None without."""
         os.environ["BATCHGEN_WORKER_INDEX"] = str(self.slot)  # fault injection by worker (output/faults.py)
         spec = JobSpec.model_validate(self.spec_data)
-        if init_method is None:
+        if address is None:
             return self._run(spec, None)
         from batchgen.distributed import groups
+        from batchgen.job.ranks import check_before_launch
 
-        tp, spec = join_group(spec, init_method, 0)
+        check_before_launch(spec)  # the driver may not have seen the model: its ranks wait, the driver ends them
+        tp, spec = join_group(spec, address, 0, self.store)
         try:
             return self._run(spec, tp)
         finally:
             tp.plans.release_followers()
             groups.destroy()
+            self.store = None
 
     def _run(self, spec: JobSpec, tp) -> dict:
         out_dir = Path(spec.output.dir)

@@ -216,3 +216,51 @@ def test_tensor_parallel_ray_workers_survive_a_lost_rank_and_write_the_single_ra
         time.sleep(0.2)
     assert not _rank_pids(), "every rank ended with the job"
     assert content_once(out) == content_once(tmp / "tp-single")
+
+
+def _reserve_cpus(num_cpus: int):
+    """A placement group holding `num_cpus` of the module's Ray CPUs (a cluster busy with other work)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([{"CPU": num_cpus}])
+    ray.get(group.ready(), timeout=60)
+    return group
+
+
+def test_a_worker_the_cluster_cannot_place_is_named_and_let_go_once_the_others_finish(setup, ray_here, monkeypatch,
+                                                                                      capfd):
+    from ray.util.placement_group import remove_placement_group
+
+    from batchgen.ray import driver
+
+    tmp, job, reference = setup
+    out = tmp / "unplaced"
+    monkeypatch.setattr(driver, "PLACE_WARN_S", 0.5)
+    busy = _reserve_cpus(3)  # room for one of the two workers
+    try:
+        result = _run_here(job, out, monkeypatch, 2)
+    finally:
+        remove_placement_group(busy)
+    err = capfd.readouterr().err
+    assert "waits for the cluster to place it (1 CPU); the cluster has 0 of 4 CPUs free" in err, err[-2000:]
+    assert result.rows_committed == NUM_ROWS and len(_rows_by_worker(out)) == 1
+    assert content_once(out) == reference
+
+
+def test_a_job_no_worker_of_which_can_be_placed_stops_with_what_the_cluster_has(setup, ray_here, monkeypatch):
+    from ray.util.placement_group import remove_placement_group
+
+    from batchgen.errors import JobError
+    from batchgen.ray import driver
+
+    tmp, job, _ = setup
+    monkeypatch.setattr(driver, "PLACE_TIMEOUT_S", 2.0)
+    busy = _reserve_cpus(4)
+    try:
+        with pytest.raises(JobError, match="no Ray worker could be placed in 2 s: each asks for 1 CPU, and the "
+                                           "cluster has 0 of 4 CPUs free"):
+            _run_here(job, tmp / "nowhere", monkeypatch, 1)
+    finally:
+        remove_placement_group(busy)
+    assert checked_ledger(tmp / "nowhere").entries == []

@@ -214,3 +214,37 @@ def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_t
     worker.finish()
     thread.join(timeout=120)
     assert result["rows_committed"] == 6 and len(content_once(out)) == 6
+
+
+def test_a_model_the_driver_cannot_read_is_checked_by_each_tensor_parallel_worker_before_its_ranks_meet(tmp_path):
+    """The Ray driver may not see a model path local to the cluster's nodes: it skips the split checks then,
+    and each worker's rank 0 makes them before joining its group (a JobError, which stops the job)."""
+    import json
+
+    from batchgen.job import ranks
+    from batchgen.job.job_file import load_spec
+    from batchgen.output import layout
+    from batchgen.ray.worker import RayWorker
+    from conftest import make_tokenizer
+    from jobutil import seed_rows, write_job, write_jsonl
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    missing = load_spec(write_job(tmp_path, str(tmp_path / "on-the-nodes"), {"path": "rows.jsonl"}),
+                        ["engine.tensor_parallel_size=2"])
+    ranks.check_before_launch(missing, model_elsewhere=True)  # not readable here: left to the workers
+    with pytest.raises(JobError, match="model.path: no such folder .*on-the-nodes"):
+        ranks.check_before_launch(missing)
+    model = tmp_path / "m"  # a config with 3 attention heads, seen by the worker
+    model.mkdir()
+    make_tokenizer().save_pretrained(model)
+    (model / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=48,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1)))
+    out = tmp_path / "out"
+    out.mkdir()
+    layout.write_marker(out)
+    spec = load_spec(write_job(tmp_path, str(model), {"path": "rows.jsonl"}), ["engine.tensor_parallel_size=2"],
+                     str(out))
+    worker = RayWorker(spec.model_dump(by_alias=True), 0, 1, "ray host:1")
+    with pytest.raises(JobError, match=r"engine.tensor_parallel_size 2: .*num_attention_heads \(3\)"):
+        worker.run("127.0.0.1:1")  # refused before it would wait for rank 1 there
