@@ -9,7 +9,8 @@ each one; the feed decides which rows are this worker's.
 Contract: next_row() returns a SourceRow, WAIT (none now; ask again after stepping the engine or wait()) or None
 (no more rows, ever). Every row returned is later reported exactly once to row_skipped (committed by an earlier
 run) or row_handed (given to the shard writer as a row or a reject); committed(n) follows every writer commit of
-n entries (the writer commits in the order rows were handed: FIFO).
+n entries (the writer commits in the order rows were handed: FIFO). all_dealt(): no row is left to come but those
+held (a dealt feed whose dealer has handed out its whole queue; a static feed: always).
 """
 
 from __future__ import annotations
@@ -52,3 +53,6 @@ class StaticFeed:
 
     def committed(self, num_entries: int) -> None:
         pass
+
+    def all_dealt(self) -> bool:
+        return True

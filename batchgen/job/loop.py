@@ -42,7 +42,8 @@ MAX_CONSECUTIVE_ENGINE_ERRORS = 32
 
 # A dealt feed (Ray) whose engine has waited this long for rows commits every finished row, whatever
 # output.rows_per_shard and output.commit_interval_s say: the dealer waits for those commits (a gap between two
-# deals is shorter: no small shard then).
+# deals is shorter: no small shard then). Held engine-error rows are rejected then only once the dealer has dealt
+# its whole queue (the job's tail): before, they wait for a generated row or the breaker, as anywhere.
 IDLE_COMMIT_S = 0.5
 
 
@@ -331,9 +332,10 @@ class JobLoop:
             if idle:  # only a dealt feed gets here (a static one is read until the engine is busy or it ends)
                 idle_since = idle_since if idle_since is not None else time.monotonic()
                 if time.monotonic() - idle_since >= IDLE_COMMIT_S:
-                    # the dealer counts a unit done at its commit, and deals its last units or ends the job only
-                    # then: settle everything finished as the end of a run would (held rows rejected too)
-                    self._reject_held_engine_errors()
+                    # the dealer counts a unit done at its commit, and ends the job only once all are: commit
+                    # everything finished; once it has dealt all, settle held rows as the end of a run would
+                    if feed.all_dealt():
+                        self._reject_held_engine_errors()
                     while self._commit():
                         pass
                 while writer.should_commit():

@@ -79,6 +79,8 @@ class RayJob:
         self.queue: deque[Unit] = deque()
         self.num_units_done_rows = 0
         self.stopping = self.finishing = False
+        self.all_dealt_sent = False  # the live workers were told the queue is empty (refilled: told again later)
+        self.placed_at = time.monotonic()  # the last moment a live worker was known placed (or the start)
         self.base_tokens = 0  # tokens of replaced actors (their counters died with them)
         self.started_ray = False
         self.remote_class = self.rank_class = None
@@ -190,15 +192,16 @@ class RayJob:
                     s.actor.stop.remote(stop.signum)
             self._collect_runs()
             self._collect_polls()
-            self._check_placement()
+            if self.stopping or self.finishing:
+                self._let_go_unplaced()
+            else:
+                self._check_placement()
             if not self.stopping:
                 self._deal()
                 if not self.queue and not any(s.held for s in self._live()) and not self.finishing:
                     self.finishing = True
                     for s in self._live():
                         s.actor.finish.remote()
-                if self.finishing:
-                    self._let_go_unplaced()
                 if self.workers_arg == "auto" and time.monotonic() - last_grow >= GROW_CHECK_S:
                     last_grow = time.monotonic()
                     self._grow()
@@ -211,8 +214,7 @@ class RayJob:
     def _collect_runs(self) -> None:
         """Each worker's run call, once it returned: its result, or its failure. Rank 0's outcome comes first (a
         finished result stands; its JobError is the job's); a failed rank of a tensor-parallel worker fails the
-        worker (rank 0 would wait for it in a collective), and is named as the cause when rank 0 failed after it
-        with an error of its own (a broken collective, not the reason)."""
+        worker (rank 0 would wait for it in a collective), named beside rank 0's error when both failed."""
         for s in self._live():
             rank_error = self._rank_error(s)
             ready, _ = self.ray.wait([s.run_ref], timeout=0)
@@ -222,9 +224,10 @@ class RayJob:
                     s.finished = True
                     continue
                 except Exception as e:
-                    if rank_error is None or _is_job_error(e):
-                        self._failed(s, e)
-                        continue
+                    # both failed: which first is unknown (a rank's end breaks the others' collectives), so
+                    # both are said; a JobError stands alone
+                    self._failed(s, e, also=None if _is_job_error(e) else rank_error)
+                    continue
             if rank_error is not None:
                 self._failed(s, rank_error)
 
@@ -257,6 +260,7 @@ class RayJob:
                 self.num_units_done_rows += unit.num_rows
                 s.failures = 0
             s.placed, s.started = True, state["started"]
+            self.placed_at = time.monotonic()
             s.num_unread_rows, s.num_queued_units = state["num_unread_rows"], state["num_queued_units"]
             s.num_wanted_rows, s.generated_tokens = state["num_wanted_rows"], state["generated_tokens"]
             s.poll_ref = s.actor.poll.remote()
@@ -274,15 +278,15 @@ class RayJob:
                 s.said_waiting = True
                 print(f"batchgen: Ray worker {s.index} waits for the cluster to place it ({each}); "
                       f"{cluster.describe_available(self.ray)}", file=sys.stderr)
-        if len(waiting) == len(self._live()) and now - min(s.created_at for s in waiting) >= PLACE_TIMEOUT_S:
+        if len(waiting) == len(self._live()) and now - self.placed_at >= PLACE_TIMEOUT_S:
             self._stop_all()
             raise JobError(f"no Ray worker could be placed in {PLACE_TIMEOUT_S:.0f} s: each asks for {each}, and "
                            f"{cluster.describe_available(self.ray)}; free or add resources, or lower --workers "
                            f"(a rerun resumes)")
 
     def _let_go_unplaced(self) -> None:
-        """Every unit is committed or with a placed worker: a worker still unplaced would never be given one (nor
-        hear `finish`), so it is let go rather than waited for."""
+        """Finishing (every unit committed or with a placed worker) or stopping: a worker still unplaced holds no
+        unit and would never be given one, nor hear `finish` or `stop`, so it is let go rather than waited for."""
         for s in self._live():
             if not s.placed and not s.held:
                 self._kill(s)
@@ -308,20 +312,24 @@ class RayJob:
                 s.num_queued_units += 1
             if units:
                 s.actor.deal.remote(units)
+        if not self.queue and not self.all_dealt_sent:
+            self.all_dealt_sent = True
+            for s in self._live():
+                s.actor.all_dealt.remote()
 
-    def _failed(self, s: _Slot, error: Exception) -> None:
-        """A worker's run raised or its actor died (or one of its ranks: RankFailed). A JobError (the job's
-        settings or data) stops the job; any other failure replaces the worker and deals its unfinished units
-        again."""
+    def _failed(self, s: _Slot, error: Exception, also: RankFailed | None = None) -> None:
+        """A worker's run raised or its actor died (or one of its ranks: RankFailed; `also`: another rank's
+        failure seen at the same time). A JobError (the job's settings or data) stops the job; any other failure
+        replaces the worker and deals its unfinished units again."""
         rank = f"rank {error.rank}: " if isinstance(error, RankFailed) else ""
         error = error.error if isinstance(error, RankFailed) else error
         cause = getattr(error, "cause", error)
         if _is_job_error(error):
             self._stop_all()
             raise JobError(f"worker {s.index} on Ray: {rank}{cause}") from None
-        text = str(cause).strip()
-        # Ray's first line says what happened
-        why = rank + (text.splitlines()[0][:300] if text else type(cause).__name__)
+        why = rank + _first_line(cause)
+        if also is not None:
+            why = f"rank 0: {why}; rank {also.rank}: {_first_line(getattr(also.error, 'cause', also.error))}"
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0
@@ -335,6 +343,7 @@ class RayJob:
                                f"committed between (the last: {why}); stopping: what is committed stays, a rerun "
                                f"resumes")
         self.queue.extendleft(reversed([replace(u, recheck=True) for u in lost]))
+        self.all_dealt_sent = False
         print(f"batchgen: Ray worker {s.index} failed ({why}); starting a new one, its {len(lost)} unfinished "
               f"units are dealt again", file=sys.stderr)
         new = self._start_actor(s.index, failures=s.failures + 1)
@@ -397,6 +406,12 @@ class RankFailed(Exception):
     def __init__(self, rank: int, error: Exception) -> None:
         super().__init__(f"rank {rank}: {error}")
         self.rank, self.error = rank, error
+
+
+def _first_line(error: BaseException) -> str:
+    """What an error says, in a line (Ray's first line says what happened)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _is_job_error(error: Exception) -> bool:

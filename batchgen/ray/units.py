@@ -64,6 +64,7 @@ class UnitFeed:
         self._cond = threading.Condition()
         self._queue: deque[Unit] = deque()  # dealt, not begun
         self._closed = False  # the driver deals no more: None once the queue is read
+        self._all_dealt = False  # the driver's queue is empty: no unit is to come unless one is dealt again
         self._done: list[int] = []  # unit ids committed, not yet reported by poll
         self._num_queued_rows = 0
         # the loop thread's own state
@@ -90,6 +91,13 @@ class UnitFeed:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._cond.notify_all()
+
+    def mark_all_dealt(self) -> None:
+        """The driver has dealt its whole queue (calls may arrive in any order on a threaded actor: this flag
+        is never cleared by a later deal; a unit dealt again after a failure only meets it early)."""
+        with self._cond:
+            self._all_dealt = True
             self._cond.notify_all()
 
     def poll(self) -> dict:
@@ -121,6 +129,10 @@ class UnitFeed:
             opened, self._current = self._current, None
             opened.read_all = True
             self._settle(opened)
+
+    def all_dealt(self) -> bool:
+        with self._cond:
+            return self._all_dealt or self._closed
 
     def wait(self, timeout_s: float) -> None:
         with self._cond:

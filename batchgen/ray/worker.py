@@ -123,6 +123,10 @@ class RayWorker:
         return {**state, "started": True, "num_wanted_rows": 2 * max_num_seqs, "rows_done": t.rows_done,
                 "generated_tokens": t.generated_tokens}
 
+    def all_dealt(self) -> None:
+        """The driver's queue is empty: what this worker holds is the job's tail (units.py)."""
+        self.feed.mark_all_dealt()
+
     def finish(self) -> None:
         """No more units: generate what is dealt, commit, return from `run`."""
         self.feed.close()

@@ -143,3 +143,42 @@ def test_structured_output_with_tensor_parallelism_is_refused_naming_both_keys(t
                      ["engine.tensor_parallel_size=2", "sampling.response_format={type: json_object}"])
     with pytest.raises(JobError, match="sampling.response_format .* engine.tensor_parallel_size 2"):
         ranks.check_before_launch(spec)
+
+
+class _Rank:
+    """A rank process as the launcher sees it: it ends with `code` once `ends_after` polls passed, or when
+    killed; `patience` polls without either fails the test (the launcher waited for it)."""
+
+    def __init__(self, code: int | None, ends_after: int = 0, patience: int = 50) -> None:
+        self.code, self.ends_after, self.patience = code, ends_after, patience
+        self.returncode, self.num_polls, self.signals = None, 0, []
+
+    def poll(self):
+        self.num_polls += 1
+        if self.returncode is None and self.code is not None and self.num_polls > self.ends_after:
+            self.returncode = self.code
+        assert self.returncode is not None or self.num_polls < self.patience, "the launcher left this rank running"
+        return self.returncode
+
+    def kill(self):
+        self.returncode = -9
+
+    def send_signal(self, signum):
+        self.signals.append(signum)
+
+    def wait(self):
+        return self.returncode
+
+
+def test_the_launcher_ends_a_groups_other_ranks_at_once_when_its_rank_0_failed(monkeypatch):
+    """Rank 0 may fail while the others build their engines, when it cannot tell them to stop (its STOP would
+    meet their collectives): the launcher kills them at once, not after RANK_GRACE_S; a rank 0 that ended
+    well leaves them the grace to end at its STOP."""
+    from batchgen.job import launcher
+
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    monkeypatch.setattr(launcher, "RANK_GRACE_S", 3600.0)  # were the grace applied, the followers would fail
+    failed = [_Rank(2), _Rank(None)]
+    ended_well = [_Rank(0), _Rank(0, ends_after=20)]
+    assert launcher._wait_groups([failed, ended_well]) == [2, 0]
+    assert failed[1].returncode == -9 and ended_well[1].returncode == 0

@@ -216,12 +216,15 @@ def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_t
     assert result["rows_committed"] == 6 and len(content_once(out)) == 6
 
 
-def test_a_model_the_driver_cannot_read_is_checked_by_each_tensor_parallel_worker_before_its_ranks_meet(tmp_path):
+def test_a_model_the_driver_cannot_read_is_checked_by_each_tensor_parallel_worker_before_its_ranks_meet(tmp_path,
+                                                                                                        monkeypatch):
     """The Ray driver may not see a model path local to the cluster's nodes: it skips the split checks then,
     and each worker's rank 0 makes them before joining its group (a JobError, which stops the job)."""
     import json
+    from datetime import timedelta
 
     from batchgen.job import ranks
+    from batchgen.ray import ranks as ray_ranks
     from batchgen.job.job_file import load_spec
     from batchgen.output import layout
     from batchgen.ray.worker import RayWorker
@@ -246,5 +249,63 @@ def test_a_model_the_driver_cannot_read_is_checked_by_each_tensor_parallel_worke
     spec = load_spec(write_job(tmp_path, str(model), {"path": "rows.jsonl"}), ["engine.tensor_parallel_size=2"],
                      str(out))
     worker = RayWorker(spec.model_dump(by_alias=True), 0, 1, "ray host:1")
+    monkeypatch.setattr(ray_ranks, "RENDEZVOUS_TIMEOUT", timedelta(seconds=2))  # were it not refused: no long wait
     with pytest.raises(JobError, match=r"engine.tensor_parallel_size 2: .*num_attention_heads \(3\)"):
         worker.run("127.0.0.1:1")  # refused before it would wait for rank 1 there
+
+
+def test_held_engine_error_rows_are_rejected_at_a_workers_idle_only_once_the_dealer_has_dealt_all(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """Rows failed by an error of no known class are held (the engine's fault, or theirs: a later generated row
+    tells). A worker idle for want of rows keeps holding them while the dealer has units left, so a broken
+    engine still trips the breaker; once the dealer says it has dealt all, they are the job's tail and are
+    rejected as at the end of a run."""
+    import threading
+    import time
+
+    from batchgen.engine import request as request_mod
+    from batchgen.job.job_file import load_spec
+    from batchgen.job.loop import IDLE_COMMIT_S
+    from batchgen.output import layout
+    from batchgen.ray.worker import RayWorker
+    from jobutil import content_once, read_rows, seed_rows, write_job, write_jsonl
+
+    append = request_mod.Request.append_token
+
+    def failing(self, token_id):  # the first unit's four rows (the engine's first four requests) fail
+        if self.request_id.split("#")[0] in {"req-0", "req-1", "req-2", "req-3"}:
+            raise IndexError("injected bookkeeping failure")
+        return append(self, token_id)
+
+    monkeypatch.setattr(request_mod.Request, "append_token", failing)
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"temperature": 0.0, "max_new_tokens": 4}, engine={"max_num_seqs": 2},
+                    output={"rows_per_shard": 1000, "commit_interval_s": 3600})
+    out = tmp_path / "out"
+    out.mkdir()
+    layout.write_marker(out)
+    worker = RayWorker(load_spec(job, [], str(out)).model_dump(by_alias=True), 0, 1, "ray host:1")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(worker.run()), daemon=True)
+    thread.start()
+    units = plan_units(6, 4)
+    worker.deal(units[:1])
+    deadline = time.monotonic() + 120
+    while (worker.loop is None or len(worker.loop.held_engine_errors) < 4) and time.monotonic() < deadline:
+        assert thread.is_alive(), result
+        time.sleep(0.05)
+    time.sleep(4 * IDLE_COMMIT_S)  # idle well past the commit point
+    assert worker.poll()["done"] == [] and len(worker.loop.held_engine_errors) == 4
+    worker.all_dealt()
+    done = []
+    while not done and time.monotonic() < deadline:
+        done += worker.poll()["done"]
+        time.sleep(0.05)
+    assert done == [0]
+    rejects = read_rows(out, "rejects")
+    assert len(rejects) == 4 and {r["error_class"] for r in rejects} == {"engine_error"}
+    worker.deal(units[1:])
+    worker.finish()
+    thread.join(timeout=120)
+    assert result["rows_rejected"] == 4 and len(content_once(out)) == 2
