@@ -327,9 +327,9 @@ class RayJob:
         if _is_job_error(error):
             self._stop_all()
             raise JobError(f"worker {s.index} on Ray: {rank}{cause}") from None
-        why = rank + _first_line(cause)
+        why = rank + _first_line(error)
         if also is not None:
-            why = f"rank 0: {why}; rank {also.rank}: {_first_line(getattr(also.error, 'cause', also.error))}"
+            why = f"rank 0: {why}; rank {also.rank}: {_first_line(also.error)}"
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0
@@ -409,7 +409,9 @@ class RankFailed(Exception):
 
 
 def _first_line(error: BaseException) -> str:
-    """What an error says, in a line (Ray's first line says what happened)."""
+    """What an error says, in a line: the actor's own error where Ray wraps one (RayTaskError.cause); Ray's
+    first line says what happened."""
+    error = getattr(error, "cause", error)
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
 

@@ -179,20 +179,18 @@ def test_a_worker_that_cannot_see_the_output_directory_stops_the_job_with_one_cl
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_the_job(tmp_path, tiny_model_dir):
-    """A RayWorker (here without Ray: its calls from threads) whose engine has run out of dealt rows commits what
-    it finished, though neither output.rows_per_shard nor output.commit_interval_s asks for it: the dealer
-    counts a unit done at its commit and ends the job (or deals the rest) only then."""
+def _worker_in_a_thread(tmp_path, model_dir: str):
+    """A RayWorker without Ray (its calls from threads) over a 6-row job that commits only when told to
+    (rows_per_shard and commit_interval_s out of reach), its `run` started: (worker, thread, result, out)."""
     import threading
-    import time
 
     from batchgen.job.job_file import load_spec
     from batchgen.output import layout
     from batchgen.ray.worker import RayWorker
-    from jobutil import content_once, seed_rows, write_job, write_jsonl
+    from jobutil import seed_rows, write_job, write_jsonl
 
     write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
-    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+    job = write_job(tmp_path, model_dir, {"path": "rows.jsonl", "key_column": "id"},
                     sampling={"temperature": 0.0, "max_new_tokens": 4}, engine={"max_num_seqs": 2},
                     output={"rows_per_shard": 1000, "commit_interval_s": 3600})
     out = tmp_path / "out"
@@ -202,6 +200,18 @@ def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_t
     result = {}
     thread = threading.Thread(target=lambda: result.update(worker.run()), daemon=True)
     thread.start()
+    return worker, thread, result, out
+
+
+def test_a_worker_out_of_dealt_rows_commits_them_at_once_so_the_dealer_can_end_the_job(tmp_path, tiny_model_dir):
+    """A RayWorker (here without Ray: its calls from threads) whose engine has run out of dealt rows commits what
+    it finished, though neither output.rows_per_shard nor output.commit_interval_s asks for it: the dealer
+    counts a unit done at its commit and ends the job (or deals the rest) only then."""
+    import time
+
+    from jobutil import content_once
+
+    worker, thread, result, out = _worker_in_a_thread(tmp_path, tiny_model_dir)
     units = plan_units(6, 4)
     worker.deal(units[:1])
     done, deadline = [], time.monotonic() + 120
@@ -260,15 +270,11 @@ def test_held_engine_error_rows_are_rejected_at_a_workers_idle_only_once_the_dea
     tells). A worker idle for want of rows keeps holding them while the dealer has units left, so a broken
     engine still trips the breaker; once the dealer says it has dealt all, they are the job's tail and are
     rejected as at the end of a run."""
-    import threading
     import time
 
     from batchgen.engine import request as request_mod
-    from batchgen.job.job_file import load_spec
     from batchgen.job.loop import IDLE_COMMIT_S
-    from batchgen.output import layout
-    from batchgen.ray.worker import RayWorker
-    from jobutil import content_once, read_rows, seed_rows, write_job, write_jsonl
+    from jobutil import content_once, read_rows
 
     append = request_mod.Request.append_token
 
@@ -278,17 +284,7 @@ def test_held_engine_error_rows_are_rejected_at_a_workers_idle_only_once_the_dea
         return append(self, token_id)
 
     monkeypatch.setattr(request_mod.Request, "append_token", failing)
-    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
-    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
-                    sampling={"temperature": 0.0, "max_new_tokens": 4}, engine={"max_num_seqs": 2},
-                    output={"rows_per_shard": 1000, "commit_interval_s": 3600})
-    out = tmp_path / "out"
-    out.mkdir()
-    layout.write_marker(out)
-    worker = RayWorker(load_spec(job, [], str(out)).model_dump(by_alias=True), 0, 1, "ray host:1")
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(worker.run()), daemon=True)
-    thread.start()
+    worker, thread, result, out = _worker_in_a_thread(tmp_path, tiny_model_dir)
     units = plan_units(6, 4)
     worker.deal(units[:1])
     deadline = time.monotonic() + 120
