@@ -37,6 +37,7 @@ _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_
 # how long a worker's other ranks may outlive its rank 0 (they exit at its STOP, normally at once), and how long
 # rank 0 may outlive a failed rank (its step's collective then fails, or waits for the NCCL timeout) before a kill
 RANK_GRACE_S = 30.0
+TERM_DELAY_S = 2.0  # how long rank 0 may take to exit on its own after another rank of its group failed
 
 
 def _free_port() -> int:
@@ -53,13 +54,21 @@ def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
     distributed/plan.py); after another rank of its group failed, rank 0 gets SIGTERM (commit what is finished)
     and the same grace."""
     kill_at: dict[int, float] = {}  # group -> when its ranks still running are killed
+    term_at: dict[int, float] = {}  # group -> when its rank 0, still running after another rank failed, gets SIGTERM
     while any(p.poll() is None for group in groups for p in group):
         for g, group in enumerate(groups):
             leader, others = group[0], group[1:]
             if g not in kill_at and (leader.poll() is not None or any(p.poll() not in (None, 0) for p in others)):
                 failed_leader = leader.poll() is not None and leader.returncode != 0
                 kill_at[g] = time.monotonic() + (0.0 if failed_leader else RANK_GRACE_S)
-                if leader.poll() is None:
+                # a rank 0 that failed first may still be exiting when the others fail at its closed group:
+                # a moment lets its own exit code (and message) stand
+                term_at[g] = time.monotonic() + TERM_DELAY_S
+            if g in term_at:
+                if leader.poll() is not None:
+                    del term_at[g]
+                elif time.monotonic() >= term_at[g]:
+                    del term_at[g]
                     leader.send_signal(signal.SIGTERM)
             if g in kill_at and time.monotonic() >= kill_at[g]:
                 for p in group:
