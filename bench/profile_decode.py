@@ -68,10 +68,14 @@ def kernel_table(replay, reps: int = 3) -> tuple[list[tuple[str, int, float]], f
     return rows, sum(r[2] for r in rows)
 
 
-def gemm_bench(m: int) -> list[dict]:
+def gemm_bench(m: int, matmul_flop_s: float) -> list[dict]:
+    """Each Llama-8B projection at `m` rows through both of torch's BLAS back-ends: its time, the weight-read
+    bandwidth it reached (what bounds small m) and its FLOPs over the matmul rate measured in this run
+    (`x_matmul`: what bounds large m; 1.0 = the rate)."""
     shapes = {"q/o 4096x4096": (4096, 4096), "k|v 1024x4096": (1024, 4096), "qkv 6144x4096": (6144, 4096),
               "gate|up 14336x4096": (14336, 4096), "gate_up 28672x4096": (28672, 4096),
-              "down 4096x14336": (4096, 14336), "lm_head 128256x4096": (128256, 4096)}
+              "down 4096x14336": (4096, 14336), "lm_head 49152x4096": (49152, 4096),
+              "lm_head 128256x4096": (128256, 4096)}
     out = []
     previous = torch.backends.cuda.preferred_blas_library()
     for library in ("cublas", "cublaslt"):  # torch's two BLAS back-ends pick different kernels at small M
@@ -81,7 +85,8 @@ def gemm_bench(m: int) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ms = graph_ms(lambda: torch.nn.functional.linear(x, w))
             out.append({"blas": library, "gemm": name, "us": round(ms * 1e3, 1),
-                        "weight_TBps": round(w.numel() * 2 / ms / 1e9, 2)})
+                        "weight_TBps": round(w.numel() * 2 / ms / 1e9, 2),
+                        "x_matmul": round(ms / 1e3 / (2 * m * n * k / matmul_flop_s), 3)})
     torch.backends.cuda.preferred_blas_library(previous)
     return out
 
@@ -145,10 +150,10 @@ def rope_fusion_bench(k, v, table, lens, heads: int) -> list[dict]:
     return rows
 
 
-def isolated_benches(args, report: dict) -> None:
+def isolated_benches(args, report: dict, matmul_flop_s: float) -> None:
     """The Llama-8B GEMM shapes and the decode attention sweep, each printed as it finishes (a later failure
     loses nothing measured)."""
-    report["gemm_m%d" % args.batch] = gemm_bench(args.batch)
+    report["gemm_m%d" % args.batch] = gemm_bench(args.batch, matmul_flop_s)
     for row in report["gemm_m%d" % args.batch]:
         print(row, flush=True)
     report["attention"] = attention_bench(args.batch, args.context, sweep=not args.no_sweep)
@@ -181,7 +186,7 @@ def main() -> None:
                     "geometry": args.model_geometry, "deterministic": args.deterministic, "weights": args.weights,
                     "fp8_gemm": args.fp8_gemm}
     if not (args.engine_only or args.deterministic or args.weights != "bf16"):
-        isolated_benches(args, report)
+        isolated_benches(args, report, ceilings.matmul_flop_s)
     model = build_model(geometry=args.model_geometry, weights=args.weights)
     engine = Engine(model, None, EngineConfig(max_num_seqs=args.batch, cuda_graphs=True, async_pipeline=False,
                                               compile=args.compile, deterministic=args.deterministic,

@@ -70,7 +70,8 @@ def test_a_table_launch_is_the_nearest_entrys_tile_with_scaled_or_explicit_split
 
 def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
     """default_launch's rules without a table entry (commit 5f5654f's; c7ac56f's short tiles for >= 1,024
-    programs were taken back on 2026-12-02: slower on ragged batches), verbatim."""
+    programs were taken back on 2026-12-02: slower on ragged batches; from 4,096 programs, one split's 64-key
+    tiles, KV heads first: 2026-12-05), verbatim."""
     import triton
 
     splits = 1
@@ -78,6 +79,8 @@ def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
         splits *= 2
     num_splits = num_splits or splits
     narrow = max(1, triton.next_power_of_2(head_dim) // 128)
+    if num_splits == 1 and num_seqs * num_kv_heads >= 4096:
+        return DecodeLaunch(1, max(16, 64 // narrow), 4, 2, heads_first=True)
     if num_splits == 1:
         return DecodeLaunch(1, max(16, 128 // narrow), 4)
     return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
@@ -86,7 +89,7 @@ def _todays_heuristic(num_seqs, num_kv_heads, head_dim, num_splits=None):
 def test_without_an_entry_the_launch_is_todays_heuristic():
     pytest.importorskip("triton")
     shipped = {(e.head_dim, e.num_kv_heads, e.group) for e in load_table()}
-    shapes = itertools.product((1, 2, 3, 8, 16, 31, 32, 64, 128, 160, 256, 512, 1024), (1, 2, 4, 8, 32, 64),
+    shapes = itertools.product((1, 2, 3, 8, 16, 31, 32, 64, 128, 160, 256, 511, 512, 1024), (1, 2, 4, 8, 32, 64),
                                (16, 24, 64, 80, 96, 128, 200, 256), (None, 1, 2, 4, 32), (1, 2, 4, 8))
     for seqs, kv_heads, head_dim, splits, group in shapes:
         today = _todays_heuristic(seqs, kv_heads, head_dim, splits)

@@ -93,9 +93,11 @@ def test_paged_decode_kernel_bf16_on_gpu(seq_lens):
 
 
 @pytest.mark.gpu
-def test_paged_decode_kernel_default_launch_for_many_sequences_bf16_on_gpu():
-    """160 sequences x 8 KV heads at ragged lengths: one split at the default launch (block_n 128, 4 warps)."""
-    seq_lens = [7, 200, 1, 0, 33, 161, 16, 1030] * 20
+@pytest.mark.parametrize("num_copies", [20, 80], ids=["160-seqs", "640-seqs"])
+def test_paged_decode_kernel_default_launch_for_many_sequences_bf16_on_gpu(num_copies):
+    """160 and 640 sequences x 8 KV heads at ragged lengths: one split at both default launches (block_n 128 / 4
+    warps, and from LARGE_BATCH_PROGRAMS programs 64 / 4 / 2 stages, KV heads first)."""
+    seq_lens = [7, 200, 1, 0, 33, 161, 16, 1030] * num_copies
     _check("cuda", torch.bfloat16, 2e-2, num_splits=None, block_n=None, num_seqs=len(seq_lens), num_heads=32,
            num_kv_heads=8, head_dim=128, block_size=16, seq_lens=seq_lens)
 
@@ -288,7 +290,8 @@ def test_decode_attention_with_fused_qk_norm_rope_and_kv_write_matches_reference
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_lens", [[1, 5, 300, 4096, 8448, 17, 0, 2048], [769] * 32,
-                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 20])  # the last: the many-sequence launch
+                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 20,
+                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 80])  # the last two: many-sequence launches
 def test_decode_attention_with_fused_rope_bf16_on_gpu(seq_lens):
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128)
 

@@ -73,6 +73,14 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 
 # bench/results/2026-12-01-logprobs-moe-deterministic-cost.md).
 MEASURED_HEAD_DIM = 128
 
+# From this many (sequence, KV head) programs (512 Llama-8B sequences), one split's tile is 64 keys / 4 warps / 2
+# stages with the grid KV-heads first. On the H100 (2026-12-05, bench/results/2026-12-05-decode-attention-large-
+# batch-h100.md) it took 260.9 us against 280.0 for 128 / 4 / 3 stages over 1,024 ragged 32-320-token sequences
+# (137.1 against 143.8 at 512), was no slower where a few sequences are long (1,024 ragged 32-3,072: 2,092 against
+# 2,112 us), and the job at 1,024 sequences ran its decode steps 1.2 % faster. Below it (256 sequences) the two
+# tiles tie on long ragged batches and the H200's measurements chose 128 / 4.
+LARGE_BATCH_PROGRAMS = 4096
+
 
 def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
     """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
@@ -82,11 +90,14 @@ def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits
     4), but a long run's batches are ragged, and there the short tiles lose: lengths 32-3,072 took 462 µs against
     396-404 for 128 / 4 / 3 stages, and on the mixed load they cost 13 % more decode attention kernel time
     (2026-12-02, bench/results/2026-12-02-mixed-regression-decode-launch.md: the few long sequences left at the end of
-    a launch stream too slowly through 32-key tiles). Wider heads: the same launch with block_n scaled by
+    a launch stream too slowly through 32-key tiles). From LARGE_BATCH_PROGRAMS programs, one split's tile is 64
+    keys / 4 warps / 2 stages, KV heads first (see there). Wider heads: the same launch with block_n scaled by
     MEASURED_HEAD_DIM / padded head dim. `num_splits`: the caller's (None: default_num_splits)."""
     num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
     padded = 1 << (head_dim - 1).bit_length()  # triton.next_power_of_2 (head_dim >= 1)
     narrow = max(1, padded // MEASURED_HEAD_DIM)  # 2 for 256-dim heads
+    if num_splits == 1 and num_seqs * num_kv_heads >= LARGE_BATCH_PROGRAMS:
+        return DecodeLaunch(1, max(16, 64 // narrow), 4, 2, heads_first=True)
     if num_splits == 1:
         return DecodeLaunch(1, max(16, 128 // narrow), 4)
     return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
