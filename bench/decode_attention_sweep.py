@@ -153,12 +153,14 @@ def context_mean(context: int | str) -> float:
 
 
 def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "cuda", copies: int = 1,
-                 kv_dtype: str = "bf16") -> ShapeInputs:
+                 kv_dtype: str = "bf16", blocks: str = "scattered") -> ShapeInputs:
     """Random bf16 inputs of the shape, K/V in an fp8 cache where kv_dtype is "fp8" (engine.kv_cache_dtype); the
     same in the compile workers and the timing process, so a launch's compiled kernel, specialised on these shapes
     and strides, is the same cache entry in both; `copies` block
     tables over disjoint blocks of one cache (same strides: the same compiled kernel). A ragged context's
-    sequences each hold the blocks of the longest (their tables' unused tail is never read)."""
+    sequences each hold the blocks of the longest (their tables' unused tail is never read). `blocks`: "scattered"
+    (each copy's blocks in a random order, as a long run's allocator leaves them) or "contiguous" (each sequence's
+    blocks one after another, sequence after sequence, as a fresh engine's allocator hands them out)."""
     num_heads, num_kv_heads, head_dim, softcap = heads(geometry)
     dtype = torch.bfloat16
     lengths = context_lengths(context, num_seqs)
@@ -171,8 +173,10 @@ def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "c
     lens = torch.tensor(lengths, device=dev, dtype=torch.int32)  # the new token included
     pos = lens.long() - 1
     tables, slots = [], []
-    for c in range(copies):  # blocks scattered as a long run leaves them, each copy within its own range
-        table = (torch.randperm(num_blocks, device=dev, dtype=torch.int32) + c * num_blocks).view(num_seqs, -1)
+    for c in range(copies):  # each copy within its own range of blocks
+        order = (torch.randperm(num_blocks, device=dev, dtype=torch.int32) if blocks == "scattered"
+                 else torch.arange(num_blocks, device=dev, dtype=torch.int32))
+        table = (order + c * num_blocks).view(num_seqs, -1)
         tables.append(table)
         slots.append(table.gather(1, (pos // BLOCK_SIZE)[:, None]).squeeze(1).long() * BLOCK_SIZE + pos % BLOCK_SIZE)
     qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, device=dev, dtype=dtype)
@@ -211,7 +215,8 @@ def compile_in_pool(pool: ProcessPoolExecutor, workers: int, geometry: str, num_
 
 
 def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: list[DecodeLaunch], copy_bytes_s: float,
-                failed: dict[DecodeLaunch, str] | None = None, kv_dtype: str = "bf16") -> list[dict]:
+                failed: dict[DecodeLaunch, str] | None = None, kv_dtype: str = "bf16",
+                blocks: str = "scattered") -> list[dict]:
     """One row per timed launch (the heuristic's first, marked "default"), each candidate in both grid orders."""
     from triton.runtime.errors import OutOfResources
 
@@ -221,7 +226,8 @@ def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: li
     element_bytes = 1 if kv_dtype == "fp8" else 2
     # the K and V bytes a call reads
     one_copy = 2 * sum(context_lengths(context, num_seqs)) * num_kv_heads * head_dim * element_bytes
-    inputs = build_inputs(geometry, num_seqs, context, copies=max(1, -(-COLD_BYTES // one_copy)), kv_dtype=kv_dtype)
+    inputs = build_inputs(geometry, num_seqs, context, copies=max(1, -(-COLD_BYTES // one_copy)), kv_dtype=kv_dtype,
+                          blocks=blocks)
     floor_us = inputs.kv_bytes() / copy_bytes_s * 1e6
 
     def timed(launch: DecodeLaunch) -> float:
@@ -229,7 +235,7 @@ def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: li
 
     base = {"geometry": geometry, "head_dim": head_dim, "num_kv_heads": num_kv_heads,
             "group": num_heads // num_kv_heads, "num_seqs": num_seqs, "context": context, "kv_dtype": kv_dtype,
-            "floor_us": round(floor_us, 1)}
+            "blocks": blocks, "floor_us": round(floor_us, 1)}
     default = heuristic_launch(num_seqs, num_kv_heads, head_dim)
     # a shape's first timing runs 5-12 % slow (the H100, 2026-12-05: the heuristic's launch timed first, then again
     # as a candidate), which flattered every candidate against the heuristic: that timing is discarded
@@ -375,10 +381,15 @@ def main() -> None:
                     help="measure nothing: merge a saved report's (--json) rows into --write-table")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                     help="the K/V cache's type (fp8: engine.kv_cache_dtype fp8; its floor counts a byte a value)")
+    ap.add_argument("--blocks", choices=("scattered", "contiguous"), default="scattered",
+                    help="the K/V blocks' order in the cache: as a long run leaves them, or as a fresh engine hands "
+                         "them out (sequence after sequence)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.write_table and args.kv_dtype != "bf16":
         ap.error("--write-table: the launch table is measured over bf16 caches (leave --kv-dtype at bf16)")
+    if args.write_table and args.blocks != "scattered":
+        ap.error("--write-table: the launch table is measured over scattered blocks (leave --blocks at scattered)")
     if args.from_report:
         if not args.write_table:
             ap.error("--from-report needs --write-table")
@@ -406,7 +417,8 @@ def main() -> None:
                                          kv_dtype=args.kv_dtype)
                 print(f"{geometry} {num_seqs} seqs x {context}: {len(candidates) + 1} launches compiled by {workers} "
                       f"workers in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
-            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s, failed, args.kv_dtype)
+            rows = sweep_shape(geometry, num_seqs, context, candidates, copy_bytes_s, failed, args.kv_dtype,
+                               args.blocks)
             report["rows"] += rows
             best = sorted(rows, key=lambda r: r["us"])
             print(f"{geometry} {num_seqs} seqs x {context} ({args.kv_dtype} K/V): floor {rows[0]['floor_us']} us; "

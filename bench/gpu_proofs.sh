@@ -56,6 +56,11 @@
 #   bash bench/gpu_proofs.sh autojob    # the job at default settings (auto) against 256 and 512 sequences, 4,000 rows,
 #                                       # in the order auto 256 512 auto (~9.5 min)
 #   bash bench/gpu_proofs.sh autoone    # both in one command: the job at auto, 256, 512 (3,000 rows), W1, the graph tests
+#   bash bench/gpu_proofs.sh bigbatch   # a 1,024-sequence decode step: llama-8b decode attention swept over scattered
+#                                       # and contiguous K/V blocks (1,024 x 32-320 and x 192), then the graphed step's
+#                                       # kernels and each GEMM against the matmul rate at 1,024 and 512 rows (~5 min)
+#   bash bench/gpu_proofs.sh bigbatchab # the job at default settings (2,000 rows), the checkout in .prev (A) vs this
+#                                       # one (B), A B B A, then the same at 512 sequences (1,500 rows; ~9 min)
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
 # (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and
 # .bench-env/setup.sh, to source first in every GPU command.
@@ -88,6 +93,18 @@ for section in "${sections[@]}"; do
              step w1 100 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json"
              step graph_tests 200 python3 -m pytest -q -m gpu tests/runner/test_decode_graph_buckets.py \
                tests/engine/test_engine_gpu.py tests/engine/test_engine_lifetime.py -rfE -p no:cacheprovider ;;
+    bigbatch) for blocks in scattered contiguous; do
+                step "sweep_$blocks" 120 python3 bench/decode_attention_sweep.py --geometries llama-8b \
+                  --shapes 1024:32-320,1024:192 --blocks "$blocks" --compile-workers 12 --json "$LOGS/sweep_$blocks.json"
+              done
+              for rows in 1024 512; do
+                step "profile_$rows" 120 python3 bench/profile_decode.py --batch "$rows" --context 192 --no-sweep \
+                  --json "$LOGS/profile_$rows.json"
+              done ;;
+    bigbatchab) step job_auto_ab 330 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+                  --profile-steps 0 --seqs auto --penalties 1.0 --rows 2000 --compare .prev --json "$LOGS/job_auto_ab.json"
+                step job_512_ab 250 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+                  --profile-steps 0 --seqs 512 --penalties 1.0 --rows 1500 --compare .prev --json "$LOGS/job_512_ab.json" ;;
     autojob) step job_auto 580 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                --profile-steps 0 --seqs auto,256,512,auto --penalties 1.0 --rows 4000 --json "$LOGS/job_auto.json" ;;
     tests) step gpu_tests 560 python3 -m pytest -q -m gpu tests/ -rfE -p no:cacheprovider \
@@ -185,6 +202,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (bigbatch bigbatchab tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
   esac
 done

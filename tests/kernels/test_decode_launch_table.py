@@ -302,3 +302,18 @@ def test_the_sweeps_timed_calls_cycle_through_disjoint_copies_of_the_cache(sweep
         assert sorted(table.flatten().tolist()) == list(range(c * num_blocks, (c + 1) * num_blocks))
         assert torch.equal(slots // sweep.BLOCK_SIZE, table[:, 39 // sweep.BLOCK_SIZE].long())  # the new token's
     assert inputs.kv_bytes() == 2 * 3 * 40 * 2 * 128 * 2  # one call's K/V (2 KV heads of 128), not the copies'
+
+
+def test_the_sweeps_contiguous_blocks_give_each_sequence_its_blocks_in_order_within_each_copy(sweep):
+    """--blocks contiguous: a fresh engine's placement (sequence after sequence, each one's blocks in order), still
+    one disjoint range of blocks a copy; the default stays scattered."""
+    import torch
+
+    inputs = sweep.build_inputs("starcoder2-3b", 3, 40, dev="cpu", copies=2, blocks="contiguous")
+    blocks_per_seq = -(-41 // sweep.BLOCK_SIZE)
+    num_blocks = 3 * blocks_per_seq
+    for c, table in enumerate(inputs.tables):
+        assert table.flatten().tolist() == list(range(c * num_blocks, (c + 1) * num_blocks))
+    torch.manual_seed(0)
+    scattered = sweep.build_inputs("starcoder2-3b", 8, 200, dev="cpu")
+    assert scattered.tables[0].flatten().tolist() != sorted(scattered.tables[0].flatten().tolist())
