@@ -1,6 +1,7 @@
-"""`batchgen run JOB --ray`: the driver. It prepares the output directory once, cuts the source into units
-(units.py), starts one RayWorker actor per worker and deals units to them as they ask for more; an actor that
-dies is replaced and its unfinished units are dealt again (with `recheck`, so what it committed is skipped).
+"""`batchgen run JOB --ray`: the driver. It prepares the output directory once (output_dir.py), cuts the source
+into units (units.py), starts one RayWorker actor per worker (a Slot: slot.py) and deals units to them as they ask
+for more; an actor that dies is replaced and its unfinished units are dealt again (with `recheck`, so what it
+committed is skipped).
 
 Exactly once rests on the commit protocol, as for any batchgen worker: each actor commits its rows under its own
 tag, every row key is read before rows are generated, and a unit is with one live actor at a time.
@@ -14,20 +15,17 @@ import socket
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from batchgen.config import JobSpec
 from batchgen.errors import JobError
-from batchgen.job import placement
 from batchgen.job.result import RunResult
-from batchgen.job.run import StopFlag, start_over, write_report_or_say_why, write_resolved_job
-from batchgen.output import fresh as fresh_mod
-from batchgen.output import layout
-from batchgen.output import manifest as mf
-from batchgen.output.lock import DirectoryLock, describe, running_workers
+from batchgen.job.run import StopFlag
 from batchgen.ray import cluster
+from batchgen.ray.output_dir import job_result, prepare_output
 from batchgen.ray.ranks import RankGroup, RayRank
+from batchgen.ray.slot import RankFailed, Slot, bundle, first_line, is_job_error, kill, rank_error
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
 from batchgen.sources import open_source
 
@@ -43,30 +41,6 @@ PLACE_TIMEOUT_S = 900.0
 FORWARDED_ENV = ("BATCHGEN_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
-@dataclass
-class _Slot:
-    index: int
-    actor: object
-    run_ref: object
-    held: dict[int, Unit] = field(default_factory=dict)  # dealt, not yet reported committed
-    poll_ref: object = None
-    created_at: float = field(default_factory=time.monotonic)
-    placed: bool = False  # its actor answered a poll: the cluster found it room
-    said_waiting: bool = False
-    started: bool = False
-    num_unread_rows: int = 0  # dealt rows the actor has not read (as of its last poll, plus those dealt since)
-    num_queued_units: int = 0
-    num_wanted_rows: int = 0
-    failures: int = 0
-    generated_tokens: int = 0
-    result: dict | None = None
-    finished: bool = False  # its run returned (result) or it was let go after the last unit
-    # a tensor-parallel worker's ranks 1..T-1 (ranks.py), their run calls not yet returned, and its placement group
-    ranks: list = field(default_factory=list)
-    rank_refs: dict = field(default_factory=dict)  # rank -> its run call's ObjectRef
-    group: object = None
-
-
 class RayJob:
     def __init__(self, spec: JobSpec, *, workers: int | str, fresh: bool = False, show_progress: bool = True,
                  job_file: Path | None = None) -> None:
@@ -75,7 +49,7 @@ class RayJob:
         self.ray = cluster.import_ray()
         self.out_dir = Path(spec.output.dir).resolve()
         self.dealer = f"ray {socket.gethostname()}:{os.getpid()}"
-        self.slots: list[_Slot] = []
+        self.slots: list[Slot] = []
         self.queue: deque[Unit] = deque()
         self.num_units_done_rows = 0
         self.stopping = self.finishing = False
@@ -87,34 +61,6 @@ class RayJob:
         self.committed_before = (0, 0)  # (rows, rejects) the output held when this run started
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _prepare_output(self, num_slots: int) -> None:
-        """Once for all actors: placement checks, --fresh, an interrupted --fresh finished, the marker; the
-        leftovers of worker tags this run will not start deleted (an actor deletes its own)."""
-        where = placement.check(self.out_dir, self.spec.source.path, self.job_file)
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise JobError(f"cannot create output.dir {self.out_dir}: {e.strerror}") from None
-        with DirectoryLock(self.out_dir):
-            running = running_workers(self.out_dir)
-            if running:
-                raise JobError(f"{describe(running[0])} is running in {self.out_dir}; a Ray job deals every row "
-                               f"itself: wait for that run to finish or stop it, then start this one (it resumes)")
-            if self.fresh:
-                start_over(self.out_dir, where, None)
-            fresh_mod.finish_interrupted(self.out_dir)
-            layout.write_marker(self.out_dir)
-            stale = {p.stem for p in (self.out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
-                     if p.stem[1:].isdigit() and int(p.stem[1:]) >= num_slots} \
-                if (self.out_dir / mf.MANIFEST_DIR).is_dir() else set()
-            ledger = mf.checked_ledger(self.out_dir)
-            if stale:
-                mf.remove_orphans(self.out_dir, stale, ledger)
-            self.committed_before = _committed(ledger)
-        if not self.fresh and where.warning() is not None:
-            print(where.warning(), file=sys.stderr)
-        write_resolved_job(self.out_dir, self.spec)
-
     def _plan(self, num_slots: int) -> int:
         source = open_source(self.spec.source)
         num_rows = source.expected_rows
@@ -124,7 +70,7 @@ class RayJob:
         self.queue.extend(plan_units(num_rows, unit_rows))
         return num_rows
 
-    def _start_actor(self, index: int, failures: int = 0) -> _Slot:
+    def _start_actor(self, index: int, failures: int = 0) -> Slot:
         """Worker `index`: its RayWorker, and with tensor parallelism its other ranks in one placement group."""
         if self.remote_class is None:  # threads: `run` holds one for the job; deal/poll/finish/stop use the others
             env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
@@ -136,8 +82,8 @@ class RayJob:
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"device": "cuda"})})
         spec_data = spec.model_dump(by_alias=True)
         size = spec.engine.tensor_parallel_size
-        group = RankGroup(size, _bundle(self.resources)) if size > 1 else None
-        slot = _Slot(index, None, None, failures=failures, group=group)
+        group = RankGroup(size, bundle(self.resources)) if size > 1 else None
+        slot = Slot(index, None, None, failures=failures, group=group)
         try:
             placed = group.options(0) if group else {}
             slot.actor = self.remote_class.options(**placed).remote(spec_data, index, max(self.num_slots, index + 1),
@@ -149,7 +95,7 @@ class RayJob:
                 slot.rank_refs = {r: a.run.remote(address) for r, a in enumerate(slot.ranks, start=1)}
             slot.poll_ref = slot.actor.poll.remote()
         except BaseException:
-            self._kill(slot)  # what was started of it, and its placement group
+            kill(self.ray, slot)  # what was started of it, and its placement group
             raise
         return slot
 
@@ -163,7 +109,8 @@ class RayJob:
         self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
-            self._prepare_output(self.num_slots)
+            self.committed_before = prepare_output(self.spec, self.out_dir, self.job_file, self.fresh,
+                                                  self.num_slots)
             num_rows = self._plan(self.num_slots)
             workers = f"{self.num_slots} worker{'s' if self.num_slots != 1 else ''}"
             each = self._each()
@@ -175,7 +122,9 @@ class RayJob:
                 self.slots.append(self._start_actor(i))
             with StopFlag() as stop, cluster.Progress(num_rows, self.show_progress) as progress:
                 self._drive(stop, progress)
-            return self._result(time.monotonic() - started, stop.signum)
+            return job_result(self.spec, self.out_dir, self.slots, base_tokens=self.base_tokens,
+                              committed_before=self.committed_before, dealer=self.dealer,
+                              wall_s=time.monotonic() - started, signum=stop.signum)
         finally:
             try:
                 self._release_groups()
@@ -208,7 +157,7 @@ class RayJob:
             progress.show(self.num_units_done_rows, self.base_tokens + sum(s.generated_tokens for s in self.slots))
             time.sleep(POLL_INTERVAL_S)
 
-    def _live(self) -> list[_Slot]:
+    def _live(self) -> list[Slot]:
         return [s for s in self.slots if not s.finished]
 
     def _collect_runs(self) -> None:
@@ -216,7 +165,7 @@ class RayJob:
         finished result stands; its JobError is the job's); a failed rank of a tensor-parallel worker fails the
         worker (rank 0 would wait for it in a collective), named beside rank 0's error when both failed."""
         for s in self._live():
-            rank_error = self._rank_error(s)
+            error_of_rank = rank_error(self.ray, s)
             ready, _ = self.ray.wait([s.run_ref], timeout=0)
             if ready:
                 try:
@@ -226,24 +175,10 @@ class RayJob:
                 except Exception as e:
                     # both failed: which first is unknown (a rank's end breaks the others' collectives), so
                     # both are said; a JobError stands alone
-                    self._failed(s, e, also=None if _is_job_error(e) else rank_error)
+                    self._failed(s, e, also=None if is_job_error(e) else error_of_rank)
                     continue
-            if rank_error is not None:
-                self._failed(s, rank_error)
-
-    def _rank_error(self, s: _Slot) -> Exception | None:
-        """The error of the first of a worker's ranks 1..T-1 whose run call failed, else None (a rank returns
-        at rank 0's STOP: its ref is then dropped)."""
-        for rank, ref in sorted(s.rank_refs.items()):
-            ready, _ = self.ray.wait([ref], timeout=0)
-            if not ready:
-                continue
-            try:
-                self.ray.get(ref)
-                del s.rank_refs[rank]
-            except Exception as e:
-                return RankFailed(rank, e)
-        return None
+            if error_of_rank is not None:
+                self._failed(s, error_of_rank)
 
     def _collect_polls(self) -> None:
         for s in self._live():
@@ -289,7 +224,7 @@ class RayJob:
         unit and would never be given one, nor hear `finish` or `stop`, so it is let go rather than waited for."""
         for s in self._live():
             if not s.placed and not s.held:
-                self._kill(s)
+                kill(self.ray, s)
                 s.finished = True
 
     def _each(self) -> str:
@@ -317,23 +252,23 @@ class RayJob:
             for s in self._live():
                 s.actor.all_dealt.remote()
 
-    def _failed(self, s: _Slot, error: Exception, also: RankFailed | None = None) -> None:
+    def _failed(self, s: Slot, error: Exception, also: RankFailed | None = None) -> None:
         """A worker's run raised or its actor died (or one of its ranks: RankFailed; `also`: another rank's
         failure seen at the same time). A JobError (the job's settings or data) stops the job; any other failure
         replaces the worker and deals its unfinished units again."""
         rank = f"rank {error.rank}: " if isinstance(error, RankFailed) else ""
         error = error.error if isinstance(error, RankFailed) else error
         cause = getattr(error, "cause", error)
-        if _is_job_error(error):
+        if is_job_error(error):
             self._stop_all()
             raise JobError(f"worker {s.index} on Ray: {rank}{cause}") from None
-        why = rank + _first_line(error)
+        why = rank + first_line(error)
         if also is not None:
-            why = f"rank 0: {why}; rank {also.rank}: {_first_line(also.error)}"
+            why = f"rank 0: {why}; rank {also.rank}: {first_line(also.error)}"
         s.finished = True
         self.base_tokens += s.generated_tokens
         s.generated_tokens = 0
-        self._kill(s)
+        kill(self.ray, s)
         lost = sorted(s.held.values(), key=lambda u: u.start)
         if self.stopping or (not lost and self.finishing):
             return  # stopping (its uncommitted rows are the next run's), or nothing of it is unfinished
@@ -359,19 +294,7 @@ class RayJob:
 
     def _stop_all(self) -> None:
         for s in self._live():
-            self._kill(s)
-
-    def _kill(self, s: _Slot) -> None:
-        """A worker's actors (all its ranks) and placement group, gone at once."""
-        for actor in [a for a in (s.actor, *s.ranks) if a is not None]:
-            try:
-                self.ray.kill(actor, no_restart=True)
-            except Exception:
-                pass  # already gone
-        s.ranks, s.rank_refs = [], {}
-        if s.group is not None:
-            s.group.remove()
-            s.group = None
+            kill(self.ray, s)
 
     def _release_groups(self) -> None:
         """At the end: tensor-parallel ranks end at their rank 0's STOP; any still running after RANK_GRACE_S is
@@ -381,54 +304,7 @@ class RayJob:
             self.ray.wait(refs, num_returns=len(refs), timeout=RANK_GRACE_S)
         for s in self.slots:
             if s.group is not None:
-                self._kill(s)
-
-    def _result(self, wall_s: float, signum: int | None) -> RunResult:
-        """Counted from the manifests (a replaced worker's commits count too; its own report died with it)."""
-        results = [s.result for s in self.slots if s.result is not None]
-        rows, rejects = _committed(mf.checked_ledger(self.out_dir))
-        rows_before, rejects_before = self.committed_before
-        tokens = self.base_tokens + sum(s.result["report"]["generated_tokens"] if s.result else s.generated_tokens
-                                        for s in self.slots)
-        interrupted = signum if signum is not None else next(
-            (r["interrupted_by"] for r in results if r["interrupted_by"] is not None), None)
-        report = {"status": "interrupted" if interrupted is not None else "complete", "wall_s": round(wall_s, 3),
-                  "generated_tokens": tokens, "generated_tok_s": round(tokens / max(wall_s, 1e-9), 2),
-                  "workers": {r["slot"]: r["report"] for r in results}, "dealer": self.dealer}
-        if self.spec.output.report and interrupted is None:
-            write_report_or_say_why(self.out_dir)
-        return RunResult(self.out_dir, rows - rows_before, rejects - rejects_before, rows_before, interrupted, report)
-
-
-class RankFailed(Exception):
-    """Rank `rank` (> 0) of a tensor-parallel worker failed with `error`."""
-
-    def __init__(self, rank: int, error: Exception) -> None:
-        super().__init__(f"rank {rank}: {error}")
-        self.rank, self.error = rank, error
-
-
-def _first_line(error: BaseException) -> str:
-    """What an error says, in a line: the actor's own error where Ray wraps one (RayTaskError.cause); Ray's
-    first line says what happened."""
-    error = getattr(error, "cause", error)
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
-
-
-def _is_job_error(error: Exception) -> bool:
-    """A JobError, raised here or inside an actor (Ray wraps it: RayTaskError.cause)."""
-    return isinstance(error, JobError) or isinstance(getattr(error, "cause", None), JobError)
-
-
-def _committed(ledger) -> tuple[int, int]:
-    """(rows, rejects) an output's records hold."""
-    return (sum(e.record["num_rows"] for e in ledger.entries), sum(e.record["num_rejects"] for e in ledger.entries))
-
-
-def _bundle(resources: dict) -> dict:
-    """A placement-group bundle holding one rank's actor options ({"num_gpus": 1, ...} -> {"GPU": 1, ...})."""
-    return {cluster.RESOURCE_NAMES[k]: v for k, v in resources.items()}
+                kill(self.ray, s)
 
 
 def _actor_class():
