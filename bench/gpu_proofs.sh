@@ -29,6 +29,8 @@
 #   bash bench/gpu_proofs.sh fp8bigjob  # the job workload (256 seqs, 500 rows) on Llama-3.1-70B geometry in FP8
 #                                       # on one GPU, its checkpoint in a grown /dev/shm (not yet run; ~8 min?)
 #   bash bench/gpu_proofs.sh tp         # two GPUs: TP GPU tests and the 70B bf16 seed workload at TP=2
+#   bash bench/gpu_proofs.sh rayx2      # two GPUs: --gpus 1 and 2, then --ray --workers 2, the same 8,000 rows (needs
+#                                       # Ray: bench/device_assets.sh --ray; ~8 min)
 #   bash bench/gpu_proofs.sh fp8gemm    # the split-K FP8 GEMM (default at <= 32 rows) vs cuBLAS / Triton at M 16-64, sweep
 #   bash bench/gpu_proofs.sh fp8splitk  # split-K FP8 GEMM GPU tests (M up to 256), then bench/fp8_gemm.py
 #                                       # at M 256, 512 and the split-K sweep at 64-512 (row tiles 64 / 128): its
@@ -93,6 +95,8 @@ for section in "${sections[@]}"; do
              step w1 100 "${BG[@]}" --new-tokens 1024 --variants graphs_async --json "$LOGS/w1.json"
              step graph_tests 200 python3 -m pytest -q -m gpu tests/runner/test_decode_graph_buckets.py \
                tests/engine/test_engine_gpu.py tests/engine/test_engine_lifetime.py -rfE -p no:cacheprovider ;;
+    rayx2) step ray_x2 580 env RAY_USAGE_STATS_ENABLED=0 python3 bench/multi_gpu.py --rows "${RAYX2_ROWS:-8000}" \
+             --launcher gpus --versus ray --no-kill ;;
     bigbatch) for blocks in scattered contiguous; do
                 step "sweep_$blocks" 120 python3 bench/decode_attention_sweep.py --geometries llama-8b \
                   --shapes 1024:32-320,1024:192 --blocks "$blocks" --compile-workers 12 --json "$LOGS/sweep_$blocks.json"
@@ -202,6 +206,6 @@ print('block-wise _scaled_mm:', r(0) or 'yes')"
                 --json "$LOGS/profile_det.json" ;;
     detcost) step detcost 580 "${JOB[@]}" --rows 1000 --ab-set engine.deterministic=true --json "$LOGS/detcost.json" ;;
     det) step det 590 bash bench/deterministic_gpu.sh /tmp/batchgen-det 500 0 "$TOK" ;;
-    *) echo "unknown section $section (bigbatch bigbatchab tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
+    *) echo "unknown section $section (rayx2 bigbatch bigbatchab tests newtests logprobs moe moejob fp8moe fp8moejob longrun sweep families blas profiles fp8 fp8profile fp8big fp8bigjob tp fp8gemm fp8kv refill prefill mixedab mixedprof fp8job detcheck detcost det)"; exit 2 ;;
   esac
 done

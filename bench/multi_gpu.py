@@ -8,7 +8,13 @@ never or always hit; the stop ids are chosen from a probe (transformers' generat
 completion lengths spread over 1..max_new_tokens.
 
     python3 bench/multi_gpu.py --rows 2000 --launcher gpus     # on a 2-GPU machine
+    python3 bench/multi_gpu.py --rows 8000 --launcher gpus --versus ray --no-kill   # also --ray --workers 2
     python3 bench/multi_gpu.py --rows 60 --launcher workers --small   # CPU smoke run
+
+`--launcher ray` runs `batchgen run --ray --workers N` (a local Ray instance the command starts, or the cluster in
+RAY_ADDRESS); `--versus L` adds a two-worker run by launcher L after the measured pair and compares it with the
+pair's two-worker run: the same rows exactly once, and the wall and loop rates of both (the Ray actor path's cost
+against fixed partitions on the same GPUs). The kill-and-resume run needs a fixed-partition launcher.
 """
 
 from __future__ import annotations
@@ -134,10 +140,18 @@ def write_job(tmp: Path, max_new_tokens: int, stop_token_ids: list[int]) -> Path
     return path
 
 
+def launcher_args(launcher: str | None, n: str | int) -> list[str]:
+    """`batchgen run` options for n workers by `launcher` (gpus, workers or ray), or a plain run (None)."""
+    if launcher is None:
+        return ["--no-progress"]
+    return ["--ray", "--workers", str(n)] if launcher == "ray" else [f"--{launcher}", str(n)]
+
+
 def run(job: Path, out: Path, launcher: str | None, n: str | int) -> dict:
-    """`batchgen run` with --gpus/--workers n, or plain (launcher None); its stderr goes to $OUT/<out name>.log."""
+    """`batchgen run` with --gpus/--workers n, --ray --workers n, or plain (launcher None); its stderr goes to
+    $OUT/<out name>.log."""
     t0 = time.perf_counter()
-    extra = [f"--{launcher}", str(n)] if launcher else ["--no-progress"]
+    extra = launcher_args(launcher, n)
     p = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(job), "-o", str(out), *extra],
                        cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -229,7 +243,9 @@ def kill_one_and_resume(job: Path, out: Path, launcher: str, n: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2000)
-    ap.add_argument("--launcher", choices=["gpus", "workers"], default="gpus")
+    ap.add_argument("--launcher", choices=["gpus", "workers", "ray"], default="gpus")
+    ap.add_argument("--versus", choices=["gpus", "workers", "ray"],
+                    help="also two workers by this launcher, compared with the --launcher pair's two-worker run")
     ap.add_argument("--small", action="store_true", help="tiny model and short rows (CPU smoke run)")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill-one-worker-and-resume run")
     ap.add_argument("--warmup-rows", type=int, default=64, help="an unmeasured run first (0: none)")
@@ -237,9 +253,12 @@ def main() -> None:
     ap.add_argument("--one-gpu", action="store_true",
                     help="a one-GPU machine: plain run vs --gpus all (one worker), no scaling or kill runs")
     args = ap.parse_args()
+    if args.launcher == "ray" and not args.no_kill:
+        ap.error("--launcher ray: the kill-and-resume run kills a fixed partition's worker process; add --no-kill "
+                 "(tests/ray kill Ray workers)")
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    for name in ("out1", "out2", "out3", "plain", "all", "warmup"):  # this script's earlier outputs: start fresh
+    for name in ("out1", "out2", "out3", "versus", "plain", "all", "warmup"):  # this script's earlier outputs: start fresh
         shutil.rmtree(tmp / name, ignore_errors=True)
     make_model_dir(tmp / "model", args.small)
     make_source(tmp / "rows.parquet", args.rows, args.small)
@@ -279,6 +298,13 @@ def main() -> None:
     report["speedup_loop"] = report["two"]["tok_s_loop"] / report["one"]["tok_s_loop"]
     report["one_vs_two"] = compare(tmp / "out1", tmp / "out2")
     report["one_vs_two_near_ties"] = near_ties(tmp, tmp / "out1", tmp / "out2", max_new_tokens)
+    if args.versus:
+        report["versus"] = run(job, tmp / "versus", args.versus, 2)
+        report["versus"]["launcher"] = args.versus
+        report["versus"]["tok_s_end_to_end"] = report["versus"]["completion_tokens"] / report["versus"]["wall_s"]
+        report["versus_wall_over_two"] = report["versus"]["wall_s"] / report["two"]["wall_s"]
+        report["versus_loop_over_two"] = report["versus"]["tok_s_loop"] / report["two"]["tok_s_loop"]
+        report["two_vs_versus"] = compare(tmp / "out2", tmp / "versus")
     if not args.no_kill:
         report["kill_and_resume"] = kill_one_and_resume(job, tmp / "out3", args.launcher, 2)
         report["one_vs_killed_resumed"] = compare(tmp / "out1", tmp / "out3")
