@@ -160,7 +160,11 @@ def build_inputs(geometry: str, num_seqs: int, context: int | str, dev: str = "c
     tables over disjoint blocks of one cache (same strides: the same compiled kernel). A ragged context's
     sequences each hold the blocks of the longest (their tables' unused tail is never read). `blocks`: "scattered"
     (each copy's blocks in a random order, as a long run's allocator leaves them) or "contiguous" (each sequence's
-    blocks one after another, sequence after sequence, as a fresh engine's allocator hands them out)."""
+    blocks one after another, sequence after sequence: near a fresh engine's placement of its prompts, whose blocks
+    come from an ascending free list; the blocks a decode adds later interleave across sequences there, and a
+    ragged shape's shorter sequences leave gaps here)."""
+    if blocks not in ("scattered", "contiguous"):
+        raise ValueError(f"blocks {blocks!r} is not 'scattered' or 'contiguous'")
     num_heads, num_kv_heads, head_dim, softcap = heads(geometry)
     dtype = torch.bfloat16
     lengths = context_lengths(context, num_seqs)
@@ -298,10 +302,15 @@ def merge_table(entries: list[dict], rows: list[dict], device: str, min_gain: fl
     (head_dim, num_kv_heads, group, num_seqs, context; ragged contexts are skipped): if its fastest row beats its
     "default" (heuristic) row by >= min_gain, that launch becomes the entry of (head_dim, num_kv_heads, group,
     num_seqs), replacing an older one; otherwise that older entry, if any, is dropped (the heuristic stays). Other
-    entries are kept; the result is sorted by its key."""
+    entries are kept; the result is sorted by its key. Rows over an fp8 cache or contiguous blocks: ValueError."""
     def key(d: dict) -> tuple:
         return d["head_dim"], d["num_kv_heads"], d["group"], d["num_seqs"]
 
+    unlike = [r for r in rows if r.get("kv_dtype", "bf16") != "bf16" or r.get("blocks", "scattered") != "scattered"]
+    if unlike:  # a report's rows (--from-report) from a sweep over another cache type or block placement
+        raise ValueError(f"the launch table is measured over bf16 caches and scattered blocks; {len(unlike)} rows are "
+                         f"not (e.g. kv_dtype {unlike[0].get('kv_dtype', 'bf16')}, blocks "
+                         f"{unlike[0].get('blocks', 'scattered')})")
     shapes: dict[tuple, list[dict]] = {}
     for r in rows:
         shapes.setdefault((*key(r), r["context"]), []).append(r)

@@ -61,7 +61,8 @@
 #   bash bench/gpu_proofs.sh bigbatch   # a 1,024-sequence decode step: llama-8b decode attention swept over scattered
 #                                       # and contiguous K/V blocks (1,024 x 32-320 and x 192), then the graphed step's
 #                                       # kernels and each GEMM against the matmul rate at 1,024 and 512 rows (~5 min)
-#   bash bench/gpu_proofs.sh bigbatchab # the job at default settings (2,000 rows), the checkout in .prev (A) vs this
+#   bash bench/gpu_proofs.sh bigbatchab # the job at default settings (2,000 rows), the checkout in .prev (A: `git
+#                                       # archive <commit> batchgen` unpacked there) vs this
 #                                       # one (B), A B B A, then the same at 512 sequences (1,500 rows; ~9 min)
 # Needs the wheels of pyproject's dependencies that the GPU image lacks on PYTHONPATH and a tokenizer folder in $TOK
 # (default .bench-assets/tokenizer: SmolLM2's): `bash bench/device_assets.sh` prepares both here, and

@@ -69,7 +69,8 @@ def kernel_table(replay, reps: int = 3) -> tuple[list[tuple[str, int, float]], f
 
 
 def gemm_bench(m: int, matmul_flop_s: float) -> list[dict]:
-    """Each Llama-8B projection at `m` rows through both of torch's BLAS back-ends: its time, the weight-read
+    """Each Llama-8B projection at `m` rows (and the LM head at the benches' 49,152-token vocabulary beside
+    Llama's 128,256) through both of torch's BLAS back-ends: its time, the weight-read
     bandwidth it reached (what bounds small m) and its FLOPs over the matmul rate measured in this run
     (`x_matmul`: what bounds large m; 1.0 = the rate)."""
     shapes = {"q/o 4096x4096": (4096, 4096), "k|v 1024x4096": (1024, 4096), "qkv 6144x4096": (6144, 4096),
@@ -94,7 +95,7 @@ def gemm_bench(m: int, matmul_flop_s: float) -> list[dict]:
 def attention_bench(batch: int, context: int, sweep: bool = True) -> list[dict]:
     from triton.runtime.errors import OutOfResources
 
-    from batchgen.kernels.attention.paged_decode import paged_decode_attention
+    from batchgen.kernels.attention.paged_decode import DecodeLaunch, paged_decode_attention
 
     bs, hkv, heads, d = 16, 8, 32, 128
     blocks_per_seq = -(-context // bs)
@@ -110,15 +111,16 @@ def attention_bench(batch: int, context: int, sweep: bool = True) -> list[dict]:
         for block_n in (32, 64, 128):
             for num_warps in (2, 4, 8):
                 for num_stages in (2, 3, 4):
+                    launch = DecodeLaunch(splits, block_n, num_warps, num_stages)  # sequences first
+
                     def run():
-                        return paged_decode_attention(q, k, v, table, lens, d ** -0.5, splits, block_n,
-                                                      num_warps=num_warps, num_stages=num_stages)
+                        return paged_decode_attention(q, k, v, table, lens, d ** -0.5, launch=launch)
                     try:
                         ms = graph_ms(run)
                     except OutOfResources:  # a tile too large for shared memory: not a candidate
                         continue
                     out.append({"splits": splits, "block_n": block_n, "num_warps": num_warps,
-                                "num_stages": num_stages, "us": round(ms * 1e3, 1),
+                                "num_stages": num_stages, "heads_first": False, "us": round(ms * 1e3, 1),
                                 "kv_TBps": round(kv_bytes / ms / 1e9, 2)})
     default = graph_ms(lambda: paged_decode_attention(q, k, v, table, lens, d ** -0.5))
     out.append({"engine_default": True, "us": round(default * 1e3, 1), "kv_TBps": round(kv_bytes / default / 1e9, 2)})

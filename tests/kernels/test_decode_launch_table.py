@@ -253,6 +253,10 @@ def test_the_sweep_merges_a_shapes_fastest_launch_only_where_it_beats_the_heuris
     assert [(e["context"], e["launch"]["num_splits"]) for e in entries] == [(1024, 4)]
     with pytest.raises(ValueError, match="0 default rows"):
         sweep.merge_table([], rows[1:2], "NVIDIA H200")
+    # a saved report (--from-report) of a sweep over an fp8 cache or contiguous blocks is not a table's measure
+    for unlike in ({"kv_dtype": "fp8"}, {"blocks": "contiguous"}):
+        with pytest.raises(ValueError, match="bf16 caches and scattered blocks"):
+            sweep.merge_table([], [{**r, **unlike} for r in rows], "NVIDIA H200")
 
 
 def test_the_sweep_writes_a_table_default_launch_accepts(sweep, tmp_path):
@@ -317,3 +321,15 @@ def test_the_sweeps_contiguous_blocks_give_each_sequence_its_blocks_in_order_wit
     torch.manual_seed(0)
     scattered = sweep.build_inputs("starcoder2-3b", 8, 200, dev="cpu")
     assert scattered.tables[0].flatten().tolist() != sorted(scattered.tables[0].flatten().tolist())
+    with pytest.raises(ValueError, match="'contigous' is not"):
+        sweep.build_inputs("starcoder2-3b", 3, 40, dev="cpu", blocks="contigous")
+
+
+def test_the_many_sequence_gpu_cases_run_both_heuristic_launches():
+    """tests/kernels/test_kernels.py's 160- and 640-sequence Llama cases (8 KV heads of 128, group 4: no table
+    entry) exercise the two one-split launches: 128 / 4 below LARGE_BATCH_PROGRAMS, 64 / 4 / 2 KV heads first from it."""
+    from batchgen.kernels.attention.decode_launch import LARGE_BATCH_PROGRAMS
+
+    assert 160 * 8 < LARGE_BATCH_PROGRAMS <= 640 * 8
+    assert default_launch(160, 8, 128, group=4) == DecodeLaunch(1, 128, 4)
+    assert default_launch(640, 8, 128, group=4) == DecodeLaunch(1, 64, 4, 2, heads_first=True)

@@ -6,8 +6,9 @@ falls back to a heuristic tuned on Llama's 8 KV heads x 128. Invariant: the laun
 arguments and the shipped file (the file is read once a process), so a shape always gets the same launch: a CUDA
 graph captured for a bucket stays valid, and the order of the fp32 additions is fixed by the shape alone.
 
-The table's entries carry the device they were measured on; they are used on any device (only the H200 is tuned
-today: a table for another GPU would need the device in the look-up key). Under the Triton interpreter (CPU) the
+The table's entries carry the device they were measured on; they are used on any device (they are all H200
+measurements today: a table for another GPU would need the device in the look-up key). The heuristic's
+large-batch rule (LARGE_BATCH_PROGRAMS) was measured on an H100. Under the Triton interpreter (CPU) the
 launch changes nothing but speed.
 """
 
@@ -77,13 +78,15 @@ MEASURED_HEAD_DIM = 128
 # stages with the grid KV-heads first. On the H100 (2026-12-05, bench/results/2026-12-05-decode-attention-large-
 # batch-h100.md) it took 260.9 us against 280.0 for 128 / 4 / 3 stages over 1,024 ragged 32-320-token sequences
 # (137.1 against 143.8 at 512), was no slower where a few sequences are long (1,024 ragged 32-3,072: 2,092 against
-# 2,112 us), and the job at 1,024 sequences ran its decode steps 1.2 % faster. Below it (256 sequences) the two
+# 2,112 us), and the job at 1,024 sequences ran its decode steps 1.3 % faster. Below it (256 sequences) the two
 # tiles tie on long ragged batches and the H200's measurements chose 128 / 4.
 LARGE_BATCH_PROGRAMS = 4096
 
 
 def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
-    """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best on the H200.
+    """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best (on the H200; the
+    large-batch rule on the H100), on Llama's heads: the geometries without a table entry are Llama-like today
+    (8 KV heads of 128, group 4; Qwen3-30B-A3B's 4 of 128, group 8).
     Llama-8B heads (8 x 128): 32 seqs x 768 context (256 programs): 1 split at block_n 128 / 4 warps, 2 splits at 64 /
     2 warps. 256 seqs (2,048 programs): 1 split at 128 / 4. Where every sequence has the same context, block_n 32 / 2
     warps / 2 stages is within 5 % of the fastest launch at every context (at 160 tokens 53 µs against 64 for 128 /

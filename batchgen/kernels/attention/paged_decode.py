@@ -40,6 +40,7 @@ from batchgen.kernels.attention.paged_prefill import query_operand
 from batchgen.kernels.attention.rope_kv import QKNorm, as_cached, rotate_rounded
 from batchgen.kernels.fp8.splitk_common import TL_DTYPES, SplitKPartials
 
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's y (and z) dimension
 
 # heads_first: one compiled kernel for both grid orders; stride_bt: an eager step's block tables are as wide as
 # its longest sequence needs (1, a multiple of 16 or neither), which would otherwise build a kernel for each case
@@ -263,13 +264,15 @@ def _launch(q_src, num_heads, rope, k_cache, v_cache, block_tables, seq_lens, sc
                   (quant.scale_ub or 0.0) if quantise else 0.0)
     quant_flags = dict(ACT_DTYPE=TL_DTYPES[act_dtype], OUT_GROUP=quant.group if quantise else 0,
                        HAS_UB=quantise and quant.scale_ub is not None)
-    grid = (num_kv_heads, num_seqs, num_splits) if launch.heads_first else (num_seqs, num_kv_heads, num_splits)
+    # KV heads first puts the sequences on grid axis y, which CUDA caps at 65,535: a larger batch goes sequences first
+    heads_first = launch.heads_first and num_seqs <= MAX_GRID_Y
+    grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
     has_bias = partials is not None and partials.bias is not None
     _decode_split_kernel[grid](
         src, k_cache, v_cache, block_tables, seq_lens, acc, m, l, out, cos, sin, slots,
         *(qk_norm[:2] if qk_norm is not None else (src, 0.0)),
         partials.bias if has_bias else src, src.stride(0) if partials is not None else 0, *quant_args,
-        scale, softcap or 1.0, sliding_window or 0, int(launch.heads_first), stride_qb, stride_qh, out.stride(0),
+        scale, softcap or 1.0, sliding_window or 0, int(heads_first), stride_qb, stride_qh, out.stride(0),
         out.stride(1), stride_cs,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, D_P=d_p, BLOCK_SIZE=block_size, BLOCK_N=block_n,
