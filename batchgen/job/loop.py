@@ -68,13 +68,14 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
     return key
 
 
-def _owned_tags(out_dir: Path, worker: WorkerInfo, dealt: bool) -> set[str]:
+def _owned_tags(ledger, worker: WorkerInfo, dealt: bool) -> set[str]:
     """The worker tags whose crash leftovers this worker deletes: its own; for worker 0 of a fixed partition also
-    those beyond today's count (an earlier, wider run). A dealt job's driver tidies those before it starts any
-    worker (its worker count may grow while it runs)."""
+    those beyond today's count (an earlier, wider run, including a worker of it killed in its first commit: a
+    leftover shard and no manifest). A dealt job's driver tidies those before it starts any worker (its worker
+    count may grow while it runs)."""
     owned = {mf.worker_tag(worker.index)}
-    if worker.index == 0 and not dealt and (out_dir / mf.MANIFEST_DIR).is_dir():
-        owned |= {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl") if int(p.stem[1:]) >= worker.count}
+    if worker.index == 0 and not dealt:
+        owned |= mf.tags_from(ledger, worker.count)
     return owned
 
 
@@ -126,7 +127,7 @@ class JobLoop:
 
         # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
         # deleted; the committed keys are the rows to skip
-        self.done_keys = mf.prepare_resume(out_dir, _owned_tags(out_dir, worker, dealt))
+        self.done_keys = mf.prepare_resume(out_dir, lambda ledger: _owned_tags(ledger, worker, dealt))
         self.writer = ShardWriter(out_dir, mf.Manifest(out_dir, worker.index), self.schema.data,
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = None if dealt else self.source.progress_rows() if show_progress else self.source.expected_rows

@@ -11,7 +11,7 @@ reader stops (OutputDamaged, exit 2) and nothing is deleted (ledger.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,17 @@ def remove_orphans(out_dir: Path, owned_tags: set[str] | None, ledger: Ledger | 
     return removed
 
 
-def prepare_resume(out_dir: Path, owned_tags: set[str]) -> KeySet:
-    """Before a worker generates: check every worker's records, delete what a crash of the owned workers left,
-    and return every committed row key (the rows to skip). OutputDamaged, with nothing deleted, if damaged."""
+def tags_from(ledger: Ledger, first_index: int) -> set[str]:
+    """The worker tags of index >= first_index the output holds anything of: a manifest, or a crash's leftover or
+    temporary shard (a worker killed in its first commit has no manifest yet, only the shard it was renaming)."""
+    tags = set(ledger.manifests) | {o.tag for o in ledger.orphans if o.kind in ("tmp", "leftover")}
+    return {t for t in tags if t is not None and int(t[1:]) >= first_index}
+
+
+def prepare_resume(out_dir: Path, owned_tags: Callable[[Ledger], set[str]]) -> KeySet:
+    """Before a worker generates: check every worker's records, delete what a crash of the owned workers left
+    (`owned_tags`: their tags, given the checked ledger), and return every committed row key (the rows to skip).
+    OutputDamaged, with nothing deleted, if damaged."""
     ledger = checked_ledger(out_dir)
-    remove_orphans(out_dir, owned_tags, ledger)
+    remove_orphans(out_dir, owned_tags(ledger), ledger)
     return ledger.keys

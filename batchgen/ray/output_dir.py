@@ -38,10 +38,8 @@ def prepare_output(spec: JobSpec, out_dir: Path, job_file: Path | None, fresh: b
             start_over(out_dir, where, None)
         fresh_mod.finish_interrupted(out_dir)
         layout.write_marker(out_dir)
-        stale = {p.stem for p in (out_dir / mf.MANIFEST_DIR).glob("w*.jsonl")
-                 if p.stem[1:].isdigit() and int(p.stem[1:]) >= num_slots} \
-            if (out_dir / mf.MANIFEST_DIR).is_dir() else set()
         ledger = mf.checked_ledger(out_dir)
+        stale = mf.tags_from(ledger, num_slots)
         if stale:
             mf.remove_orphans(out_dir, stale, ledger)
         committed_before = committed(ledger)

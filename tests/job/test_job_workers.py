@@ -101,3 +101,23 @@ def test_a_failing_worker_makes_the_launcher_exit_non_zero_after_the_others_comm
         assert mine <= done, f"worker {w} did not finish ({manifests})"
     assert run_cli("run", str(job), "-o", str(out), "--workers", "3").returncode == 0
     assert content_once(out) == reference
+
+
+@pytest.mark.parametrize("resume_workers", [1, 3])
+def test_a_worker_killed_in_its_first_commit_leaves_no_row_twice_after_a_resume_with_another_count(setup,
+                                                                                                  resume_workers):
+    """Worker 1 dies between renaming its first shard into place and writing its first record (it has no
+    manifest yet): a resume with one worker (worker 0 owns the tags beyond its count) or three (worker 1 owns
+    its own) deletes that leftover shard, and every row is in the output once."""
+    tmp, job, reference = setup
+    out = tmp / f"first-commit-killed-{resume_workers}"
+    killed = run_cli("run", str(job), "-o", str(out), "--workers", "2",
+                     env={"BATCHGEN_FAULT": "shard_renamed:1", "BATCHGEN_FAULT_WORKER": "1"})
+    assert killed.returncode != 0, killed.stderr
+    assert (out / "data" / "part-w00001-000000.parquet").exists() and not (out / "manifest" / "w00001.jsonl").exists()
+    args = ("--workers", str(resume_workers)) if resume_workers > 1 else ()
+    resumed = run_cli("run", str(job), "-o", str(out), *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert content_once(out) == reference
+    assert run_cli("verify", str(out)).returncode == 0
+    assert "uncommitted" not in run_cli("verify", str(out)).stdout
