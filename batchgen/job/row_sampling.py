@@ -53,6 +53,8 @@ class RowSampling:
         if value is None or value == "" or value == {}:
             return params
         rf = self._response_format(value)
+        if rf is None:  # the text of an empty object ("{}"): empty, as {} is
+            return params
         try:
             return SamplingParams.model_validate({**params.model_dump(exclude={"response_format_column"}),
                                                   "response_format": rf})
@@ -60,7 +62,8 @@ class RowSampling:
             raise RowError("bad_response_format", f"column {self.format_column!r}: "
                                                   f"{e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
-    def _response_format(self, value: Any) -> ResponseFormat:
+    def _response_format(self, value: Any) -> ResponseFormat | None:
+        """The row's format, None for an empty object (the job's format applies); RowError when not usable."""
         from batchgen.sample.grammar import grammar_error
 
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
@@ -69,7 +72,13 @@ class RowSampling:
             return rf
         where = f"sampling.response_format_column {self.format_column!r}"
         value = _json_object(value, "bad_response_format", where, "a JSON Schema (a JSON object)")
-        rf = ResponseFormat(type="json_schema", json_schema=value)
+        if value == {}:
+            return None
+        try:
+            rf = ResponseFormat(type="json_schema", json_schema=value)
+        except ValidationError as e:  # never a whole job's failure: the row's value is rejected
+            raise RowError("bad_response_format", f"{where}: {e.errors()[0]['msg'].removeprefix('Value error, ')}"
+                           ) from None
         reason = grammar_error(rf)
         if reason is not None:
             raise RowError("bad_response_format", f"{where} is not a JSON Schema xgrammar can use: {reason}")

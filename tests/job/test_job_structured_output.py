@@ -27,9 +27,9 @@ def _run(job, *extra):
 
 @pytest.fixture
 def rows_job(tmp_path, tiny_model_dir):
-    rows = seed_rows(6)
-    for i, r in enumerate(rows):
-        r["schema"] = {1: "{not json", 3: '{"type": "objekt"}', 4: None}.get(i, json.dumps(SCHEMA))
+    rows = seed_rows(7)
+    for i, r in enumerate(rows):  # row 6: the text of an empty object, empty as null is (it once failed the job)
+        r["schema"] = {1: "{not json", 3: '{"type": "objekt"}', 4: None, 6: "{}"}.get(i, json.dumps(SCHEMA))
     write_jsonl(tmp_path / "rows.jsonl", rows)
 
     def make(**sampling):
@@ -44,7 +44,7 @@ def test_response_format_column_rejects_broken_schemas_and_completes_the_other_r
     assert result.exit_code == 0, result.output
     done = {r["id"]: r for r in read_rows(tmp_path / "out")}
     rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
-    assert sorted(done) == ["row-0000", "row-0002", "row-0004", "row-0005"]
+    assert sorted(done) == ["row-0000", "row-0002", "row-0004", "row-0005", "row-0006"]
     assert {k: r["error_class"] for k, r in rejects.items()} == {"row-0001": "bad_response_format",
                                                                   "row-0003": "bad_response_format"}
     assert "is not JSON" in rejects["row-0001"]["message"]
@@ -52,7 +52,8 @@ def test_response_format_column_rejects_broken_schemas_and_completes_the_other_r
     for key in ("row-0000", "row-0002", "row-0005"):
         assert done[key]["finish_reason"] == "stop"
         jsonschema.validate(json.loads(done[key]["completion"]), SCHEMA)
-    assert re.fullmatch("[a-z]{2,5}", done["row-0004"]["completion"])  # null: the job's response_format
+    for key in ("row-0004", "row-0006"):  # null and "{}": the job's response_format
+        assert re.fullmatch("[a-z]{2,5}", done[key]["completion"])
 
 
 @pytest.mark.parametrize("response_format, key, reason", [
