@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
@@ -31,16 +32,22 @@ def _lines(path: str) -> Iterator[str | UnicodeDecodeError]:
     """The file's lines as text; a line that is not UTF-8 as its UnicodeDecodeError (its `object` the line's
     bytes, `start` the first bad byte), annotated with the file and line number in `reason`."""
     opener = gzip.open if path.endswith(".gz") else open
+    number = 0
     with opener(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number == 1:
-                raw = raw.removeprefix(BOM)
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield UnicodeDecodeError("utf-8", raw, e.start, e.end,
-                                         f"line {number} of {path} is not valid UTF-8 (byte {e.start}: "
-                                         f"{raw[e.start:e.start + 1]!r}, {e.reason})")
+        try:
+            for number, raw in enumerate(f, 1):
+                if number == 1:
+                    raw = raw.removeprefix(BOM)
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield UnicodeDecodeError("utf-8", raw, e.start, e.end,
+                                             f"line {number} of {path} is not valid UTF-8 (byte {e.start}: "
+                                             f"{raw[e.start:e.start + 1]!r}, {e.reason})")
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # the file, not one row: no rerun mends it
+            raise JobError(f"source file {path} is not a readable gzip file after line {number} "
+                           f"({type(e).__name__}: {e}): repair or replace the file"
+                           ) from None
 
 
 def _parse(line: str | UnicodeDecodeError) -> tuple[dict | None, str | None]:

@@ -1,6 +1,7 @@
 """Input is read as written: a UTF-8 byte order mark is not part of row 0, invalid UTF-8 is a reject naming
 its line (never silently replaced), and OpenAI content-part arrays of text are prompts (other parts: a named
-reject)."""
+reject); a .gz source that is no gzip file or is truncated stops the job naming the file (exit 2), never a
+retry loop."""
 
 from __future__ import annotations
 
@@ -97,3 +98,24 @@ def test_a_lone_surrogate_escape_in_a_jsonl_line_is_a_malformed_row_and_a_pair_i
     rows = _rows(path)
     assert rows[0].columns is None and "'\\ud800', a lone UTF-16 surrogate escape" in rows[0].error
     assert rows[1].columns == {"id": "b", "text": "\U0001F600"}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_a_corrupt_gz_source_stops_run_and_validate_with_exit_2_naming_the_file(tmp_path, tiny_model_dir, damage):
+    import gzip
+
+    from jobutil import write_job
+
+    text = "".join(json.dumps({"id": f"r{i}", "text": f"row {i} " + "words " * 40}) + "\n" for i in range(200))
+    packed = gzip.compress(text.encode())
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(packed[: len(packed) * 2 // 3] if damage == "truncated" else text.encode())
+    with pytest.raises(Exception, match="rows.jsonl.gz is not a readable gzip file") as caught:
+        _rows(path)
+    assert type(caught.value).__name__ == "JobError"
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl.gz", "key_column": "id"},
+                    sampling={"max_new_tokens": 4})
+    for command in (["validate", str(job)], ["run", str(job), "--no-progress"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert "rows.jsonl.gz is not a readable gzip file" in result.output
