@@ -1,9 +1,10 @@
 """The output directory's layout: what batchgen writes there, how each of its files is recognised, and where
 its resolved job lives. Only what `is_batchgen_entry` recognises is ever deleted by batchgen (`--fresh`).
 
-Recognition is by name: a fixed set of top-level names, and inside batchgen's folders names that carry a worker
-tag (`part-w00000-000003.parquet`, `w00000.jsonl`, `throughput-w00000.jsonl`) or one of the report's fixed
-names, each also as its hidden temporary (`.NAME...tmp...`). A folder inside batchgen's folders is never
+Recognition is by name: a fixed set of top-level names, and inside batchgen's folders the exact names of the
+worker-tagged files it writes there (`data/part-w00000-000003.parquet`, `manifest/w00000.jsonl`,
+`logs/throughput-w00000.jsonl`, `reports/w00000.json`) or one of the report's fixed names, each also as its hidden
+temporary (`.NAME...tmp...`). A folder inside batchgen's folders is never
 batchgen's. Three files need their content: the dataset card (card.MARKER), `job.resolved.yaml` (its first line,
 RESOLVED_JOB_HEADER) and the `job.yaml` of an output begun before `job.resolved.yaml` existed
 (`is_legacy_job_file`).
@@ -39,7 +40,15 @@ TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json"
 LOCK_FILES = (".lock-dir",)  # lock.DIRECTORY_LOCK_FILE; worker locks: _LOCK
 REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
 CARD_FILE = "README.md"
-_TAGGED = re.compile(r"^\.?(part-|throughput-)?w\d{5}[-.]")  # a worker tag at the start of the name
+# the worker-tagged files batchgen writes in each of its folders, each with its temporary name: exactly these (a
+# user's `part-w00000-000003.parquet.orig` or `w00000-notes.txt` beside them is not batchgen's)
+_TAGGED = {
+    "data": re.compile(r"part-w\d{5}-\d{6}\.parquet|\.part-w\d{5}-\d{6}\.parquet\.tmp"),
+    "rejects": re.compile(r"part-w\d{5}-\d{6}\.parquet|\.part-w\d{5}-\d{6}\.parquet\.tmp"),
+    "manifest": re.compile(r"w\d{5}\.jsonl|\.w\d{5}\.jsonl\.repair\.tmp"),  # output/repair.py rewrites one
+    "logs": re.compile(r"throughput-w\d{5}\.jsonl"),
+    "reports": re.compile(r"w\d{5}\.json|\.w\d{5}\.json\.tmp\d*"),
+}
 _LOCK = re.compile(r"^\.lock-w\d{5}$")
 _SECTIONS = ("model", "source", "prompt", "sampling", "engine", "output")
 
@@ -106,8 +115,8 @@ def is_batchgen_entry(out_dir: Path, rel: str) -> bool:
     if len(parts) != 2 or parts[0] not in OWNED_DIRS or not path.is_file() or path.is_symlink():
         return False
     name = parts[1]
-    return bool(_TAGGED.match(name)) or (parts[0] == "reports" and (name in REPORT_FILES or
-                                                                       _is_temp_of(name, REPORT_FILES)))
+    return bool(_TAGGED[parts[0]].fullmatch(name)) or (parts[0] == "reports" and (name in REPORT_FILES or
+                                                                                  _is_temp_of(name, REPORT_FILES)))
 
 
 def foreign_entries(out_dir: Path) -> list[str]:

@@ -112,6 +112,24 @@ def test_every_file_a_run_writes_is_recognised_as_batchgens(finished):
     assert foreign_entries(out) == []
 
 
+def test_fresh_refuses_users_files_named_like_batchgens_inside_its_folders_and_deletes_nothing(finished):
+    """Only the exact names batchgen writes are its own: a user's copy or notes beside them that start with a
+    worker tag (`part-w00000-000000.parquet.orig`, `w00000-notes.txt`, `w00000.jsonl.bak`) are the user's."""
+    from batchgen.output.layout import foreign_entries
+
+    job, out = finished
+    user_files = {"data/part-w00000-000000.parquet.orig": (out / "data" / "part-w00000-000000.parquet").read_bytes(),
+                  "logs/w00000-my-notes.txt": b"mine", "manifest/w00000.jsonl.bak": b"mine",
+                  "reports/w00000.json.old": b"mine", "logs/throughput-w00000.jsonl.1": b"mine"}
+    for rel, data in user_files.items():
+        (out / rel).write_bytes(data)
+    assert foreign_entries(out) == sorted(user_files)
+    result = run_cli("run", str(job), "--fresh")
+    assert result.returncode == 2 and "--fresh refused" in result.stderr, result.stderr
+    assert {rel: (out / rel).read_bytes() for rel in user_files} == user_files
+    assert len(read_rows(out)) == NUM_ROWS
+
+
 def test_readers_use_job_resolved_yaml_and_an_earlier_outputs_job_yaml(finished, tmp_path):
     job, out = finished
     assert not (out / "job.yaml").exists()
