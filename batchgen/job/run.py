@@ -81,6 +81,17 @@ def refuse_a_users_resolved_job(out_dir: Path) -> None:
                        f"an output folder of its own")
 
 
+def refuse_names_taken_before_marking(out_dir: Path) -> None:
+    """JobError when a folder batchgen has not used yet holds files under the names batchgen writes (a user's
+    fingerprint.json or reports/index.html): a run would overwrite them, and --fresh later delete them."""
+    taken = layout.names_taken_before_marking(out_dir)
+    if taken:
+        named = ", ".join(taken[:8]) + (f" and {len(taken) - 8} more" if len(taken) > 8 else "")
+        raise JobError(f"output.dir {out_dir} is not a batchgen output (no {layout.MARKER_FILE} marker) but holds "
+                       f"{named}, named as batchgen names its own files: a run would write over them. Give the job "
+                       f"an output folder of its own (output.dir or --output), or move those files out")
+
+
 def write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
     refuse_a_users_resolved_job(out_dir)
     _write_atomic(out_dir / layout.RESOLVED_JOB_FILE,
@@ -158,6 +169,7 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
             check_partition(out_dir, lock)
             fresh_mod.finish_interrupted(out_dir)
             refuse_a_users_resolved_job(out_dir)
+            refuse_names_taken_before_marking(out_dir)
             layout.write_marker(out_dir)
         if not fresh and where.warning() is not None:
             print(where.warning(), file=sys.stderr)

@@ -95,10 +95,33 @@ def is_batchgen_card(path: Path) -> bool:
         return False
 
 
-def is_batchgen_entry(out_dir: Path, rel: str) -> bool:
-    """Whether OUT/`rel` (a top-level entry, or a file directly inside one of OWNED_DIRS) is batchgen's."""
+def is_output(out_dir: Path) -> bool:
+    """Whether batchgen has used `out_dir` as an output: it holds the marker, or (an output begun before the
+    marker existed) a manifest or the resolved job of an earlier batchgen. Before that, every name batchgen
+    would write there belongs to someone else."""
+    if (out_dir / MARKER_FILE).is_file():
+        return True
+    mdir = out_dir / "manifest"
+    if mdir.is_dir() and any(_TAGGED["manifest"].fullmatch(n) for n in os.listdir(mdir)):
+        return True
+    return (out_dir / LEGACY_JOB_FILE).is_file() and is_legacy_job_file(out_dir / LEGACY_JOB_FILE, out_dir)
+
+
+def _is_start_entry(name: str) -> bool:
+    """What a start writes before the marker (locks, the marker's temporary) and a --fresh in progress."""
+    return name in LOCK_FILES or bool(_LOCK.match(name)) or _is_temp_of(name, (MARKER_FILE,)) or \
+        name == FRESH_PENDING_DIR or name.startswith(FRESH_DELETING_PREFIX)
+
+
+def is_batchgen_entry(out_dir: Path, rel: str, owned: bool = True) -> bool:
+    """Whether OUT/`rel` (a top-level entry, or a file directly inside one of OWNED_DIRS) is batchgen's. `owned`
+    False (is_output said no): only a start's locks and a --fresh in progress are, and OWNED_DIRS are walked."""
     parts = Path(rel).parts
     path = out_dir / rel
+    if not owned:
+        if len(parts) == 1 and parts[0] in OWNED_DIRS:
+            return path.is_dir() and not path.is_symlink()
+        return len(parts) == 1 and _is_start_entry(parts[0])
     if len(parts) == 1:
         name = parts[0]
         if name in OWNED_DIRS:
@@ -123,17 +146,36 @@ def foreign_entries(out_dir: Path) -> list[str]:
     """What lies in `out_dir` that batchgen did not write, as relative paths, sorted (a foreign folder is named
     once, not walked). A user's README.md is not listed: the card leaves it alone, so does --fresh."""
     foreign = []
+    owned = is_output(out_dir)
     for name in sorted(os.listdir(out_dir)):
         if name == CARD_FILE and not is_batchgen_card(out_dir / name):
             continue
-        if not is_batchgen_entry(out_dir, name):
+        if not is_batchgen_entry(out_dir, name, owned):
             foreign.append(name + ("/" if (out_dir / name).is_dir() else ""))
         elif name in OWNED_DIRS:
             for inner in sorted(os.listdir(out_dir / name)):
                 rel = f"{name}/{inner}"
-                if not is_batchgen_entry(out_dir, rel):
+                if not is_batchgen_entry(out_dir, rel, owned):
                     foreign.append(rel + ("/" if (out_dir / rel).is_dir() else ""))
     return foreign
+
+
+def names_taken_before_marking(out_dir: Path) -> list[str]:
+    """In a folder batchgen has not used (is_output False): the files a run would write over or mix with, named as
+    batchgen names its own (a user's `fingerprint.json`, `reports/index.html`, `data/part-w00000-000000.parquet`).
+    Empty for an output, or a folder without such names."""
+    if not out_dir.is_dir() or is_output(out_dir):
+        return []
+    taken = []
+    for name in sorted(os.listdir(out_dir)):
+        if _is_start_entry(name) or name == CARD_FILE:  # a user's README.md stays: the card never replaces it
+            continue
+        if name in OWNED_DIRS and (out_dir / name).is_dir():
+            taken += [f"{name}/{inner}" for inner in sorted(os.listdir(out_dir / name))
+                      if is_batchgen_entry(out_dir, f"{name}/{inner}")]
+        elif is_batchgen_entry(out_dir, name):
+            taken.append(name)
+    return taken
 
 
 def write_marker(out_dir: Path) -> None:

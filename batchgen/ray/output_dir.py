@@ -11,7 +11,8 @@ from batchgen.config import JobSpec
 from batchgen.errors import JobError
 from batchgen.job import placement
 from batchgen.job.result import RunResult
-from batchgen.job.run import start_over, write_report_or_say_why, write_resolved_job
+from batchgen.job.run import (refuse_names_taken_before_marking, start_over, write_report_or_say_why,
+                              write_resolved_job)
 from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
@@ -37,6 +38,7 @@ def prepare_output(spec: JobSpec, out_dir: Path, job_file: Path | None, fresh: b
         if fresh:
             start_over(out_dir, where, None)
         fresh_mod.finish_interrupted(out_dir)
+        refuse_names_taken_before_marking(out_dir)
         layout.write_marker(out_dir)
         ledger = mf.checked_ledger(out_dir)
         stale = mf.tags_from(ledger, num_slots)

@@ -48,7 +48,9 @@ def test_fresh_refuses_a_folder_holding_the_users_files_and_names_them(tmp_path,
 
 def test_fresh_refusal_names_the_first_entries_and_counts_the_rest(tmp_path):
     from batchgen.output.fresh import refusal
+    from batchgen.output.layout import write_marker
 
+    write_marker(tmp_path)  # a batchgen output: its shard is batchgen's
     for i in range(12):
         (tmp_path / f"user-{i:02d}.txt").write_text("x")
     (tmp_path / "data").mkdir()
@@ -128,6 +130,33 @@ def test_fresh_refuses_users_files_named_like_batchgens_inside_its_folders_and_d
     assert result.returncode == 2 and "--fresh refused" in result.stderr, result.stderr
     assert {rel: (out / rel).read_bytes() for rel in user_files} == user_files
     assert len(read_rows(out)) == NUM_ROWS
+
+
+def test_a_folder_batchgen_never_used_holding_files_under_its_names_is_refused_by_run_and_fresh(tmp_path,
+                                                                                                  tiny_model_dir):
+    """No .batchgen marker and no earlier output's records: a user's fingerprint.json, numerics.json or
+    reports/index.html are the user's. A run refuses to write over them and --fresh to delete them, naming them."""
+    from batchgen.output.layout import foreign_entries
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(NUM_ROWS))
+    out = tmp_path / "site"
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"max_new_tokens": 4}, output={"dir": "site"})
+    user_files = {"fingerprint.json": b'{"my": 1}', "numerics.json": b"keep", "reports/index.html": b"<html>mine",
+                  "README.md": b"# my site"}
+    for rel, data in user_files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
+    assert foreign_entries(out) == ["fingerprint.json", "numerics.json", "reports/index.html"]
+    for extra in ((), ("--fresh",)):
+        result = run_cli("run", str(job), *extra)
+        assert result.returncode == 2, result.stderr
+        assert "fingerprint.json, numerics.json, reports/index.html" in result.stderr, result.stderr
+        assert {rel: (out / rel).read_bytes() for rel in user_files} == user_files
+        assert not (out / ".batchgen").exists() and not (out / "data").exists()
+    (out / "fingerprint.json").unlink(), (out / "numerics.json").unlink(), (out / "reports" / "index.html").unlink()
+    assert run_cli("run", str(job)).returncode == 0  # the user's README.md alone stays and is kept
+    assert (out / "README.md").read_bytes() == b"# my site" and len(read_rows(out)) == NUM_ROWS
 
 
 def test_readers_use_job_resolved_yaml_and_an_earlier_outputs_job_yaml(finished, tmp_path):
