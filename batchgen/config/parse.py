@@ -92,6 +92,29 @@ def _expanded_nodes(root: yaml.Node) -> int:
     return sizes[id(root)]
 
 
+def _duplicate_key(root: yaml.Node) -> tuple[str, int, int] | None:
+    """The first key written twice in one mapping, with the lines of both (1-based), or None. YAML loaders keep
+    the last value silently; a job file's second `temperature:` is a mistake to name, not a setting to guess."""
+    seen_nodes: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if key.value in lines:
+                        return key.value, lines[key.value], key.start_mark.line + 1
+                    lines[key.value] = key.start_mark.line + 1
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return None
+
+
 def load_yaml(text: str, origin: str):
     """YAML text as Python values, bounded: JobError naming `origin` when it is larger than MAX_JOB_FILE_BYTES,
     expands (through aliases) to more than MAX_YAML_NODES nodes, nests too deeply to parse, or is not YAML."""
@@ -107,6 +130,11 @@ def load_yaml(text: str, origin: str):
             raise JobError(f"{origin} expands to more than {MAX_YAML_NODES} YAML nodes through its aliases (*name); "
                            f"an alias copies its anchor wherever it is used: write the values out, or use fewer "
                            f"nested aliases")
+        duplicate = _duplicate_key(node)
+        if duplicate is not None:
+            key, first, second = duplicate
+            raise JobError(f"{origin}: key {key!r} is written twice in one section (lines {first} and {second}); "
+                           f"keep one")
         return loader.construct_document(node)
     except RecursionError:
         raise JobError(f"{origin} nests its values too deeply to read; flatten it") from None

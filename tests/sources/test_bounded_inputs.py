@@ -61,6 +61,20 @@ def test_yaml_aliases_that_stay_small_are_still_allowed(tmp_path):
     assert load_spec(job).sampling.stop == ("Be brief.",)
 
 
+def test_a_key_written_twice_in_one_section_is_refused_naming_it_and_both_lines(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {path: m}\nsource: {path: rows.jsonl}\nprompt: {column: text}\nsampling:\n"
+                   "  temperature: 0.7\n  seed: 3\n  temperature: 1.5\n")
+    with pytest.raises(JobError) as e:
+        load_spec(job)
+    assert f"job file {job}: key 'temperature' is written twice in one section (lines 5 and 7)" in str(e.value)
+    # the same key in two sections, and YAML merge keys, are not repeats
+    job.write_text("model: {path: m}\nsource: {path: rows.jsonl, limit: 2}\nprompt: {column: text}\n"
+                   "base: &b {seed: 3}\nsampling: {<<: *b, temperature: 0.5}\nlimits: {}\n")
+    with pytest.raises(JobError, match="'base'"):  # an unknown top-level key, not a repeat
+        load_spec(job)
+
+
 def test_a_job_file_larger_than_its_cap_is_refused_before_parsing(tmp_path):
     job = tmp_path / "huge.yaml"
     job.write_text("model: {path: m}\nnote: '" + "x" * (5 << 20) + "'\n")
