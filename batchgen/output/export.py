@@ -18,6 +18,7 @@ input column, a logprob of -inf) is written as null. `parquet` keeps them as the
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -176,6 +177,22 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
+def _refuse_destination(option: str, dest: Path, out_dir: Path, spec) -> None:
+    """JobError when an export would write over what it reads: a file inside the output (its own shards,
+    manifests) or the job's source (a file it names, or a file inside a folder it names)."""
+    dest = dest.expanduser().resolve()
+    if dest.is_relative_to(out_dir.resolve()):
+        raise JobError(f"{option} {dest} lies inside the output {out_dir}, whose files export reads: write it "
+                       f"elsewhere")
+    paths = spec.source.path if isinstance(spec.source.path, list) else [spec.source.path]
+    for pattern in paths:
+        matches = [Path(m).resolve() for m in glob.glob(str(Path(pattern).expanduser()), recursive=True)]
+        for source in matches:
+            if dest == source or (source.is_dir() and dest.is_relative_to(source)):
+                raise JobError(f"{option} {dest} would write over or into the job's source ({pattern}): write it "
+                               f"elsewhere")
+
+
 def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_source=None) -> ExportResult:
     """`open_source` (sources.open_source, given by the caller: output/ sits below sources/) reads the job's source
     again for the rows' source order; None: commit order."""
@@ -188,6 +205,9 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_s
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
     refuse_pending_fresh(out_dir)
     spec = _spec(out_dir)
+    for option, dest in (("--to", to), ("--errors", errors)):
+        if dest is not None:
+            _refuse_destination(option, dest, out_dir, spec)
     result = ExportResult()
     ledger = mf.checked_ledger(out_dir)  # every record checked, no key in two records: each row exported once
     table, key_name, times = _sorted_data(ledger, spec, result, open_source)

@@ -92,6 +92,17 @@ def test_export_refuses_what_it_cannot_do_with_a_clear_message(tmp_path, tiny_mo
     result = runner.invoke(app, ["export", str(out), "--format", "jsonl", "--to", str(tmp_path / "x"),
                                  "--errors", str(tmp_path / "e")])
     assert result.exit_code == 2 and "--errors is for --format openai" in result.output
+    # never over what it reads: the output's own files, the job's source
+    shard = sorted((out / "data").glob("*.parquet"))[0]
+    before = shard.read_bytes(), (tmp_path / "rows.jsonl").read_bytes()
+    for to, says in ((shard, "lies inside the output"), (out / "all.jsonl", "lies inside the output"),
+                     (tmp_path / "rows.jsonl", "would write over or into the job's source")):
+        result = runner.invoke(app, ["export", str(out), "--format", "jsonl", "--to", str(to)])
+        assert result.exit_code == 2 and says in result.output, result.output
+    result = runner.invoke(app, ["export", str(out), "--format", "openai", "--to", str(tmp_path / "ok.jsonl"),
+                                 "--errors", str(shard)])
+    assert result.exit_code == 2 and "--errors" in result.output and "lies inside the output" in result.output
+    assert (shard.read_bytes(), (tmp_path / "rows.jsonl").read_bytes()) == before
 
 
 def test_rows_whose_keys_left_the_source_come_last_once_each_with_a_notice(tmp_path, tiny_model_dir):
