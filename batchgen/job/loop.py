@@ -23,7 +23,7 @@ from batchgen.output import manifest as mf
 from batchgen.output import generation_columns as gen
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
-from batchgen.output.schema import OutputSchema, fits
+from batchgen.output.schema import OutputSchema, fits, key_type_error
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
@@ -289,8 +289,7 @@ class JobLoop:
             return unique_key(row.key, row.position, key_column, first_seen)
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred
-            raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
-                           f"rows hold {self.schema.key_field.type} keys; keys must all be strings or all integers")
+            raise JobError(key_type_error(key_column, key, row.position, self.schema.key_field.type))
         return key
 
     def _loop(self, stop) -> int:

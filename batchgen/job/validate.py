@@ -173,7 +173,7 @@ def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[st
     does not fit the key column's type, is an error, as in run (job/loop.py _key). Returns the report's line and
     the rows scanned (None without a key column: nothing scanned)."""
     from batchgen.job.loop import unique_key
-    from batchgen.output.schema import fits
+    from batchgen.output.schema import fits, key_type_error
 
     key_column = spec.source.key_column
     if key_column is None:
@@ -186,6 +186,5 @@ def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[st
             continue  # unparseable: run keys it by its position and rejects it
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not source.typed and not fits(key, schema.key_field.type):
-            raise JobError(f"source.key_column {key_column!r} holds {key!r} at row {row.position}, but its first "
-                           f"rows hold {schema.key_field.type} keys; keys must all be strings or all integers")
+            raise JobError(key_type_error(key_column, key, row.position, schema.key_field.type))
     return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null", num_rows

@@ -59,6 +59,15 @@ class OutputSchema:
         return kept
 
 
+def key_type_error(key_column: str, key: Any, position: int, key_type: pa.DataType) -> str:
+    """Why a JSONL row's key does not fit the key column's type inferred from the first rows (fits is False)."""
+    if isinstance(key, int) and not isinstance(key, bool) and not _in_range(key, pa.int64()):
+        return (f"source.key_column {key_column!r} holds {key} at row {position}, an integer outside the 64-bit "
+                f"range keys are stored in; write such keys as strings (every key of the column)")
+    return (f"source.key_column {key_column!r} holds {key!r} at row {position}, but its first rows hold {key_type} "
+            f"keys; keys must all be strings or all integers")
+
+
 def fits(value: Any, t: pa.DataType) -> bool:
     """Whether a JSON value (None, bool, int, float, str, list, dict) fits arrow type `t` as it is: no
     truncation (2.5 into int64), no bool-as-number, no dropped keys. Null fits every type."""

@@ -109,7 +109,7 @@ class JsonlSource(Source):
         self.description = f"{len(files)} JSONL file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
         self.num_rows = None  # counting lines would need a full read
         check_format(files, "jsonl", type_given=spec.type is not None)
-        sample = [obj for obj, _ in (_parse(line) for line in islice(self._nonblank(), SCHEMA_SAMPLE_ROWS))
+        sample = [obj for obj, _ in (_parse(line) for _, _, line in islice(self._nonblank(), SCHEMA_SAMPLE_ROWS))
                   if obj is not None]
         if not sample:
             raise JobError(f"{self.description} holds no JSON objects (empty source?)")
@@ -119,15 +119,18 @@ class JsonlSource(Source):
         self.schema = pa.schema([pa.field(n, column_type([obj.get(n) for obj in sample])) for n in names])
         self.check_key_column()
 
-    def _nonblank(self) -> Iterator[str | UnicodeDecodeError]:
+    def _nonblank(self) -> Iterator[tuple[str, int, str | UnicodeDecodeError]]:
+        """(file, line number, line) of every line that is not blank."""
         for path in self.files:
-            for line in _lines(path):
+            for number, line in enumerate(_lines(path), 1):
                 if isinstance(line, UnicodeDecodeError) or line.strip():
-                    yield line
+                    yield path, number, line
 
     def _iter_all(self) -> Iterator[SourceRow]:
-        for position, line in enumerate(self._nonblank()):
+        for position, (path, number, line) in enumerate(self._nonblank()):
             obj, error = _parse(line)
+            if error is not None and not isinstance(line, UnicodeDecodeError):  # that one names its line already
+                error = f"line {number} of {path}: {error}"
             yield SourceRow(position, obj, error)
 
     def progress_rows(self) -> int | None:

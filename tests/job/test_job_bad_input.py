@@ -118,6 +118,7 @@ def test_bad_rows_go_to_rejects_and_the_job_goes_on(job, tmp_path):
     rejects = {r["row_position"]: r for r in read_rows(tmp_path / "out", "rejects")}
     assert rejects[1]["error_class"] == "empty_prompt"
     assert rejects[2]["error_class"] == "malformed_row" and "malformed JSON" in rejects[2]["message"]
+    assert f"line 3 of {tmp_path / 'rows.jsonl'}: malformed JSON" in rejects[2]["message"]  # the file's line
     assert rejects[2]["id"] == "<unparsed row 2>"
     assert {r["error_class"] for p, r in rejects.items() if p not in (1, 2)} <= {"prompt_too_long"}
     done = {r["id"] for r in read_rows(tmp_path / "out")} | {r["id"] for r in rejects.values()}

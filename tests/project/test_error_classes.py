@@ -33,6 +33,11 @@ def _mixed_keys(tmp_path, model_dir):
     return {}
 
 
+def _huge_int_keys(tmp_path, model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", [{**r, "id": [2**64 + 1, 5, -3, 2**64 + 2][i]} for i, r in enumerate(seed_rows(4))])
+    return {}
+
+
 def _parquet_types(tmp_path, model_dir):
     data = tmp_path / "data"
     data.mkdir()
@@ -60,6 +65,7 @@ BAD_JOBS = {  # name: (sections to change, or a function of (tmp_path, model dir
     "max_new_tokens_over_context": ({"sampling": {"max_new_tokens": 300}}, "leaves no room for a prompt"),
     "n_1e6": ({"sampling": {"n": 1_000_000}}, "limits.max_samples_per_row"),
     "mixed_key_types": (_mixed_keys, "keys must all be strings or all integers"),
+    "huge_int_keys": (_huge_int_keys, "an integer outside the 64-bit range keys are stored in"),
     "garbage_safetensors": (_garbage_weights, "model.safetensors is damaged or not a safetensors file"),
     "parquet_column_types": (_parquet_types, "column 'level' is int64"),
 }
