@@ -34,7 +34,8 @@ def _mixed_keys(tmp_path, model_dir):
 
 
 def _huge_int_keys(tmp_path, model_dir):
-    write_jsonl(tmp_path / "rows.jsonl", [{**r, "id": [2**64 + 1, 5, -3, 2**64 + 2][i]} for i, r in enumerate(seed_rows(4))])
+    keys = [2**64 + 1, 5, -3, 2**64 + 2]  # integers all, two beyond int64
+    write_jsonl(tmp_path / "rows.jsonl", [{**r, "id": keys[i]} for i, r in enumerate(seed_rows(4))])
     return {}
 
 
