@@ -50,10 +50,8 @@ class RowSampling:
         if self.format_column is None:
             return params
         value = columns.get(self.format_column)
-        if value is None or value == "" or value == {}:
-            return params
-        rf = self._response_format(value)
-        if rf is None:  # the text of an empty object ("{}"): empty, as {} is
+        rf = None if value is None or value == "" else self._response_format(value)
+        if rf is None:  # null, empty, or an empty object ({} or its text "{}"): the job's format
             return params
         try:
             return SamplingParams.model_validate({**params.model_dump(exclude={"response_format_column"}),

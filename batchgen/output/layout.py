@@ -22,6 +22,9 @@ from pathlib import Path
 
 import yaml
 
+from batchgen.output.ledger import MANIFEST_NAME, TMP_NAME
+from batchgen.output.manifest_line import SHARD_NAME
+
 MARKER_FILE = ".batchgen"
 FORMAT_VERSION = 1
 RESOLVED_JOB_FILE = "job.resolved.yaml"
@@ -40,12 +43,10 @@ TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json"
 LOCK_FILES = (".lock-dir",)  # lock.DIRECTORY_LOCK_FILE; worker locks: _LOCK
 REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
 CARD_FILE = "README.md"
-# the worker-tagged files batchgen writes in each of its folders, each with its temporary name: exactly these (a
-# user's `part-w00000-000003.parquet.orig` or `w00000-notes.txt` beside them is not batchgen's)
+# the worker-tagged files batchgen writes in its folders beside the shards and manifests (whose names the ledger
+# knows), each with its temporary name; exactly these: a user's `w00000-notes.txt` beside them is not batchgen's
 _TAGGED = {
-    "data": re.compile(r"part-w\d{5}-\d{6}\.parquet|\.part-w\d{5}-\d{6}\.parquet\.tmp"),
-    "rejects": re.compile(r"part-w\d{5}-\d{6}\.parquet|\.part-w\d{5}-\d{6}\.parquet\.tmp"),
-    "manifest": re.compile(r"w\d{5}\.jsonl|\.w\d{5}\.jsonl\.repair\.tmp"),  # output/repair.py rewrites one
+    "manifest": re.compile(r"\.w\d{5}\.jsonl\.repair\.tmp"),  # output/repair.py rewrites a manifest
     "logs": re.compile(r"throughput-w\d{5}\.jsonl"),
     "reports": re.compile(r"w\d{5}\.json|\.w\d{5}\.json\.tmp\d*"),
 }
@@ -102,7 +103,7 @@ def is_output(out_dir: Path) -> bool:
     if (out_dir / MARKER_FILE).is_file():
         return True
     mdir = out_dir / "manifest"
-    if mdir.is_dir() and any(_TAGGED["manifest"].fullmatch(n) for n in os.listdir(mdir)):
+    if mdir.is_dir() and any(MANIFEST_NAME.fullmatch(n) for n in os.listdir(mdir)):
         return True
     return (out_dir / LEGACY_JOB_FILE).is_file() and is_legacy_job_file(out_dir / LEGACY_JOB_FILE, out_dir)
 
@@ -138,8 +139,16 @@ def is_batchgen_entry(out_dir: Path, rel: str, owned: bool = True) -> bool:
     if len(parts) != 2 or parts[0] not in OWNED_DIRS or not path.is_file() or path.is_symlink():
         return False
     name = parts[1]
-    return bool(_TAGGED[parts[0]].fullmatch(name)) or (parts[0] == "reports" and (name in REPORT_FILES or
-                                                                                  _is_temp_of(name, REPORT_FILES)))
+    return _is_tagged(parts[0], name) or (parts[0] == "reports" and (name in REPORT_FILES or
+                                                                     _is_temp_of(name, REPORT_FILES)))
+
+
+def _is_tagged(folder: str, name: str) -> bool:
+    """Whether `folder`/`name` is a worker-tagged file batchgen writes there: a shard (a `part-*.parquet.orig`
+    beside it is not), a manifest, a throughput log, a worker report, or one's temporary."""
+    if folder in SHARD_DIRS:
+        return bool(SHARD_NAME.fullmatch(f"{folder}/{name}") or TMP_NAME.fullmatch(name))
+    return bool((folder == "manifest" and MANIFEST_NAME.fullmatch(name)) or _TAGGED[folder].fullmatch(name))
 
 
 def foreign_entries(out_dir: Path) -> list[str]:
