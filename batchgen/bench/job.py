@@ -291,6 +291,13 @@ def _print_runs(runs: list[dict]) -> None:
                   f"before decode {r['share_idle_before_decode']}, before mixed {r['share_idle_before_mixed']} "
                   f"(longest {r['gpu_idle_max_ms']} ms, {r['num_gpu_idle_over_1ms']} over 1 ms); loop s "
                   f"{r['loop_breakdown_s']}")
+        gaps = r.get("idle_gaps")
+        if gaps and gaps["num_spans"]:
+            print(f"  host ms between dispatches, by phase: every step {gaps['host_ms_per_span']}; before the "
+                  f"{gaps['num_gaps_over_1ms']} gaps over 1 ms ({gaps['idle_s_in_gaps']} s idle) "
+                  f"{gaps['host_ms_per_gap_span']}")
+            for g in gaps["longest_gaps"][:4]:
+                print(f"    gap {g['idle_ms']} ms before {g['kind']} step {g['step']}: host ms {g['host_ms']}")
 
 
 def _print_ab(rows: list[dict], what: str) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,17 @@ MIN_RESULTS_PER_STEP = 16
 # Decode steps of up to this many sequences replay CUDA graphs (engine/sizing.graph_buckets): auto's largest
 # batch; each bucket costs a capture at start-up, and all share one memory pool (counted in sizing.row_costs).
 MAX_GRAPH_BATCH = sizing.MAX_AUTO_SEQS
+
+
+class StepMarks(NamedTuple):
+    """Host clock (time.perf_counter) marks of one async `Engine.step` call, for job/idle_trace.py."""
+
+    entered: float
+    scheduled: float  # the scheduler chose this step's batch
+    dispatched: float  # its work is queued on the device (inputs built, forward and draw launched)
+    collected: float  # the previous step's tokens are on the host and applied (includes waiting for them)
+    returned: float  # finished requests made results (detokenized)
+    step_index: int | None  # the dispatched step's index (runner/step_timing.py), None when none was
 
 
 def _setting(value: int) -> int | None:
@@ -94,6 +106,7 @@ class Engine:
         self.num_generated_tokens = 0
         self.schedule_s = 0.0  # CPU time in the scheduler (admission, eviction, block tables, updates)
         self._in_flight = None  # async pipeline: (batch, InFlight) dispatched and not yet applied
+        self.host_marks: StepMarks | None = None  # the latest async step's host clock marks
         # structured output: compiled response formats (built by the first request with one), and
         # the host's time advancing matchers' masks into bitmasks
         self._grammars: GrammarCache | None = None
@@ -295,6 +308,11 @@ class Engine:
                 # device time of the steps (CUDA), and by kind of step with the device's idle time before them
                 "gpu_busy_s": round(self.runner.timing.gpu_busy_s, 3), **self.runner.timing.stats()}
 
+    def take_idle_gaps(self) -> list[tuple[int, str, float]]:
+        """The device's idle gaps over 1 ms before steps collected since the last call (CUDA): (step index, kind,
+        seconds)."""
+        return self.runner.timing.take_gaps()
+
     def step(self) -> list[PromptResult]:
         """Run one forward step; return the prompts whose samples are now all finished."""
         self._check_open()
@@ -302,7 +320,8 @@ class Engine:
             self._choose_batch_size()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.schedule_s += time.perf_counter() - t0
+        t_scheduled = time.perf_counter()
+        self.schedule_s += t_scheduled - t0
         if (not batch and self._pending and self._in_flight is None and not self._finished
                 and not self.scheduler.has_work and not self.scheduler.has_finished):
             # nothing runs, waits, is in flight or is finished and unreported, yet prompts are unfinished: a bug
@@ -317,13 +336,18 @@ class Engine:
         # Async: queue this step, then wait for the previous one, whose tokens this step's placeholders take
         # on the device. The host prepares step N+1 while the device runs step N.
         step = self.runner.dispatch(batch) if batch else None
+        t_dispatched = time.perf_counter()
         if self._in_flight is not None:
             prev_batch, prev_step = self._in_flight
             self._apply(prev_batch, self.runner.collect(prev_step))
+        t_collected = time.perf_counter()
         if batch and batch.num_constrained:  # the masks need the tokens just applied (sample/grammar.py)
             step = self.runner.sample_deferred(step, self._bitmask(batch))
         self._in_flight = (batch, step) if batch else None
-        return self._collect(self.scheduler.take_finished())
+        results = self._collect(self.scheduler.take_finished())
+        self.host_marks = StepMarks(t0, t_scheduled, t_dispatched, t_collected, time.perf_counter(),
+                                    self.runner.timing.num_dispatched if batch else None)
+        return results
 
     def _choose_batch_size(self) -> None:
         """The run's batch within `capacity`, from the queued sequences' lengths (up to 4,096 requests' worth);

@@ -16,6 +16,7 @@ from batchgen import __version__
 from batchgen.errors import JobError
 from batchgen.job.rows import completion_rows, prepare_row
 from batchgen.job.feed import WAIT, StaticFeed
+from batchgen.job.idle_trace import IdleTrace, PassMarks
 from batchgen.job.result import RunResult
 from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
@@ -132,6 +133,7 @@ class JobLoop:
                                   self.schema.key_field, spec.output.rows_per_shard, spec.output.commit_interval_s)
         expected = None if dealt else self.source.progress_rows() if show_progress else self.source.expected_rows
         mine = None if expected is None else worker.num_owned(expected)
+        self.idle_trace = IdleTrace()  # what the host did while the device waited (CUDA, async engine)
         self.meter = ThroughputMeter(out_dir / "logs" / f"throughput-{self.writer.manifest.tag}.jsonl", mine,
                                      show_progress=show_progress)
         self.setup_s = time.monotonic() - setup_started  # checks, tokenizer; _engine() adds the model and engine
@@ -349,10 +351,15 @@ class JobLoop:
             t0 = time.perf_counter()
             for result in engine.step():
                 self._finish(result, pending.pop(result.request_id))
-            totals.step_s += time.perf_counter() - t0
+            t_finished = time.perf_counter()
+            totals.step_s += t_finished - t0
             while writer.should_commit():
                 self._commit()
+            t_committed = time.perf_counter()
             self.meter.maybe_log(self._stats)
+            self.idle_trace.add_pass(PassMarks(t_admit, t0, engine.host_marks, t_finished, t_committed,
+                                               time.perf_counter()))
+            self.idle_trace.add_gaps(engine.take_idle_gaps())
 
     def _wants_rows(self, num_admitted: int, lookahead: int, refill: int) -> bool:
         """Whether this loop pass renders another row: always while the engine holds fewer prompts than one step
@@ -446,5 +453,5 @@ class JobLoop:
             "triton_builds": {"setup": self.engine_builds, "loop": t.builds, "not_listed": t.builds_dropped},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
-            "engine": self._stats(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
+            "engine": self._stats(), "idle_gaps": self.idle_trace.summary(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
         }

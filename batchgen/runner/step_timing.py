@@ -9,7 +9,9 @@ it; per kind this sums
   - idle: the device time between the previous collected step's last event and this step's first, i.e. the
     device waiting for the host to queue this step (a late step is charged, not the one before it).
 Steps are collected in dispatch order (the engine keeps at most one in flight), so the previous step's last
-event is complete whenever this one's is. On CPU only the counts are kept (no events).
+event is complete whenever this one's is. Gaps over 1 ms are also kept one by one with their step's dispatch
+index (`take_gaps`), for the job loop to say what the host was doing meanwhile (job/idle_trace.py). On CPU only
+the counts are kept (no events).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 STEP_KINDS = ("decode", "mixed")
+MAX_GAPS_KEPT = 4096  # gaps over 1 ms held for `take_gaps` (a caller that never takes them holds no more)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class BusyWindow:
     """A dispatched step's two timing events on the compute stream, and its kind."""
 
     kind: str
+    index: int  # the step's dispatch index: 1 for the run's first step
     start: torch.cuda.Event
     end: torch.cuda.Event
 
@@ -39,6 +43,8 @@ class StepTiming:
     # whether idle time comes from a few long host stalls or from many short gaps
     max_idle_s: float = 0.0  # the longest single gap
     num_idle_over_1ms: int = 0  # gaps longer than 1 ms
+    # (dispatch index, kind, idle s) of the gaps over 1 ms not yet taken; bounded by MAX_GAPS_KEPT
+    _gaps: list[tuple[int, str, float]] = field(default_factory=list)
     _last_end: torch.cuda.Event | None = None  # the last collected step's end event
 
     def dispatched(self, num_prefill_tokens: int, cuda: bool) -> BusyWindow | None:
@@ -49,7 +55,8 @@ class StepTiming:
         self.num_prefill_tokens += num_prefill_tokens
         if not cuda:
             return None
-        window = BusyWindow(kind, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        window = BusyWindow(kind, self.num_dispatched, torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
         window.start.record()
         return window
 
@@ -62,8 +69,21 @@ class StepTiming:
             idle_s = max(0.0, self._last_end.elapsed_time(window.start)) / 1e3
             self.idle_s[window.kind] += idle_s
             self.max_idle_s = max(self.max_idle_s, idle_s)
-            self.num_idle_over_1ms += idle_s > 1e-3
+            if idle_s > 1e-3:
+                self.num_idle_over_1ms += 1
+                if len(self._gaps) < MAX_GAPS_KEPT:
+                    self._gaps.append((window.index, window.kind, idle_s))
         self._last_end = window.end
+
+    def take_gaps(self) -> list[tuple[int, str, float]]:
+        """The gaps over 1 ms collected since the last call: (dispatch index of the step after the gap, its kind,
+        idle seconds)."""
+        gaps, self._gaps = self._gaps, []
+        return gaps
+
+    @property
+    def num_dispatched(self) -> int:
+        return sum(self.num_steps.values())
 
     @property
     def gpu_busy_s(self) -> float:
