@@ -58,6 +58,8 @@
 #   bash bench/gpu_proofs.sh autojob    # the job at default settings (auto) against 256 and 512 sequences, 4,000 rows,
 #                                       # in the order auto 256 512 auto (~9.5 min)
 #   bash bench/gpu_proofs.sh autoone    # both in one command: the job at auto, 256, 512 (3,000 rows), W1, the graph tests
+#   bash bench/gpu_proofs.sh idle       # the job at 512 and auto sequences (1,500 rows), each run's host ms between
+#                                       # dispatches by phase, over every step and before the device's gaps (~5 min)
 #   bash bench/gpu_proofs.sh bigbatch   # a 1,024-sequence decode step: llama-8b decode attention swept over scattered
 #                                       # and contiguous K/V blocks (1,024 x 32-320 and x 192), then the graphed step's
 #                                       # kernels and each GEMM against the matmul rate at 1,024 and 512 rows (~5 min)
@@ -106,6 +108,8 @@ for section in "${sections[@]}"; do
                 step "profile_$rows" 120 python3 bench/profile_decode.py --batch "$rows" --context 192 --no-sweep \
                   --json "$LOGS/profile_$rows.json"
               done ;;
+    idle) step job_idle 300 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
+            --profile-steps 0 --seqs 512,auto --penalties 1.0 --rows 1500 --json "$LOGS/job_idle.json" ;;
     bigbatchab) step job_auto_ab 330 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
                   --profile-steps 0 --seqs auto --penalties 1.0 --rows 2000 --compare .prev --json "$LOGS/job_auto_ab.json"
                 step job_512_ab 250 "${BG[@]}" --workload job --tokenizer "$TOK" --work-dir /tmp/gpu_proofs_work \
