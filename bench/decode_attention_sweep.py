@@ -240,7 +240,7 @@ def sweep_shape(geometry: str, num_seqs: int, context: int | str, candidates: li
     base = {"geometry": geometry, "head_dim": head_dim, "num_kv_heads": num_kv_heads,
             "group": num_heads // num_kv_heads, "num_seqs": num_seqs, "context": context, "kv_dtype": kv_dtype,
             "blocks": blocks, "floor_us": round(floor_us, 1)}
-    default = heuristic_launch(num_seqs, num_kv_heads, head_dim)
+    default = heuristic_launch(num_seqs, num_kv_heads, head_dim, kv_element_bytes=element_bytes)
     # a shape's first timing runs 5-12 % slow (the H100, 2026-12-05: the heuristic's launch timed first, then again
     # as a candidate), which flattered every candidate against the heuristic: that timing is discarded
     timed(default)
@@ -422,7 +422,9 @@ def main() -> None:
             if pool:
                 t0 = time.time()
                 failed = compile_in_pool(pool, workers, geometry, num_seqs, context,
-                                         [heuristic_launch(num_seqs, num_kv_heads, head_dim), *candidates],
+                                         [heuristic_launch(num_seqs, num_kv_heads, head_dim,
+                                                           kv_element_bytes=1 if args.kv_dtype == "fp8" else 2),
+                                          *candidates],
                                          kv_dtype=args.kv_dtype)
                 print(f"{geometry} {num_seqs} seqs x {context}: {len(candidates) + 1} launches compiled by {workers} "
                       f"workers in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)

@@ -152,6 +152,59 @@ def rope_fusion_bench(k, v, table, lens, heads: int) -> list[dict]:
     return rows
 
 
+def attention_in_engine(engine, heads: int) -> list[dict]:
+    """Why decode attention runs slower in the step than alone: the fused attention (rope, K/V write, attention;
+    the engine's default launch) timed on the engine's own cache and block tables (its running sequences), on
+    layer 0 alone, cycling over every layer, on a compact copy of the same blocks (each sequence's blocks in a
+    row of a fresh cache sized to them), and right after a gate_up GEMM of the batch's rows."""
+    from batchgen.kernels.attention.paged_decode import paged_decode_rope_attention
+
+    cache, bs = engine.kv_cache, engine.kv_cache.block_size
+    seqs = list(engine.scheduler.running)
+    width = max(len(r.block_table) for r in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, r in enumerate(seqs):
+        table[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+    lens = torch.tensor([min(r.num_computed_tokens + 1, len(r.block_table) * bs) for r in seqs], dtype=torch.int32)
+    table, lens = table.cuda(), lens.cuda()
+    num_layers, hkv, d = cache.k_cache.shape[0], cache.k_cache.shape[3], cache.k_cache.shape[4]
+    qkv = torch.randn(len(seqs), (heads + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    cos = torch.rand(len(seqs), d, device="cuda", dtype=torch.bfloat16)
+    sin = torch.rand(len(seqs), d, device="cuda", dtype=torch.bfloat16)
+
+    slots = {}  # table's data pointer -> [B] each sequence's next slot (computed outside the timed graphs)
+
+    def call(k, v, tab):
+        if tab.data_ptr() not in slots:
+            slots[tab.data_ptr()] = tab[torch.arange(len(seqs), device="cuda"), (lens - 1) // bs].long() * bs + \
+                (lens - 1) % bs
+        return paged_decode_rope_attention(qkv, cos, sin, slots[tab.data_ptr()], k, v, tab, lens, d ** -0.5, heads)
+
+    call(*cache.layer(0), table)  # its slots, outside the timed graphs
+    rows = [{"in_engine": "layer 0", "us": round(graph_ms(lambda: call(*cache.layer(0), table)) * 1e3, 1)}]
+    every = graph_ms(lambda: [call(*cache.layer(i), table) for i in range(num_layers)], reps=2) / num_layers
+    rows.append({"in_engine": "every layer in turn", "us": round(every * 1e3, 1)})
+    used = [b for r in seqs for b in r.block_table]
+    k0, v0 = cache.layer(0)
+    index = torch.tensor(used, device="cuda")
+    compact_k, compact_v = k0[index].contiguous(), v0[index].contiguous()
+    compact = torch.zeros_like(table)
+    at = 0
+    for i, r in enumerate(seqs):
+        compact[i, :len(r.block_table)] = torch.arange(at, at + len(r.block_table), dtype=torch.int32)
+        at += len(r.block_table)
+    call(compact_k, compact_v, compact)
+    rows.append({"in_engine": "compact copy", "us": round(graph_ms(lambda: call(compact_k, compact_v, compact)) * 1e3,
+                                                        1)})
+    x = torch.randn(len(seqs), 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = graph_ms(lambda: x @ w.T)
+    pair_ms = graph_ms(lambda: (x @ w.T, call(*cache.layer(0), table)))
+    rows.append({"in_engine": "after a gate_up GEMM (pair minus GEMM)", "us": round((pair_ms - gemm_ms) * 1e3, 1),
+                 "gemm_us": round(gemm_ms * 1e3, 1)})
+    return rows
+
+
 def isolated_benches(args, report: dict, matmul_flop_s: float) -> None:
     """The Llama-8B GEMM shapes and the decode attention sweep, each printed as it finishes (a later failure
     loses nothing measured)."""
@@ -182,6 +235,8 @@ def main() -> None:
                     help="engine.fp8_gemm: the FP8 block-scaled GEMM path")
     ap.add_argument("--deterministic", action="store_true",
                     help="profile engine.deterministic's step (batch-invariant kernels); implies --engine-only")
+    ap.add_argument("--attention-in-engine", action="store_true",
+                    help="time the decode attention on the engine's own cache and tables (attention_in_engine)")
     args = ap.parse_args()
     ceilings = measure_ceilings()
     report: dict = {"copy_TBps": ceilings.copy_bytes_s / 1e12, "batch": args.batch, "context": args.context,
@@ -203,6 +258,10 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()
+    if args.attention_in_engine:
+        report["attention_in_engine"] = attention_in_engine(engine, model.config.num_attention_heads)
+        for row in report["attention_in_engine"]:
+            print(row, flush=True)
     graphs = engine.runner.graphs
     bucket = graphs.bucket_for(args.batch)
     replay = graphs._graphs[bucket].replay

@@ -333,3 +333,15 @@ def test_the_many_sequence_gpu_cases_run_both_heuristic_launches():
     assert 160 * 8 < LARGE_BATCH_PROGRAMS <= 640 * 8
     assert default_launch(160, 8, 128, group=4) == DecodeLaunch(1, 128, 4)
     assert default_launch(640, 8, 128, group=4) == DecodeLaunch(1, 64, 4, 2, heads_first=True)
+
+
+def test_an_fp8_cache_takes_two_warps_at_the_large_batch_tile_and_a_bf16_cache_keeps_four():
+    """The K/V element size picks the large-batch launch's warps (decode_launch.LARGE_BATCH_FP8_WARPS, measured
+    over fp8 caches); below LARGE_BATCH_PROGRAMS, and with several splits, the launch does not depend on it."""
+    from batchgen.kernels.attention.decode_launch import LARGE_BATCH_FP8_WARPS, heuristic_launch
+
+    assert default_launch(640, 8, 128, group=4, kv_element_bytes=1) == \
+        DecodeLaunch(1, 64, LARGE_BATCH_FP8_WARPS, 2, heads_first=True)
+    assert default_launch(640, 8, 128, group=4, kv_element_bytes=2) == DecodeLaunch(1, 64, 4, 2, heads_first=True)
+    for seqs, splits in ((160, None), (32, None), (640, 4)):
+        assert heuristic_launch(seqs, 8, 128, splits, kv_element_bytes=1) == heuristic_launch(seqs, 8, 128, splits)

@@ -25,7 +25,8 @@ from batchgen.kernels.attention.rope_kv import rope_kv, rope_kv_ref
 fp8 = dict(kv_dtype=KV_FP8)
 # decode with the rotary and the K/V write fused (attending to what it wrote, fp32-exact): one split, several
 # (the merge), CUDA-core rows, GQA and MHA
-for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2), DecodeLaunch(2, 16, 2, mma=False)):
+for launch in (DecodeLaunch(1, 16, 2), DecodeLaunch(2, 16, 2), DecodeLaunch(2, 16, 2, mma=False),
+               DecodeLaunch(1, 16, 2, 2, heads_first=True)):  # the last: the large-batch launch's grid and warps
     _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70, 16], launch=launch, **fp8)
 _check_rope_attention("cpu", torch.float32, 1e-5, [1, 37, 0, 70], num_heads=4, num_kv_heads=4, head_dim=24,
                       launch=DecodeLaunch(2, 16, 2, mma=False), **fp8)  # MHA
@@ -180,18 +181,21 @@ def test_the_fingerprint_records_an_fp8_cache_only_when_chosen(tmp_path, tiny_mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq_lens", [[769] * 32, [7, 200, 1, 0, 33, 161, 16, 1030] * 20])
+@pytest.mark.parametrize("seq_lens", [[769] * 32, [7, 200, 1, 0, 33, 161, 16, 1030] * 20,
+                                      [7, 200, 1, 0, 33, 161, 16, 1030] * 80])
 def test_fp8_cache_decode_and_prefill_on_gpu(seq_lens, monkeypatch):
     """bf16 queries over an fp8 cache on the H100 / H200: the decode kernel (rotary and write fused; GQA at
     Llama-8B's heads, and MHA) attends to exactly what it wrote; its writes are torch's fp8 rounding; the
-    prefill kernel matches the reference over the same cache."""
+    prefill kernel matches the reference over the same cache. 640 sequences (Llama-8B's heads only): the
+    large-batch launch (2 warps over an fp8 cache, decode_launch.LARGE_BATCH_FP8_WARPS)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "kernels"))  # tests/kernels/test_kernels.py
     from test_kernels import _check_prefill, _check_rope_attention
 
     _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128,
                           kv_dtype=KV_FP8)
-    _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=32, head_dim=96,
-                          kv_dtype=KV_FP8)
+    if len(seq_lens) <= 160:  # MHA at 640 sequences: the float64 reference would take ~15 GiB more
+        _check_rope_attention("cuda", torch.bfloat16, 2e-2, seq_lens, num_heads=32, num_kv_heads=32, head_dim=96,
+                              kv_dtype=KV_FP8)
     _check_prefill("cuda", torch.bfloat16, 2e-2, q_lens=[1, 200, 37, 513], seq_lens=[900, 200, 50, 1030],
                    num_heads=32, num_kv_heads=8, head_dim=128, kv_dtype=KV_FP8)
 

@@ -81,9 +81,14 @@ MEASURED_HEAD_DIM = 128
 # 2,112 us), and the job at 1,024 sequences ran its decode steps 1.3 % faster. Below it (256 sequences) the two
 # tiles tie on long ragged batches and the H200's measurements chose 128 / 4.
 LARGE_BATCH_PROGRAMS = 4096
+# An fp8 K/V cache (one byte a value) takes 2 warps at that tile: on the H100 (2026-12-05, bench/results/2026-12-05-
+# idle-trace-fp8-large-batch-h100.md) 205.4 us against 256.6 for 4 warps over 1,024 ragged 32-320-token sequences,
+# and 108.5 against 142.6 at 512 (the fastest of the 43 launches swept there, or within 1 % of it).
+LARGE_BATCH_FP8_WARPS = 2
 
 
-def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None) -> DecodeLaunch:
+def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None,
+                     kv_element_bytes: int = 2) -> DecodeLaunch:
     """The launch bench/profile_decode.py and bench/decode_attention_sweep.py measured best (on the H200; the
     large-batch rule on the H100), on Llama's heads: the geometries without a table entry are Llama-like today
     (8 KV heads of 128, group 4; Qwen3-30B-A3B's 4 of 128, group 8).
@@ -94,13 +99,15 @@ def heuristic_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits
     396-404 for 128 / 4 / 3 stages, and on the mixed load they cost 13 % more decode attention kernel time
     (2026-12-02, bench/results/2026-12-02-mixed-regression-decode-launch.md: the few long sequences left at the end of
     a launch stream too slowly through 32-key tiles). From LARGE_BATCH_PROGRAMS programs, one split's tile is 64
-    keys / 4 warps / 2 stages, KV heads first (see there). Wider heads: the same launch with block_n scaled by
-    MEASURED_HEAD_DIM / padded head dim. `num_splits`: the caller's (None: default_num_splits)."""
+    keys / 4 warps / 2 stages, KV heads first (see there; 2 warps over an fp8 cache, `kv_element_bytes` 1). Wider
+    heads: the same launch with block_n scaled by MEASURED_HEAD_DIM / padded head dim. `num_splits`: the caller's
+    (None: default_num_splits)."""
     num_splits = num_splits or default_num_splits(num_seqs, num_kv_heads)
     padded = 1 << (head_dim - 1).bit_length()  # triton.next_power_of_2 (head_dim >= 1)
     narrow = max(1, padded // MEASURED_HEAD_DIM)  # 2 for 256-dim heads
     if num_splits == 1 and num_seqs * num_kv_heads >= LARGE_BATCH_PROGRAMS:
-        return DecodeLaunch(1, max(16, 64 // narrow), 4, 2, heads_first=True)
+        return DecodeLaunch(1, max(16, 64 // narrow), LARGE_BATCH_FP8_WARPS if kv_element_bytes == 1 else 4, 2,
+                            heads_first=True)
     if num_splits == 1:
         return DecodeLaunch(1, max(16, 128 // narrow), 4)
     return DecodeLaunch(num_splits, max(16, 64 // narrow), 2)
@@ -129,24 +136,26 @@ def nearest_entry(entries: tuple[TableEntry, ...], num_seqs: int, num_kv_heads: 
 
 
 def launch_from_table(entries: tuple[TableEntry, ...], num_seqs: int, num_kv_heads: int, head_dim: int,
-                      num_splits: int | None = None, group: int | None = None) -> DecodeLaunch:
+                      num_splits: int | None = None, group: int | None = None,
+                      kv_element_bytes: int = 2) -> DecodeLaunch:
     """default_launch with the table passed in (a pure function: tests give their own entries). The nearest
     entry's tile with its splits scaled to this batch (or the caller's `num_splits`); without an entry for the
-    geometry, or without a `group`, the heuristic."""
+    geometry, or without a `group`, the heuristic (for the cache's element size)."""
     entry = None if group is None else nearest_entry(entries, num_seqs, num_kv_heads, head_dim, group)
     if entry is None:
-        return heuristic_launch(num_seqs, num_kv_heads, head_dim, num_splits)
+        return heuristic_launch(num_seqs, num_kv_heads, head_dim, num_splits, kv_element_bytes)
     splits = num_splits or scaled_splits(entry.launch.num_splits, entry.num_seqs, num_seqs)
     return replace(entry.launch, num_splits=splits)
 
 
 @functools.lru_cache(maxsize=1024)  # called per layer in eager (prefill / mixed) steps: a pure function of ints
 def default_launch(num_seqs: int, num_kv_heads: int, head_dim: int, num_splits: int | None = None,
-                   group: int | None = None) -> DecodeLaunch:
+                   group: int | None = None, kv_element_bytes: int = 2) -> DecodeLaunch:
     """The launch for a batch of `num_seqs` decode rows: the shipped table's (see launch_from_table), else the
     heuristic. `group`: query heads per KV head (None: the heuristic alone, for callers that do not know it);
-    `num_splits`: the caller's (None: the table's scaled, or default_num_splits)."""
-    return launch_from_table(load_table(), num_seqs, num_kv_heads, head_dim, num_splits, group)
+    `num_splits`: the caller's (None: the table's scaled, or default_num_splits); `kv_element_bytes`: the K/V
+    cache's (1: fp8). The table's entries were measured over bf16 caches and apply to any."""
+    return launch_from_table(load_table(), num_seqs, num_kv_heads, head_dim, num_splits, group, kv_element_bytes)
 
 
 @functools.lru_cache(maxsize=8)  # read once a process; the entries are immutable

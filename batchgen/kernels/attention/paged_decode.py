@@ -177,7 +177,7 @@ def paged_decode_attention(
         raise ValueError("paged_decode_attention: a whole `launch`, or num_splits / block_n / num_warps / num_stages")
     num_kv_heads = k_cache.shape[2]
     launch = launch or default_launch(query.shape[0], num_kv_heads, k_cache.shape[3], num_splits,
-                                      group=query.shape[1] // num_kv_heads)
+                                      group=query.shape[1] // num_kv_heads, kv_element_bytes=k_cache.element_size())
     if block_n or num_warps or num_stages is not None:  # a caller's own tile (tests, benches)
         launch = replace(launch, block_n=block_n or launch.block_n, num_warps=num_warps or launch.num_warps,
                          num_stages=num_stages if num_stages is not None else launch.num_stages)
@@ -217,7 +217,7 @@ def paged_decode_rope_attention(
     if launch is not None and num_splits:
         raise ValueError("paged_decode_rope_attention: a whole `launch`, or num_splits")
     launch = launch or default_launch(qkv.shape[0], num_kv_heads, head_dim, num_splits,
-                                      group=num_heads // num_kv_heads)
+                                      group=num_heads // num_kv_heads, kv_element_bytes=k_cache.element_size())
     return _launch(qkv, num_heads, (cos, sin, slot_mapping), k_cache, v_cache, block_tables, seq_lens, scale,
                    launch, sliding_window, softcap, qk_norm, quant)
 
