@@ -61,7 +61,18 @@ def infer_type(spec: SourceSpec) -> str:
     return "hf"
 
 
+HF_ONLY_KEYS = ("split", "name", "streaming")  # SourceSpec keys that only a Hugging Face dataset reads
+
+
 def open_source(spec: SourceSpec) -> Source:
-    module, name, extension = SOURCE_TYPES[infer_type(spec)]
+    kind = infer_type(spec)
+    # away from their defaults for another kind of source, they would be ignored without a word (compared with the
+    # defaults, not model_fields_set: a spec rebuilt from a saved job file holds every key)
+    given = [k for k in HF_ONLY_KEYS if getattr(spec, k) != SourceSpec.model_fields[k].default]
+    if kind != "hf" and given:
+        keys = ", ".join(f"source.{k}" for k in given)
+        raise JobError(f"{keys} only applies to Hugging Face datasets, but source.path {spec.path!r} is read as "
+                       f"{kind}; remove {'it' if len(given) == 1 else 'them'}")
+    module, name, extension = SOURCE_TYPES[kind]
     cls = getattr(importlib.import_module(module), name)  # imported when used: hf's needs `datasets`
     return cls(expand_files(spec.path, extension), spec) if extension else cls(spec)

@@ -186,3 +186,24 @@ def test_a_data_file_folder_through_datasets_names_source_split(tmp_path):
             open_source(SourceSpec(path=str(tmp_path / "csvs"), type="hf", split="test", streaming=streaming))
         assert str(e.value).startswith("source.split 'test' is not a split of dataset")
         assert "train" in str(e.value)
+
+
+@pytest.mark.parametrize("given", [{"split": "test"}, {"name": "subset"}, {"streaming": False},
+                                   {"split": "validation", "name": "x"}])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_hf_only_source_keys_on_another_kind_of_source_are_refused_naming_them(tmp_path, given, kind):
+    """source.split / name / streaming set away from their defaults for a file source would be ignored: refused,
+    naming each key (their defaults, e.g. split: train, change nothing and pass)."""
+    rows = seed_rows(3)
+    if kind == "jsonl":
+        path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    else:
+        path = tmp_path / "rows.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(JobError) as e:
+        open_source(SourceSpec(path=str(path), **given))
+    for key in given:
+        assert f"source.{key}" in str(e.value)
+    assert f"read as {kind}" in str(e.value)
+    open_source(SourceSpec(path=str(path)))  # without them: read as before
+    open_source(SourceSpec(path=str(path), split="train", streaming=True, name=None))
