@@ -79,6 +79,24 @@ def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
     return [c[0] if c[0] != 0 else next((x for x in c[1:] if x != 0), 0) for c in codes]
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_code(codes: list[int]) -> int:
+    """The launcher's exit code from its workers' return codes (0 ok; N > 0 a worker's own exit; -N killed by
+    signal N before its handler ran, e.g. a SIGTERM while it was starting): a worker's own failing code first,
+    else 128 + N for a signal, as the shell reports it and as a lone `batchgen run` stopped by it exits."""
+    own = [c for c in codes if c > 0]
+    if own:
+        return own[0]
+    signals = [-c for c in codes if c < 0]
+    return 128 + signals[0] if signals else 0
+
+
 def resolve_gpus(gpus: str) -> list[int]:
     import torch
 
@@ -136,10 +154,12 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
             signal.signal(s, h)
     failed = [(i, c) for i, c in enumerate(codes) if c != 0]
     if failed:
-        described = ", ".join(f"worker {i} exited {c}" for i, c in failed)
-        print(f"batchgen: {described}; the other workers committed their rows. Run the same command again to "
-              f"resume.", file=sys.stderr)
-        return next(c for _, c in failed if c > 0) if any(c > 0 for _, c in failed) else 1
+        described = ", ".join(f"worker {i} " + (f"exited {c}" if c > 0 else f"was stopped by {_signal_name(-c)}")
+                              for i, c in failed)
+        others = ("the other workers committed their rows" if len(failed) < len(codes)
+                  else "the rows they committed are kept")
+        print(f"batchgen: {described}; {others}. Run the same command again to resume.", file=sys.stderr)
+        return exit_code(codes)
     print(f"batchgen: {f'all {num_workers} workers' if num_workers > 1 else 'the worker'} done", file=sys.stderr)
     spec = load_spec(job, overrides, output)
     if spec.output.report:

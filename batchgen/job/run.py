@@ -24,6 +24,7 @@ from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition
+from batchgen.output.temp_file import removed_on_failure
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
@@ -99,9 +100,9 @@ def write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with removed_on_failure(path.with_name(f".{path.name}.tmp{os.getpid()}"), path) as tmp:
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from batchgen.errors import JobError
 from batchgen.config import JobSpec
 from batchgen.output.damage import FINGERPRINT_FIX, load_json
+from batchgen.output.temp_file import removed_on_failure
 
 FILE = "fingerprint.json"
 
@@ -128,11 +129,12 @@ def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
     # a temporary file of this call's own: the workers of a job start together and each writes the (same)
     # fingerprint; with one shared temporary name, one worker's rename took the file another was writing
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{FILE}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make it the one file of the output others cannot read
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with removed_on_failure(Path(tmp), path):
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make it the one file of the output others cannot read
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"fingerprint": _digest(current), "components": current}, indent=2, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

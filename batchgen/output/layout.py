@@ -24,6 +24,7 @@ import yaml
 
 from batchgen.output.ledger import MANIFEST_NAME, TMP_NAME
 from batchgen.output.manifest_line import SHARD_NAME
+from batchgen.output.temp_file import removed_on_failure
 
 MARKER_FILE = ".batchgen"
 FORMAT_VERSION = 1
@@ -192,14 +193,12 @@ def write_marker(out_dir: Path) -> None:
     path = out_dir / MARKER_FILE
     if path.exists():
         return
-    tmp = out_dir / f".{MARKER_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"format": "batchgen-output", "version": FORMAT_VERSION}) + "\n")
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass  # another worker marked it first: same content
-    finally:
-        tmp.unlink(missing_ok=True)
+    with removed_on_failure(out_dir / f".{MARKER_FILE}.{os.getpid()}.tmp", path) as tmp:
+        tmp.write_text(json.dumps({"format": "batchgen-output", "version": FORMAT_VERSION}) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another worker marked it first: same content
 
 
 def resolved_job_path(out_dir: Path) -> Path:

@@ -121,3 +121,17 @@ def test_a_worker_killed_in_its_first_commit_leaves_no_row_twice_after_a_resume_
     assert content_once(out) == reference
     assert run_cli("verify", str(out)).returncode == 0
     assert "uncommitted" not in run_cli("verify", str(out)).stdout
+
+
+def test_the_launcher_exits_with_a_workers_own_code_else_128_plus_the_signal_that_stopped_one():
+    """A worker killed by SIGTERM before its handler ran (-15 from Popen) makes the launcher exit 143, as a lone
+    `batchgen run` stopped by it does, not 1 (a fault where running again helps)."""
+    import signal
+
+    from batchgen.job.launcher import exit_code
+
+    assert exit_code([0, 0]) == 0
+    assert exit_code([-signal.SIGTERM, -signal.SIGTERM]) == 143
+    assert exit_code([0, -signal.SIGKILL]) == 137
+    assert exit_code([-signal.SIGTERM, 143]) == 143  # a worker's own code first
+    assert exit_code([-signal.SIGTERM, 1, 2]) == 1
