@@ -349,7 +349,7 @@ def repair(out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="A job's 
     typer.echo(result.summary_after)
     if not result.intact_after:
         raise typer.Exit(EXIT_USER_ERROR)
-    if result.quarantine is not None:
+    if result.rows_to_generate:
         typer.echo("batchgen: now run the job again (`batchgen run JOB.yaml`) to generate the rows that were dropped")
 
 

@@ -42,7 +42,8 @@ RECORD_LEVEL = ("line",)  # problems of a manifest line itself (its shards becom
 @dataclass
 class RepairResult:
     actions: list[str] = field(default_factory=list)
-    quarantine: Path | None = None
+    quarantine: Path | None = None  # where damaged and replaced files were moved; None: none were
+    rows_to_generate: bool = False  # rows were dropped with their damaged files: the next run generates them
     intact_after: bool = True
     summary_after: str = ""
 
@@ -118,11 +119,13 @@ class _Repair:
             record = self.rebuilder.record(e.tag, e.record["commit"], sound) if sound else None
             if record is not None and self.keep(e.tag, None, record):
                 named_by_kept |= set(rel for _, rel in sound)
+                self.result.rows_to_generate |= len(e.record["keys"]) > len(record["keys"])
                 self.say(f"rebuilt {e.where} from {', '.join(rel for _, rel in sound)}; "
                          f"{', '.join(sorted(bad)) or 'its key list'} damaged: "
                          f"{len(e.record['keys']) - len(record['keys'])} rows to generate again")
             else:
                 self.quarantine |= {rel for _, rel in sound}
+                self.result.rows_to_generate = True
                 self.say(f"dropped {e.where}: {'; '.join(str(p) for p in problems)}; its "
                          f"{len(e.record['keys'])} rows will be generated again")
 
@@ -137,6 +140,7 @@ class _Repair:
             record = self.rebuilder.record(tag, commit, files) if why is None else None
             if record is None:
                 self.quarantine |= {rel for _, rel in files}
+                self.result.rows_to_generate = True
                 self.say(f"quarantined {names}: {why or 'it cannot be read back'}; its rows will be generated again")
                 continue
             if not self.keep(tag, None, record):
@@ -164,7 +168,7 @@ class _Repair:
         for rel in sorted(self.quarantine):
             (qdir / rel).parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.out_dir / rel, qdir / rel)
-        self.result.quarantine = qdir
+        self.result.quarantine = qdir if qdir.is_dir() else None  # nothing moved or replaced: nothing to name
 
 
 def repair(out_dir: Path) -> RepairResult:

@@ -81,6 +81,7 @@ def test_repair_quarantines_a_garbled_shard_and_the_next_run_regenerates_its_row
     shard.write_bytes(bytes(data))
     said = _repair_then_resume(job, out, rows, rejects)
     assert "dropped" in said or "rebuilt" in said
+    assert "rows that were dropped" in said and "files are in" in said
     assert [p.read_bytes() for p in (out / "quarantine").rglob(shard.name)] == [bytes(data)]
 
 
@@ -103,6 +104,9 @@ def test_repair_rebuilds_a_deleted_manifest_from_its_shards(ref, tmp_path):
     assert result.exit_code == 2 and "manifest/w00000.jsonl: missing" in result.output
     said = _repair_then_resume(job, out, rows, rejects)
     assert "Parquet page checksums only" in said  # no record held their hashes: said so
+    # nothing was moved aside and no row dropped: repair names no quarantine folder and asks for no rerun
+    assert not (out / "quarantine").exists()
+    assert "quarantine" not in said and "rows that were dropped" not in said
 
 
 def test_repair_refuses_while_a_run_holds_a_workers_lock(ref, tmp_path):
