@@ -170,8 +170,10 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
 
 def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[str, int | None]:
     """A full scan of the source's keys: the first null or duplicate key, or (JSONL: types inferred) a key that
-    does not fit the key column's type, is an error, as in run (job/loop.py _key). Returns the report's line and
-    the rows scanned (None without a key column: nothing scanned)."""
+    does not fit the key column's type, is an error, as in run (job/loop.py _key); so is the key of a row the
+    source could not parse but still knows the key of (an OpenAI batch line that is not a request repeating an
+    earlier custom_id), which run records as that row's reject's key. Returns the report's line and the rows
+    scanned (None without a key column: nothing scanned)."""
     from batchgen.job.loop import unique_key
     from batchgen.output.schema import fits, key_type_error
 
@@ -182,8 +184,10 @@ def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[st
     num_rows = 0
     for row in source:
         num_rows += 1
-        if row.columns is None:
-            continue  # unparseable: run keys it by its position and rejects it
+        if row.columns is None:  # unparseable: rejected by run under its key if the source still knows one
+            if row.key is not None:  # (an OpenAI line's custom_id), which must be unique as run's _key says
+                unique_key(row.key, row.position, key_column, first_seen)
+            continue  # else keyed by its position, as run keys it
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not source.typed and not fits(key, schema.key_field.type):
             raise JobError(key_type_error(key_column, key, row.position, schema.key_field.type))

@@ -50,7 +50,7 @@ def _lines(path: str) -> Iterator[str | UnicodeDecodeError]:
                            ) from None
 
 
-def _parse(line: str | UnicodeDecodeError) -> tuple[dict | None, str | None]:
+def parse_line(line: str | UnicodeDecodeError) -> tuple[dict | None, str | None]:
     if isinstance(line, UnicodeDecodeError):
         return None, line.reason
     try:
@@ -109,8 +109,8 @@ class JsonlSource(Source):
         self.description = f"{len(files)} JSONL file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
         self.num_rows = None  # counting lines would need a full read
         check_format(files, "jsonl", type_given=spec.type is not None)
-        sample = [obj for obj, _ in (_parse(line) for _, _, line in islice(self._nonblank(), SCHEMA_SAMPLE_ROWS))
-                  if obj is not None]
+        first = islice(self.nonblank_lines(), SCHEMA_SAMPLE_ROWS)
+        sample = [obj for obj, _ in (parse_line(line) for _, _, line in first) if obj is not None]
         if not sample:
             raise JobError(f"{self.description} holds no JSON objects (empty source?)")
         names: dict[str, None] = {}
@@ -119,7 +119,7 @@ class JsonlSource(Source):
         self.schema = pa.schema([pa.field(n, column_type([obj.get(n) for obj in sample])) for n in names])
         self.check_key_column()
 
-    def _nonblank(self) -> Iterator[tuple[str, int, str | UnicodeDecodeError]]:
+    def nonblank_lines(self) -> Iterator[tuple[str, int, str | UnicodeDecodeError]]:
         """(file, line number, line) of every line that is not blank."""
         for path in self.files:
             for number, line in enumerate(_lines(path), 1):
@@ -127,8 +127,8 @@ class JsonlSource(Source):
                     yield path, number, line
 
     def _iter_all(self) -> Iterator[SourceRow]:
-        for position, (path, number, line) in enumerate(self._nonblank()):
-            obj, error = _parse(line)
+        for position, (path, number, line) in enumerate(self.nonblank_lines()):
+            obj, error = parse_line(line)
             if error is not None and not isinstance(line, UnicodeDecodeError):  # that one names its line already
                 error = f"line {number} of {path}: {error}"
             yield SourceRow(position, obj, error)
@@ -145,5 +145,5 @@ class JsonlSource(Source):
 
     def count_rows(self) -> int:
         """A full scan (for `batchgen status`): non-blank lines, capped by the limit."""
-        n = sum(1 for _ in self._nonblank())
+        n = sum(1 for _ in self.nonblank_lines())
         return min(n, self.limit) if self.limit is not None else n
