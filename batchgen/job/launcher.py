@@ -158,7 +158,9 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
                               for i, c in failed)
         others = ("the other workers committed their rows" if len(failed) < len(codes)
                   else "the rows they committed are kept")
-        print(f"batchgen: {described}; {others}. Run the same command again to resume.", file=sys.stderr)
+        then = ("Fix what they said, then run the same command again." if all(c == 2 for _, c in failed)
+                else "Run the same command again to resume.")  # 2: the job's own error, said by the worker
+        print(f"batchgen: {described}; {others}. {then}", file=sys.stderr)
         return exit_code(codes)
     print(f"batchgen: {f'all {num_workers} workers' if num_workers > 1 else 'the worker'} done", file=sys.stderr)
     spec = load_spec(job, overrides, output)

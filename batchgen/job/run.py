@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,22 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
         pass  # tidying only: the error that stopped the run is the one to report
 
 
+def check_keys_before_any_row(spec: JobSpec, schema=None) -> None:
+    """With several workers, each sees only its own rows: a key repeated in two workers' rows would be generated
+    and committed twice (the output then reads as damaged). So every key of the source is scanned before any row
+    is generated, as `batchgen validate` does (a lone worker finds a duplicate as it reaches it: what it committed
+    before stays valid). Costs one read of the source; a duplicate or null key is a JobError (exit 2)."""
+    if spec.source.key_column is None:
+        return
+    from batchgen.job.validate import check_keys
+    from batchgen.sources import open_source
+
+    t0 = time.monotonic()
+    _, num_rows = check_keys(spec, open_source(spec.source), schema)
+    print(f"batchgen: {num_rows:,} keys of source.key_column {spec.source.key_column!r} checked unique before "
+          f"dealing rows to workers ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
+
+
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),
             show_progress: bool = True, tensor_parallel=None, job_file: Path | None = None) -> RunResult:
     """One worker's run; `tensor_parallel`: the group this process leads (job/ranks.py), None without;
@@ -175,6 +192,8 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
         if not fresh and where.warning() is not None:
             print(where.warning(), file=sys.stderr)
         loop = JobLoop(spec, out_dir, worker, show_progress, tensor_parallel)
+        if loop.worker.count > 1:
+            check_keys_before_any_row(spec, loop.schema)
         lock.record_partition(loop.worker.count, loop.worker.unit_rows)  # sized from the source: now known
         with DirectoryLock(out_dir):
             check_partition(out_dir, lock)

@@ -62,7 +62,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  + (f", response_format_column={spec.sampling.response_format_column!r}"
                     if spec.sampling.response_format_column else ""))
     lines.append(_check_resume(spec, tokenizer, config))
-    keys_line, num_scanned = _check_keys(spec, source, schema)
+    keys_line, num_scanned = check_keys(spec, source, schema)
     lines.append(keys_line)
     num_rows = source.expected_rows if source.expected_rows is not None else \
         sample.num_read if sample.read_all else num_scanned
@@ -168,12 +168,13 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     return f"output: {out_dir} holds an earlier run of this job; a run resumes it"
 
 
-def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[str, int | None]:
+def check_keys(spec: JobSpec, source: Source, schema: OutputSchema | None) -> tuple[str, int | None]:
     """A full scan of the source's keys: the first null or duplicate key, or (JSONL: types inferred) a key that
     does not fit the key column's type, is an error, as in run (job/loop.py _key); so is the key of a row the
     source could not parse but still knows the key of (an OpenAI batch line that is not a request repeating an
     earlier custom_id), which run records as that row's reject's key. Returns the report's line and the rows
-    scanned (None without a key column: nothing scanned)."""
+    scanned (None without a key column: nothing scanned). `schema` None: key types are left to run's own check
+    (a dealing driver has no schema; its workers check each row they get)."""
     from batchgen.job.loop import unique_key
     from batchgen.output.schema import fits, key_type_error
 
@@ -189,6 +190,6 @@ def _check_keys(spec: JobSpec, source: Source, schema: OutputSchema) -> tuple[st
                 unique_key(row.key, row.position, key_column, first_seen)
             continue  # else keyed by its position, as run keys it
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
-        if not source.typed and not fits(key, schema.key_field.type):
+        if schema is not None and not source.typed and not fits(key, schema.key_field.type):
             raise JobError(key_type_error(key_column, key, row.position, schema.key_field.type))
     return f"keys: all {num_rows} rows scanned; every {key_column!r} is unique and non-null", num_rows

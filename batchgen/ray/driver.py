@@ -28,6 +28,7 @@ from batchgen.ray.ranks import RankGroup, RayRank
 from batchgen.ray.slot import RankFailed, Slot, bundle, first_line, is_job_error, kill, rank_error
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
 from batchgen.sources import open_source
+from batchgen.job.run import check_keys_before_any_row
 
 POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a worker queues ~2 steps of rows ahead)
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
@@ -62,6 +63,7 @@ class RayJob:
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _plan(self, num_slots: int) -> int:
+        check_keys_before_any_row(self.spec)  # each actor sees only the units it is dealt
         source = open_source(self.spec.source)
         num_rows = source.expected_rows
         if num_rows is None:

@@ -135,3 +135,20 @@ def test_the_launcher_exits_with_a_workers_own_code_else_128_plus_the_signal_tha
     assert exit_code([0, -signal.SIGKILL]) == 137
     assert exit_code([-signal.SIGTERM, 143]) == 143  # a worker's own code first
     assert exit_code([-signal.SIGTERM, 1, 2]) == 1
+
+
+def test_a_key_repeated_in_two_workers_rows_stops_every_worker_before_any_row_is_generated(tmp_path,
+                                                                                           tiny_model_dir):
+    """Each worker sees only its own rows, so without the up-front scan both halves of a duplicate were generated
+    and committed and the output read as damaged ('rows committed twice'). Now: exit 2 naming the key and both
+    rows, nothing written; the same source in one worker stops when it reaches the duplicate."""
+    rows = seed_rows(8)
+    rows[6]["id"] = rows[1]["id"]  # rows 0-3 go to worker 0, rows 4-7 to worker 1 (units of 4)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "worker_unit_rows": 4},
+                    sampling={"max_new_tokens": 4})
+    for args in (("--workers", "2"), ("--worker-index", "1", "--num-workers", "2")):
+        result = run_cli("run", str(job), "-o", str(tmp_path / "out"), "--no-progress", *args)
+        assert result.returncode == 2, result.stderr
+        assert "duplicate key 'row-0001' (rows 1 and 6)" in result.stderr
+        assert not list((tmp_path / "out").rglob("*.parquet"))

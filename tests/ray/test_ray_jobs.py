@@ -288,3 +288,17 @@ def test_a_stop_while_a_worker_waits_to_be_placed_commits_and_returns_interrupte
         remove_placement_group(busy)
     assert stopped.interrupted_by == signal.SIGTERM and 0 < stopped.rows_committed < NUM_ROWS
     assert set(_rows_by_worker(out)) == {"w00000"}
+
+
+def test_a_duplicate_key_stops_a_ray_job_before_any_worker_starts(setup, ray_here, monkeypatch, tmp_path):
+    """Actors see only the units they are dealt: the driver scans every key first (job/run.py
+    check_keys_before_any_row), so a repeated key is a JobError naming both rows and nothing is written."""
+    from batchgen.errors import JobError
+
+    _, job, _ = setup
+    rows = seed_rows(8)
+    rows[7]["id"] = rows[0]["id"]
+    write_jsonl(tmp_path / "dup.jsonl", rows)
+    with pytest.raises(JobError, match=r"duplicate key 'row-0000' \(rows 0 and 7\)"):
+        _run_here(job, tmp_path / "out", monkeypatch, workers=2, overrides=[f"source.path={tmp_path / 'dup.jsonl'}"])
+    assert not list((tmp_path / "out").rglob("*.parquet"))
