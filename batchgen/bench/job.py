@@ -296,6 +296,8 @@ def _print_runs(runs: list[dict]) -> None:
             print(f"  host ms between dispatches, by phase: every step {gaps['host_ms_per_span']}; before the "
                   f"{gaps['num_gaps_over_1ms']} gaps over 1 ms ({gaps['idle_s_in_gaps']} s idle) "
                   f"{gaps['host_ms_per_gap_span']}")
+            if r.get("gc_passes"):
+                print(f"  GC passes by generation: {r['gc_passes']}")
             for g in gaps["longest_gaps"][:4]:
                 print(f"    gap {g['idle_ms']} ms before {g['kind']} step {g['step']}: host ms {g['host_ms']}")
 

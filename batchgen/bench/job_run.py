@@ -129,6 +129,7 @@ def _step_costs(report: dict) -> dict:
         **step_kinds(e, wall_s),
         # the job loop's seconds: engine steps, rendering / queueing rows, commits, Python's GC, Triton builds
         "loop_breakdown_s": report["loop_s"],
+        "gc_passes": report.get("gc_passes"),  # per generation: passes and the longest's ms
         # the host's ms a step by phase, over all steps and before the device's gaps over 1 ms (job/idle_trace.py;
         # None: a checkout whose report does not say)
         "idle_gaps": report.get("idle_gaps"),

@@ -194,10 +194,11 @@ class JobLoop:
         # long as the process; a full (gen 2) pass walked them all mid-run (~0.5 s on a 2-core CPU, the device idle
         # meanwhile). Frozen, they are never scanned again (the job runner owns its process; the Engine API leaves
         # the caller's GC alone). This pass is set-up time, not the loop's GC time.
-        gc_s0 = self.meter.totals.gc_s
+        t = self.meter.totals
+        before = t.gc_s, dict(t.gc_passes), dict(t.gc_max_s)
         gc.collect()
         gc.freeze()
-        self.meter.totals.gc_s = gc_s0
+        t.gc_s, t.gc_passes, t.gc_max_s = before
         self.engine_setup_s = time.monotonic() - t0
         self.setup_s += self.engine_setup_s
         return self.engine
@@ -447,6 +448,8 @@ class JobLoop:
             "generated_tok_s": round(t.generated_tokens / max(t.step_s, 1e-9), 2),
             "loop_s": {"step": round(t.step_s, 3), "admit": round(t.admit_s, 3), "commit": round(t.commit_s, 3),
                        "gc": round(t.gc_s, 3), "triton_compile": round(t.compile_s, 3)},
+            "gc_passes": {gen: {"num": n, "max_ms": round(1e3 * t.gc_max_s[gen], 2)}
+                          for gen, n in sorted(t.gc_passes.items())},
             "triton_kernels_compiled": t.compiled_kernels,
             "engine_setup_triton_compile_s": round(self.engine_compile_s, 3),
             # what built where (set-up: first-step check and graph capture; loop: shapes first seen mid-run)

@@ -27,6 +27,10 @@ class Totals:
     admit_s: float = 0.0  # reading, rendering and tokenizing rows, and adding them to the engine
     commit_s: float = 0.0  # writing and fsyncing shards, manifest lines
     gc_s: float = 0.0  # Python's cyclic garbage collector, wherever it ran (see GcTimer)
+    # per generation ("0", "1", "2"): passes and the longest one's seconds (a full pass over many live requests
+    # is one long host stall; many young passes are not)
+    gc_passes: dict[str, int] = field(default_factory=dict)
+    gc_max_s: dict[str, float] = field(default_factory=dict)
     # Triton kernels specialised during the loop (see CompileTimer): a shape the engine's warm-up never reached
     # compiles (or loads from Triton's disk cache) on the host in the middle of the run, the GPU waiting
     compile_s: float = 0.0
@@ -69,7 +73,11 @@ class GcTimer:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.totals.gc_s += time.perf_counter() - self._started
+            t, s = self.totals, time.perf_counter() - self._started
+            gen = str(info.get("generation"))
+            t.gc_s += s
+            t.gc_passes[gen] = t.gc_passes.get(gen, 0) + 1
+            t.gc_max_s[gen] = max(t.gc_max_s.get(gen, 0.0), s)
 
     def remove(self) -> None:
         if self in gc.callbacks:

@@ -107,7 +107,8 @@ def test_step_timing_keeps_each_gap_over_1ms_with_its_step_index_until_taken():
     assert timing.num_idle_over_1ms == 3 and timing.take_gaps() == []
 
 
-def test_a_job_report_splits_the_host_time_between_dispatches_by_phase(tmp_path, tiny_model_dir):
+def test_a_job_report_splits_the_host_time_between_dispatches_by_phase_and_counts_gc_passes(tmp_path,
+                                                                                              tiny_model_dir):
     """On CPU the async engine (forced on) marks every step: the report's spans count the dispatched steps; no
     gaps (no CUDA events)."""
     write_jsonl(tmp_path / "rows.jsonl", seed_rows(9))
@@ -120,3 +121,7 @@ def test_a_job_report_splits_the_host_time_between_dispatches_by_phase(tmp_path,
     assert 0 < trace["num_spans"] <= steps - 1
     assert set(trace["host_ms_per_span"]) == set(PHASES) and min(trace["host_ms_per_span"].values()) >= 0
     assert trace["num_gaps_over_1ms"] == 0 and trace["longest_gaps"] == []
+    # the loop's GC passes by generation (the set-up's collect-and-freeze not counted): young passes always run
+    passes = report["gc_passes"]
+    assert passes["0"]["num"] > 0 and all(p["max_ms"] >= 0 for p in passes.values())
+    assert sum(p["num"] for p in passes.values()) > 0 and set(passes) <= {"0", "1", "2"}
