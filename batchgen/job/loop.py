@@ -30,7 +30,7 @@ from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
 from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
-from batchgen.sources import open_source
+from batchgen.sources import open_source, refuse_ignored_keys
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
@@ -95,6 +95,7 @@ class JobLoop:
 
         self.spec, self.out_dir, self.worker = spec, out_dir, worker
         self.tp = tensor_parallel  # distributed.TensorParallelGroup of which this process is rank 0, or None
+        refuse_ignored_keys(spec.source)
         self.source = open_source(spec.source)
         if not dealt:
             self.worker = worker = worker.sized_for(spec.source.worker_unit_rows, self.source)  # same in every worker

@@ -141,13 +141,15 @@ def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str
         pass  # tidying only: the error that stopped the run is the one to report
 
 
-def check_keys_before_any_row(spec: JobSpec, schema=None) -> None:
+def check_keys_before_any_row(spec: JobSpec, schema=None) -> int | None:
     """With several workers, each sees only its own rows: a key repeated in two workers' rows would be generated
     and committed twice (the output then reads as damaged). So every key of the source is scanned before any row
     is generated, as `batchgen validate` does (a lone worker finds a duplicate as it reaches it: what it committed
-    before stays valid). Costs one read of the source; a duplicate or null key is a JobError (exit 2)."""
+    before stays valid). Costs one read of the source in each worker (all of a row's columns are parsed: ~125k
+    JSONL rows a second on a CPU core); a duplicate or null key is a JobError (exit 2). Returns the rows scanned
+    (None without a key column: nothing scanned)."""
     if spec.source.key_column is None:
-        return
+        return None
     from batchgen.job.validate import check_keys
     from batchgen.sources import open_source
 
@@ -155,6 +157,7 @@ def check_keys_before_any_row(spec: JobSpec, schema=None) -> None:
     _, num_rows = check_keys(spec, open_source(spec.source), schema)
     print(f"batchgen: {num_rows:,} keys of source.key_column {spec.source.key_column!r} checked unique before "
           f"dealing rows to workers ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
+    return num_rows
 
 
 def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerInfo(0, 1),

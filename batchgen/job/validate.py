@@ -18,7 +18,7 @@ from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
 from batchgen.prompts import PromptRenderer, RowError
-from batchgen.sources import Source, open_source
+from batchgen.sources import Source, open_source, refuse_ignored_keys
 
 
 def tokenizer_and_config(spec: JobSpec):
@@ -40,6 +40,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
     placement.check(Path(spec.output.dir), spec.source.path, None)  # a source among batchgen's files, as run
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
+    refuse_ignored_keys(spec.source)
     source = open_source(spec.source)
     schema = OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run
     row_sampling = RowSampling(spec, source.columns)  # source.sampling_column, sampling.response_format_column

@@ -27,7 +27,7 @@ from batchgen.ray.output_dir import job_result, prepare_output
 from batchgen.ray.ranks import RankGroup, RayRank
 from batchgen.ray.slot import RankFailed, Slot, bundle, first_line, is_job_error, kill, rank_error
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
-from batchgen.sources import open_source
+from batchgen.sources import open_source, refuse_ignored_keys
 from batchgen.job.run import check_keys_before_any_row
 
 POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a worker queues ~2 steps of rows ahead)
@@ -62,12 +62,13 @@ class RayJob:
         self.committed_before = (0, 0)  # (rows, rejects) the output held when this run started
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _plan(self, num_slots: int) -> int:
-        check_keys_before_any_row(self.spec)  # each actor sees only the units it is dealt
-        source = open_source(self.spec.source)
-        num_rows = source.expected_rows
+    def _plan(self, num_slots: int, num_rows: int | None) -> int:
+        """The work queue's units; `num_rows`: the source's rows when the key scan counted them."""
         if num_rows is None:
-            num_rows = sum(1 for _ in source)
+            source = open_source(self.spec.source)
+            num_rows = source.expected_rows
+            if num_rows is None:
+                num_rows = sum(1 for _ in source)
         unit_rows = self.spec.source.worker_unit_rows or unit_rows_for(num_rows, num_slots)
         self.queue.extend(plan_units(num_rows, unit_rows))
         return num_rows
@@ -108,12 +109,14 @@ class RayJob:
             from batchgen.job.ranks import check_before_launch
 
             check_before_launch(self.spec, model_elsewhere=True)  # from the model's config alone, before Ray starts
+        refuse_ignored_keys(self.spec.source)
+        scanned_rows = check_keys_before_any_row(self.spec)  # each actor sees only the units it is dealt
         self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)
             self.committed_before = prepare_output(self.spec, self.out_dir, self.job_file, self.fresh,
                                                   self.num_slots)
-            num_rows = self._plan(self.num_slots)
+            num_rows = self._plan(self.num_slots, scanned_rows)
             workers = f"{self.num_slots} worker{'s' if self.num_slots != 1 else ''}"
             each = self._each()
             unit_rows = self.queue[0].num_rows if self.queue else 0

@@ -10,7 +10,7 @@ from batchgen.errors import JobError
 from batchgen.sources.base import Source, SourceRow, is_output_dir
 from batchgen.config import SourceSpec
 
-__all__ = ["SOURCE_TYPES", "Source", "SourceRow", "open_source"]
+__all__ = ["SOURCE_TYPES", "Source", "SourceRow", "open_source", "refuse_ignored_keys"]
 
 # source.type -> (module, class, the extension of the files its paths name; None: the class reads spec.path itself).
 # A new input format is a module here and its line; config/schema.py's SourceSpec.type lists the same names.
@@ -64,15 +64,21 @@ def infer_type(spec: SourceSpec) -> str:
 HF_ONLY_KEYS = ("split", "name", "streaming")  # SourceSpec keys that only a Hugging Face dataset reads
 
 
-def open_source(spec: SourceSpec) -> Source:
+def refuse_ignored_keys(spec: SourceSpec) -> None:
+    """For a job about to run (or be validated): source.split / name / streaming away from their defaults on another
+    kind of source would be ignored without a word, so they are refused, naming them. (Compared with the defaults,
+    not model_fields_set: a spec rebuilt from a saved job file holds every key. Readers of a finished output, such
+    as status and export, open its saved job's source without this check: an output begun before it stays readable.)"""
     kind = infer_type(spec)
-    # away from their defaults for another kind of source, they would be ignored without a word (compared with the
-    # defaults, not model_fields_set: a spec rebuilt from a saved job file holds every key)
     given = [k for k in HF_ONLY_KEYS if getattr(spec, k) != SourceSpec.model_fields[k].default]
     if kind != "hf" and given:
         keys = ", ".join(f"source.{k}" for k in given)
-        raise JobError(f"{keys} only applies to Hugging Face datasets, but source.path {spec.path!r} is read as "
-                       f"{kind}; remove {'it' if len(given) == 1 else 'them'}")
+        raise JobError(f"{keys} {'applies' if len(given) == 1 else 'apply'} to Hugging Face datasets only, but "
+                       f"source.path {spec.path!r} is read as {kind}; remove {'it' if len(given) == 1 else 'them'}")
+
+
+def open_source(spec: SourceSpec) -> Source:
+    kind = infer_type(spec)
     module, name, extension = SOURCE_TYPES[kind]
     cls = getattr(importlib.import_module(module), name)  # imported when used: hf's needs `datasets`
     return cls(expand_files(spec.path, extension), spec) if extension else cls(spec)

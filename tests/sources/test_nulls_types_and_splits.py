@@ -192,8 +192,11 @@ def test_a_data_file_folder_through_datasets_names_source_split(tmp_path):
                                    {"split": "validation", "name": "x"}])
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_hf_only_source_keys_on_another_kind_of_source_are_refused_naming_them(tmp_path, given, kind):
-    """source.split / name / streaming set away from their defaults for a file source would be ignored: refused,
-    naming each key (their defaults, e.g. split: train, change nothing and pass)."""
+    """source.split / name / streaming set away from their defaults for a file source would be ignored: a job
+    about to run is refused, naming each key (their defaults, e.g. split: train, change nothing and pass); the
+    source still opens for readers of an output begun before the check (status, export)."""
+    from batchgen.sources import refuse_ignored_keys
+
     rows = seed_rows(3)
     if kind == "jsonl":
         path = write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -201,9 +204,20 @@ def test_hf_only_source_keys_on_another_kind_of_source_are_refused_naming_them(t
         path = tmp_path / "rows.parquet"
         pq.write_table(pa.Table.from_pylist(rows), path)
     with pytest.raises(JobError) as e:
-        open_source(SourceSpec(path=str(path), **given))
+        refuse_ignored_keys(SourceSpec(path=str(path), **given))
     for key in given:
         assert f"source.{key}" in str(e.value)
     assert f"read as {kind}" in str(e.value)
-    open_source(SourceSpec(path=str(path)))  # without them: read as before
-    open_source(SourceSpec(path=str(path), split="train", streaming=True, name=None))
+    assert len(list(open_source(SourceSpec(path=str(path), **given)))) == 3
+    refuse_ignored_keys(SourceSpec(path=str(path)))  # without them, or at their defaults: no refusal
+    refuse_ignored_keys(SourceSpec(path=str(path), split="train", streaming=True, name=None))
+
+
+def test_a_job_with_an_hf_only_key_on_a_file_source_is_refused_by_run_and_validate(tmp_path, tiny_model_dir):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "split": "test"})
+    for command in ("run", "validate"):
+        result = CliRunner().invoke(app, [command, str(job), "--no-progress"] if command == "run" else
+                                    [command, str(job)])
+        assert result.exit_code == 2 and "source.split applies to Hugging Face datasets only" in result.output
+        assert not (tmp_path / "out" / "data").exists()
