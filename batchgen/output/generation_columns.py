@@ -72,13 +72,6 @@ def budget_markers(spec: JobSpec, tokenizer, markers: ReasoningMarkers | None) -
     return markers
 
 
-# The optional columns a job writes when it asks for them (reasoning_fields, count_fields, logprob_fields). A
-# chained job never keeps an upstream's copy, asked for or not: beside the job's own `completion` they would read
-# as its own (an upstream's log-probs, one per upstream token), as the upstream's `completion` would.
-OPTIONAL_COLUMNS = ("reasoning", "num_reasoning_tokens", "completion_logprobs", "completion_logprob_tokens",
-                    "completion_top_logprobs", "prompt_logprobs")
-
-
 def reasoning_fields(with_reasoning: bool) -> list[pa.Field]:
     return [pa.field("reasoning", pa.string())] if with_reasoning else []
 

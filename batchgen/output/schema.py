@@ -25,8 +25,10 @@ class OutputSchema:
     @classmethod
     def build(cls, spec: JobSpec, source_schema: pa.Schema, reasoning: bool = False) -> OutputSchema:
         """`reasoning`: output.reasoning resolved to markers (the split columns exist)."""
-        # every column batchgen may write is its own, whether this job writes it or not (gen.OPTIONAL_COLUMNS)
-        own = OUTPUT_COLUMNS + gen.OPTIONAL_COLUMNS
+        # the log-prob and reasoning columns clash only where this job writes them (a chained job may keep an
+        # upstream's)
+        own = OUTPUT_COLUMNS + tuple(f.name for f in gen.reasoning_fields(reasoning) + gen.count_fields(reasoning)
+                                     + gen.logprob_fields(spec))
         kept = _kept_columns(spec, list(source_schema.names), own)
         key = spec.source.key_column
         key_field = source_schema.field(key) if key else pa.field("row_idx", pa.int64())

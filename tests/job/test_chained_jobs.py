@@ -91,34 +91,3 @@ def test_a_judge_over_an_upstream_with_n_2_keeps_which_sample_it_read(tmp_path, 
     for r in judged:
         assert r["upstream_id"] == f"{r['upstream_key']}#{r['upstream_sample_idx']}" and r["sample_idx"] == 0
         assert upstream[(r["upstream_key"], r["upstream_sample_idx"])] in r["prompt"]
-
-
-def test_a_downstream_keeping_all_columns_never_carries_the_upstreams_logprobs_under_its_own_names(tmp_path,
-                                                                                                   tiny_model_dir):
-    """An upstream with log-probs, a downstream without, `keep_columns: all`: the upstream's log-prob columns are
-    batchgen's own names and are dropped like its `completion` (beside the downstream's completion they would read
-    as its own); named in an explicit keep_columns list, they are refused naming them."""
-    first = _example(tmp_path, "chain_questions.yaml", tiny_model_dir, sampling={"logprobs": 2, "prompt_logprobs": True})
-    assert runner.invoke(app, ["run", str(first), "--no-progress"]).exit_code == 0
-    assert "completion_logprobs" in read_rows(tmp_path / "out" / "chain-questions")[0]
-    second = _example(tmp_path, "chain_answers.yaml", tiny_model_dir, output={"keep_columns": "all"})
-    result = runner.invoke(app, ["run", str(second), "--no-progress"])
-    assert result.exit_code == 0, result.output
-    rows = read_rows(tmp_path / "out" / "chain-answers")
-    assert len(rows) == 10 and "topic" in rows[0]  # the upstream's own source columns are kept
-    assert not {"completion_logprobs", "completion_top_logprobs", "prompt_logprobs"} & set(rows[0])
-    named = _example(tmp_path, "chain_answers.yaml", tiny_model_dir, output={"keep_columns": ["completion_logprobs"]})
-    refused = runner.invoke(app, ["run", str(named), "--no-progress", "--fresh"])
-    assert refused.exit_code == 2 and "completion_logprobs" in refused.output
-
-
-def test_the_optional_column_names_cover_every_optional_field_a_job_can_write():
-    from batchgen.config import JobSpec
-    from batchgen.output import generation_columns as gen
-
-    spec = JobSpec.model_validate({"model": {"path": "m"}, "source": {"path": "s.jsonl"},
-                                   "prompt": {"template": "{{ x }}"},
-                                   "sampling": {"logprobs": 3, "prompt_logprobs": True},
-                                   "output": {"logprob_tokens": True}})
-    written = gen.reasoning_fields(True) + gen.count_fields(True) + gen.logprob_fields(spec)
-    assert sorted(f.name for f in written) == sorted(gen.OPTIONAL_COLUMNS)
