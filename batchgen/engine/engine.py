@@ -62,8 +62,9 @@ class StepMarks(NamedTuple):
     entered: float
     scheduled: float  # the scheduler chose this step's batch
     dispatched: float  # its work is queued on the device (inputs built, forward and draw launched)
-    collected: float  # the previous step's tokens are on the host and applied (includes waiting for them)
-    returned: float  # finished requests made results (detokenized)
+    collected: float  # the previous step's tokens are on the host (waiting for them)
+    applied: float  # and applied to the requests (the scheduler's update)
+    returned: float  # structured output's masked draw queued, finished requests made results (detokenized)
     step_index: int | None  # the dispatched step's index (runner/step_timing.py), None when none was
 
 
@@ -336,16 +337,18 @@ class Engine:
         # Async: queue this step, then wait for the previous one, whose tokens this step's placeholders take
         # on the device. The host prepares step N+1 while the device runs step N.
         step = self.runner.dispatch(batch) if batch else None
-        t_dispatched = time.perf_counter()
+        t_dispatched = t_collected = time.perf_counter()
         if self._in_flight is not None:
             prev_batch, prev_step = self._in_flight
-            self._apply(prev_batch, self.runner.collect(prev_step))
-        t_collected = time.perf_counter()
+            output = self.runner.collect(prev_step)
+            t_collected = time.perf_counter()
+            self._apply(prev_batch, output)
+        t_applied = time.perf_counter()
         if batch and batch.num_constrained:  # the masks need the tokens just applied (sample/grammar.py)
             step = self.runner.sample_deferred(step, self._bitmask(batch))
         self._in_flight = (batch, step) if batch else None
         results = self._collect(self.scheduler.take_finished())
-        self.host_marks = StepMarks(t0, t_scheduled, t_dispatched, t_collected, time.perf_counter(),
+        self.host_marks = StepMarks(t0, t_scheduled, t_dispatched, t_collected, t_applied, time.perf_counter(),
                                     self.runner.timing.num_dispatched if batch else None)
         return results
 

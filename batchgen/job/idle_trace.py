@@ -9,14 +9,19 @@ phase grows when the device waits (a commit, a wave of finished rows, a refill) 
 
 Phases of one span, in the order the host runs them (pass a dispatched step s-1, the next pass b step s):
   collect_wait  a: waiting for step s-2's tokens (the device's time, not the host's work)
-  results       a: applying them, and finished requests made results (detokenized text)
+  apply         a: applying them to the requests (the scheduler's update)
+  results       a: structured output's masked draw queued; finished requests made results (detokenized text)
   finish        a: results made output rows
   commit        a: shards written and fsynced
   log           a: the throughput log
   loop          between the passes
   admit         b: rows read, rendered, tokenized and queued
   schedule      b: the scheduler's choice of step s
-  prepare       b: step s's inputs built and its work queued
+  prepare       b: step s's inputs built and its work queued (the device's start event is recorded partway,
+                after the inputs' copies are queued: launch time after it is charged to the step, not the gap)
+A span across a pass that dispatched nothing (the engine ran dry: the end of a job, a dealt feed waiting for its
+next unit) is no span of consecutive steps: it is left out of the averages, and a gap after it is counted as
+unmatched.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import NamedTuple
 
 from batchgen.engine.engine import StepMarks
 
-PHASES = ("collect_wait", "results", "finish", "commit", "log", "loop", "admit", "schedule", "prepare")
+PHASES = ("collect_wait", "apply", "results", "finish", "commit", "log", "loop", "admit", "schedule", "prepare")
 NUM_LONGEST = 8  # the longest gaps listed one by one in the report
 
 
@@ -45,10 +50,21 @@ class PassMarks(NamedTuple):
 def span_phases(a: PassMarks, b: PassMarks) -> dict[str, float]:
     """Seconds in each phase from pass a's dispatch to pass b's (both dispatched a step)."""
     ea, eb = a.engine, b.engine
-    return {"collect_wait": ea.collected - ea.dispatched, "results": ea.returned - ea.collected,
+    return {"collect_wait": ea.collected - ea.dispatched, "apply": ea.applied - ea.collected,
+            "results": ea.returned - ea.applied,
             "finish": a.finished - ea.returned, "commit": a.committed - a.finished, "log": a.logged - a.committed,
             "loop": b.admit_started - a.logged, "admit": b.step_started - b.admit_started,
             "schedule": eb.scheduled - b.step_started, "prepare": eb.dispatched - eb.scheduled}
+
+
+def _index(marks: PassMarks | None) -> int | None:
+    """The step a pass dispatched, or None (it dispatched nothing, or the engine ran synchronously)."""
+    return None if marks is None or marks.engine is None else marks.engine.step_index
+
+
+def _consecutive(a: PassMarks | None, b: PassMarks) -> bool:
+    """Whether passes a and b (b right after a) dispatched two consecutive steps."""
+    return _index(a) is not None and _index(b) == _index(a) + 1
 
 
 @dataclass
@@ -60,25 +76,24 @@ class IdleTrace:
     gap_span_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     num_unmatched: int = 0  # gaps over 1 ms after a pass that dispatched nothing (the engine ran dry)
     longest: list[dict] = field(default_factory=list)  # the NUM_LONGEST longest gaps, longest first
-    # the latest dispatching passes by step index: a step's gap is known one pass after it is dispatched
+    # the latest passes, dry ones included: a step's gap is known one pass after it is dispatched
     _passes: deque[PassMarks] = field(default_factory=lambda: deque(maxlen=8))
 
     def add_pass(self, marks: PassMarks) -> None:
-        if marks.engine is None or marks.engine.step_index is None:
-            return
         prev = self._passes[-1] if self._passes else None
-        if prev is not None and prev.engine.step_index == marks.engine.step_index - 1:
+        self._passes.append(marks)
+        if _consecutive(prev, marks):
             for phase, s in span_phases(prev, marks).items():
                 self.span_s[phase] += s
             self.num_spans += 1
-        self._passes.append(marks)
 
     def add_gaps(self, gaps: list[tuple[int, str, float]]) -> None:
         """Gaps over 1 ms (step index, kind, idle seconds: StepTiming.take_gaps), each charged to its span."""
-        by_index = {p.engine.step_index: p for p in self._passes}
+        passes = list(self._passes)
+        span = {_index(b): (a, b) for a, b in zip(passes, passes[1:]) if _consecutive(a, b)}
         for index, kind, idle_s in gaps:
-            a, b = by_index.get(index - 1), by_index.get(index)
-            if a is None or b is None:
+            a, b = span.get(index, (None, None))
+            if a is None:
                 self.num_unmatched += 1
                 continue
             phases = span_phases(a, b)

@@ -21,12 +21,12 @@ def _passes(num: int, seed: int) -> list[PassMarks]:
     t, out = 0.0, []
     for i in range(num):
         marks = []
-        for _ in range(10):
+        for _ in range(11):
             t += rng.uniform(0.0, 0.004)
             marks.append(t)
-        admit, step, entered, scheduled, dispatched, collected, returned, finished, committed, logged = marks
-        out.append(PassMarks(admit, step, StepMarks(entered, scheduled, dispatched, collected, returned, i + 1),
-                             finished, committed, logged))
+        admit, step, entered, scheduled, dispatched, collected, applied, returned, finished, committed, logged = marks
+        out.append(PassMarks(admit, step, StepMarks(entered, scheduled, dispatched, collected, applied, returned,
+                                                    i + 1), finished, committed, logged))
     return out
 
 
@@ -49,18 +49,24 @@ def test_a_gap_is_charged_to_the_phases_between_the_two_dispatches_around_it():
     assert abs(total - 1e3 * (passes[-1].engine.dispatched - passes[0].engine.dispatched)) < 0.05
 
 
-def test_gaps_beyond_the_kept_passes_or_after_a_pass_without_a_step_are_counted_unmatched():
-    passes = _passes(20, seed=5)
+def test_a_gap_after_a_pass_that_dispatched_nothing_is_unmatched_and_no_span_crosses_it():
+    """The engine ran dry (the last rows finishing, a dealt feed waiting for its next unit): the pass that only
+    collected dispatches nothing, and the next dispatch comes after an unbounded wait. Neither the span across it
+    nor a gap before the next step is charged to the host's phases."""
+    passes = _passes(14, seed=5)  # pass i dispatches step i + 1
     trace = IdleTrace()
-    dry = passes[10]._replace(engine=passes[10].engine._replace(step_index=None))  # the engine ran dry
-    for p in passes[:10] + [dry]:
+    for p in passes[:10]:  # steps 1-10, a gap before step 10 taken one pass later as the loop does
         trace.add_pass(p)
-    trace.add_gaps([(2, "mixed", 0.004)])  # its passes have left the window of recent passes
-    trace.add_gaps([(10, "decode", 0.003)])  # matched: passes 9 and 10 are kept
-    trace.add_gaps([(11, "decode", 0.005)])  # step 11's pass dispatched nothing
+    trace.add_gaps([(10, "decode", 0.003)])
+    dry = passes[10]._replace(engine=passes[10].engine._replace(step_index=None))
+    trace.add_pass(dry)  # collects step 10, dispatches nothing
+    resumed = [p._replace(engine=p.engine._replace(step_index=p.engine.step_index - 1)) for p in passes[11:]]
+    for p in resumed:  # steps 11-13, after the wait
+        trace.add_pass(p)
+        trace.add_gaps([(p.engine.step_index, "mixed", 0.5)] if p.engine.step_index == 11 else [])
     s = trace.summary()
-    assert (s["num_gaps_over_1ms"], s["num_gaps_unmatched"]) == (1, 2)
-    assert s["idle_s_in_gaps"] == 0.003
+    assert (s["num_gaps_over_1ms"], s["num_gaps_unmatched"]) == (1, 1) and s["idle_s_in_gaps"] == 0.003
+    assert s["num_spans"] == 9 + 2  # 1-2 ... 9-10, then 11-12 and 12-13: none across the dry pass
 
 
 def test_the_longest_gaps_are_kept_longest_first_and_bounded():
