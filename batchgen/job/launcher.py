@@ -54,6 +54,7 @@ def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
     distributed/plan.py); after another rank of its group failed, rank 0 gets SIGTERM (commit what is finished)
     and the same grace."""
     kill_at: dict[int, float] = {}  # group -> when its ranks still running are killed
+    stopped: set[int] = set()  # groups whose rank 0 the launcher signalled after another rank failed
     term_at: dict[int, float] = {}  # group -> when its rank 0, still running after another rank failed, gets SIGTERM
     while any(p.poll() is None for group in groups for p in group):
         for g, group in enumerate(groups):
@@ -70,13 +71,22 @@ def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
                 elif time.monotonic() >= term_at[g]:
                     del term_at[g]
                     leader.send_signal(signal.SIGTERM)
+                    stopped.add(g)
             if g in kill_at and time.monotonic() >= kill_at[g]:
                 for p in group:
                     if p.poll() is None:
                         p.kill()
+                        if p is leader:
+                            stopped.add(g)
         time.sleep(0.1)
     codes = [[p.wait() for p in group] for group in groups]
-    return [c[0] if c[0] != 0 else next((x for x in c[1:] if x != 0), 0) for c in codes]
+    # a group's code: its rank 0's, else its first failed rank's; where the launcher itself stopped rank 0 after
+    # another rank failed, that rank's code (rank 0's 143 or -9 would read as an outside stop)
+    out = []
+    for g, c in enumerate(codes):
+        failed_other = next((x for x in c[1:] if x != 0), 0)
+        out.append(failed_other if g in stopped and failed_other else c[0] if c[0] != 0 else failed_other)
+    return out
 
 
 def _signal_name(signum: int) -> str:

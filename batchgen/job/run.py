@@ -25,7 +25,7 @@ from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition
-from batchgen.output.temp_file import removed_on_failure
+from batchgen.output.temp_file import write_text_atomic
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
@@ -96,14 +96,8 @@ def refuse_names_taken_before_marking(out_dir: Path) -> None:
 
 def write_resolved_job(out_dir: Path, spec: JobSpec) -> None:
     refuse_a_users_resolved_job(out_dir)
-    _write_atomic(out_dir / layout.RESOLVED_JOB_FILE,
+    write_text_atomic(out_dir / layout.RESOLVED_JOB_FILE,
                   layout.RESOLVED_JOB_HEADER + yaml.safe_dump(spec.model_dump(by_alias=True), sort_keys=False))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    with removed_on_failure(path.with_name(f".{path.name}.tmp{os.getpid()}"), path) as tmp:
-        tmp.write_text(text)
-        os.replace(tmp, path)
 
 
 def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:
@@ -210,7 +204,7 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
             print(f"batchgen: {loop.worker.why_no_rows()}", file=sys.stderr)
         reports = out_dir / "reports"
         reports.mkdir(exist_ok=True)
-        _write_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
+        write_text_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
         if spec.output.report and result.interrupted_by is None:
             write_report_or_say_why(out_dir)
         lock.remove()  # a finished worker leaves no lock file behind (a waiting start opens a new one)

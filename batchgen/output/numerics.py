@@ -19,6 +19,8 @@ import os
 import platform
 from pathlib import Path
 
+from batchgen.output.temp_file import removed_on_failure
+
 FILE = "numerics.json"
 
 
@@ -51,18 +53,16 @@ def record_or_compare(out_dir: Path, stack: dict[str, str]) -> str | None:
     stack, or just recorded)."""
     path = out_dir / FILE
     if not path.exists():
-        tmp = out_dir / f".{FILE}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(stack, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-            return None
-        except FileExistsError:  # another worker recorded its stack first: compare with it
-            pass
-        finally:
-            tmp.unlink()
+        with removed_on_failure(out_dir / f".{FILE}.{os.getpid()}.tmp", path) as tmp:
+            with open(tmp, "w") as f:
+                json.dump(stack, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+                return None
+            except FileExistsError:  # another worker recorded its stack first: compare with it
+                pass
     try:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError):

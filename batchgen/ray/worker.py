@@ -22,6 +22,7 @@ from batchgen.job.workers import WorkerInfo
 from batchgen.output import layout
 from batchgen.output import manifest as mf
 from batchgen.output.lock import DirectoryLock, WorkerLock, check_partition
+from batchgen.output.temp_file import write_text_atomic
 from batchgen.ray.ranks import join_group, open_rendezvous
 from batchgen.ray.units import Unit, UnitFeed
 
@@ -86,9 +87,7 @@ class RayWorker:
             result = loop.run(self.stop_flag)
             reports = out_dir / "reports"
             reports.mkdir(exist_ok=True)
-            tmp = reports / f".{tag}.json.tmp{os.getpid()}"
-            tmp.write_text(json.dumps(result.report, indent=2))
-            os.replace(tmp, reports / f"{tag}.json")
+            write_text_atomic(reports / f"{tag}.json", json.dumps(result.report, indent=2))
             lock.remove()
             return {"slot": self.slot, "rows_committed": result.rows_committed, "rows_rejected": result.rows_rejected,
                     "rows_skipped": result.rows_skipped, "interrupted_by": result.interrupted_by,

@@ -182,3 +182,18 @@ def test_the_launcher_ends_a_groups_other_ranks_at_once_when_its_rank_0_failed(m
     ended_well = [_Rank(0), _Rank(0, ends_after=20)]
     assert launcher._wait_groups([failed, ended_well]) == [2, 0]
     assert failed[1].returncode == -9 and ended_well[1].returncode == 0
+
+
+def test_a_group_whose_rank_0_the_launcher_stopped_after_another_rank_failed_exits_with_that_ranks_code(
+        monkeypatch):
+    """Rank 1 fails (exit 1) while rank 0 waits in a collective: the launcher sends rank 0 SIGTERM, then kills it
+    (-9). The group's code is rank 1's 1, not the -9 (exit 137) of the launcher's own kill."""
+    from batchgen.job import launcher
+
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    monkeypatch.setattr(launcher, "RANK_GRACE_S", 0.0)
+    monkeypatch.setattr(launcher, "TERM_DELAY_S", 0.0)
+    stuck, failed = _Rank(None), _Rank(1)
+    assert launcher._wait_groups([[stuck, failed]]) == [1]
+    assert stuck.returncode == -9 and stuck.signals
+    assert launcher.exit_code(launcher._wait_groups([[_Rank(3), _Rank(1)]])) == 3  # a failing rank 0's own code

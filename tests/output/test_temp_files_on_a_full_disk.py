@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.job import run as run_mod
+from batchgen.output.temp_file import write_text_atomic
 from batchgen.output import fingerprint, layout
 
 
@@ -34,7 +34,7 @@ def test_a_full_disk_leaves_no_temporary_file_and_names_the_file_written(tmp_pat
         if what == "marker":
             write, final = (lambda: layout.write_marker(tmp_path)), tmp_path / layout.MARKER_FILE
         else:
-            write, final = (lambda: run_mod._write_atomic(tmp_path / "job.resolved.yaml", "x: 1\n" * 100)), \
+            write, final = (lambda: write_text_atomic(tmp_path / "job.resolved.yaml", "x: 1\n" * 100)), \
                 tmp_path / "job.resolved.yaml"
     with pytest.raises(OSError) as e:
         write()
