@@ -11,6 +11,7 @@ rebuilds it at any time; shards no manifest names (a crash's leftovers) are not 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -73,19 +74,42 @@ def collect(out_dir: Path) -> dict[str, Any]:
     return stats
 
 
+# What the card's throughput table shows of each worker's run report (every run writes all of them), and what
+# each must be: a status text, or a number that is finite and not negative.
+RUN_REPORT_KEYS = {"status": "text", "rows_committed": "number", "generated_tokens": "number", "wall_s": "number",
+                   "setup_s": "number"}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def _runs(out_dir: Path) -> list[dict[str, Any]]:
-    """Each worker's latest run report: its rows, tokens, wall time and rate."""
+    """Each worker's latest run report: its rows, tokens, wall time and rate.
+
+    A report that lacks one of RUN_REPORT_KEYS, or holds a value of the wrong kind there (null, text for a
+    number), is damaged: a JobError (exit 2) naming the file and the key, like a report that is not JSON. It is
+    not skipped: the card states each worker's throughput, and a card that quietly leaves a worker out (or shows
+    its tokens as blank) would read as a complete account when it is not; the user decides (delete the report and
+    the card is written without that worker, or the worker's next run writes it again). At the end of `batchgen
+    run` the rows are committed already: the run reports this error and exits 0 (job/run.py
+    write_report_or_say_why)."""
     runs = []
     for path in sorted((out_dir / "reports").glob("w*.json")):
-        r = load_json(path, f"delete it (worker {path.stem}'s next run writes it again) and run `batchgen "
-                            f"report {out_dir}` again")
+        fix = (f"delete it (worker {path.stem}'s next run writes it again) and run `batchgen report {out_dir}` "
+               f"again")
+        r = load_json(path, fix)
         if not isinstance(r, dict):
-            raise JobError(f"{path} is damaged (not a JSON object): delete it (worker {path.stem}'s next run "
-                           f"writes it again) and run `batchgen report {out_dir}` again")
-        runs.append({"worker": path.stem, "status": r.get("status"), "rows_committed": r.get("rows_committed"),
-                     "generated_tokens": r.get("generated_tokens"), "wall_s": r.get("wall_s"),
-                     "setup_s": r.get("setup_s"),
-                     "tok_s": round(r["generated_tokens"] / r["wall_s"], 1) if r.get("wall_s") else None})
+            raise JobError(f"{path} is damaged (not a JSON object): {fix}")
+        for key, kind in RUN_REPORT_KEYS.items():
+            if key not in r:
+                raise JobError(f"{path} is damaged (no {key!r} key; every run report has one): {fix}")
+            if not (isinstance(r[key], str) if kind == "text" else _is_count(r[key])):
+                raise JobError(f"{path} is damaged ({key!r} is {json.dumps(r[key])[:60]}, not a "
+                               f"{'text' if kind == 'text' else 'number of 0 or more'}): {fix}")
+        runs.append({"worker": path.stem, "status": r["status"], "rows_committed": r["rows_committed"],
+                     "generated_tokens": r["generated_tokens"], "wall_s": r["wall_s"], "setup_s": r["setup_s"],
+                     "tok_s": round(r["generated_tokens"] / r["wall_s"], 1) if r["wall_s"] else None})
     return runs
 
 

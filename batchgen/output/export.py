@@ -12,6 +12,10 @@ order and the result says so. Only committed shards count (a crash's leftovers a
 anything is written: size, SHA-256, row count, keys (output/shard_check.py); a damaged output, or one where a row
 key is in two records, stops the export naming the file (exit 2), so no row is ever exported twice or short.
 
+`--to` and `--errors` must name two different files (not folders), outside the output and the job's source; each
+is refused otherwise (exit 2) before anything is written. A file is written under a temporary name and renamed
+when whole (both files written before either is renamed); an export that fails leaves no temporary file behind.
+
 JSON has no NaN or Infinity: in `jsonl` and `openai` exports a float that is NaN, Infinity or -Infinity (a kept
 input column, a logprob of -inf) is written as null. `parquet` keeps them as they are.
 """
@@ -169,17 +173,62 @@ def _openai_lines(table: pa.Table, key_name: str, times: np.ndarray, spec) -> li
     return lines
 
 
-def _write_lines(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        for line in lines:
-            f.write(line + "\n")
-    os.replace(tmp, path)
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _write_all(files: list[tuple[Path, Any]]) -> None:
+    """Write each (path, write) whole: `write(tmp)` fills a temporary file next to `path`, and only when every
+    one is written are they renamed over their paths. On any failure (a full disk, a rename onto a folder, Ctrl-C)
+    every temporary file is removed and the error raised: a failed export leaves no hidden copy behind, and one
+    that fails while writing `--errors` has not replaced `--to` either."""
+    tmps = [_tmp(path) for path, _ in files]
+    try:
+        for tmp, (_, write) in zip(tmps, files):
+            write(tmp)
+        for tmp, (path, _) in zip(tmps, files):
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+def _lines_writer(lines: list[str]):
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            for line in lines:
+                f.write(line + "\n")
+    return write
+
+
+def _refuse_same_file(to: Path, errors: Path | None) -> None:
+    """JobError when --to and --errors name one file (the same path, another spelling of it, or a symbolic link
+    to it): the error lines would replace the results."""
+    if errors is None:
+        return
+    if to.expanduser().resolve() == errors.expanduser().resolve() or _same_existing_file(to, errors):
+        raise JobError(f"--to {to} and --errors {errors} name the same file: the error lines would replace the "
+                       f"results. Give --errors another file, or leave --errors out to put the error lines into "
+                       f"--to")
+
+
+def _same_existing_file(a: Path, b: Path) -> bool:
+    """Both exist and are one file (a hard link; two spellings on a case-insensitive file system)."""
+    try:
+        return os.path.samefile(a.expanduser(), b.expanduser())
+    except OSError:  # one of them does not exist yet: resolve() compared the paths
+        return False
 
 
 def _refuse_destination(option: str, dest: Path, out_dir: Path, spec) -> None:
     """JobError when an export would write over what it reads: a file inside the output (its own shards,
-    manifests) or the job's source (a file it names, or a file inside a folder it names)."""
+    manifests) or the job's source (a file it names, or a file inside a folder it names), or cannot write at all:
+    `dest` is a folder, or its folder does not exist."""
+    if dest.expanduser().is_dir():
+        raise JobError(f"{option} {dest} is a folder: name the file to write, not a folder")
+    if not dest.expanduser().parent.is_dir():
+        raise JobError(f"{option} {dest}: the folder {dest.expanduser().parent} does not exist: create it, or name a "
+                       f"file in a folder that exists")
     dest = dest.expanduser().resolve()
     if dest.is_relative_to(out_dir.resolve()):
         raise JobError(f"{option} {dest} lies inside the output {out_dir}, whose files export reads: write it "
@@ -196,13 +245,15 @@ def _refuse_destination(option: str, dest: Path, out_dir: Path, spec) -> None:
 def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_source=None) -> ExportResult:
     """`open_source` (sources.open_source, given by the caller: output/ sits below sources/) reads the job's source
     again for the rows' source order; None: commit order."""
-    out_dir, to = Path(out_dir), Path(to)
+    out_dir, to = Path(out_dir), Path(to).expanduser()  # the checks below and the write name the same file
+    errors = Path(errors).expanduser() if errors is not None else None
     if fmt not in FORMATS:
         raise JobError(f"--format {fmt!r}: one of {', '.join(FORMATS)}")
     if errors is not None and fmt != "openai":
         raise JobError("--errors is for --format openai (the other formats hold completion rows only)")
     if not (out_dir / mf.MANIFEST_DIR).is_dir():
         raise JobError(f"{out_dir} is not a batchgen output directory (it has no manifest/ folder)")
+    _refuse_same_file(to, errors)  # before anything is read or written
     refuse_pending_fresh(out_dir)
     spec = _spec(out_dir)
     for option, dest in (("--to", to), ("--errors", errors)):
@@ -214,14 +265,12 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_s
     if fmt == "parquet":
         if table is None:
             raise JobError(f"{out_dir} has no committed completion rows to export")
-        tmp = to.with_name(f".{to.name}.{os.getpid()}.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, to)
+        _write_all([(to, lambda tmp: pq.write_table(table, tmp))])
         result.num_rows = table.num_rows
         return result
     if fmt == "jsonl":
         rows = table.to_pylist() if table is not None else []
-        _write_lines(to, [_json(r) for r in rows])
+        _write_all([(to, _lines_writer([_json(r) for r in rows]))])
         result.num_rows = len(rows)
         return result
     lines = _openai_lines(table, key_name, times, spec) if table is not None else []
@@ -230,8 +279,7 @@ def export(out_dir: Path, fmt: str, to: Path, errors: Path | None = None, open_s
                    for key, r in _rejects(ledger)]
     result.num_rows, result.num_errors = len(lines), len(error_lines)
     if errors is None:
-        _write_lines(to, lines + error_lines)
+        _write_all([(to, _lines_writer(lines + error_lines))])
     else:
-        _write_lines(to, lines)
-        _write_lines(errors, error_lines)
+        _write_all([(to, _lines_writer(lines)), (errors, _lines_writer(error_lines))])
     return result

@@ -19,10 +19,28 @@ import pyarrow.parquet as pq
 from batchgen.output.manifest import committed_shards
 
 
+# The fields of a throughput-log record the plot reads: `time` and `elapsed_s` in every record, the others where
+# the record has them (older logs lack some).
+REQUIRED_FIELDS = ("time", "elapsed_s")
+PLOTTED_FIELDS = ("num_generated_tokens", "generated_tokens", "num_running", "num_waiting", "kv_cache_usage")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_record(record) -> bool:
+    """A JSON object whose fields the plot reads are finite numbers: `time` and `elapsed_s` present, the others
+    absent or numbers (a null, a text, NaN or Infinity there makes the whole record damaged)."""
+    return isinstance(record, dict) and all(_number(record.get(k)) for k in REQUIRED_FIELDS) \
+        and all(_number(record[k]) for k in PLOTTED_FIELDS if k in record)
+
+
 def _read_log(path: Path) -> tuple[list[dict], int]:
-    """A throughput log's records, and how many complete lines are not records (damaged: skipped). Read as bytes
-    line by line: a damaged line (NUL bytes, an edit) costs its own point only. The text after the last newline
-    is a line cut by a crash, or empty."""
+    """A throughput log's records, and how many complete lines are not records (damaged: skipped): not JSON, or
+    a field the plot reads null or not a number (_is_record). Read as bytes line by line: a damaged line (NUL
+    bytes, an edit) costs its own point only. The text after the last newline is a line cut by a crash, or
+    empty."""
     records, damaged = [], 0
     *lines, tail = path.read_bytes().split(b"\n")
     for line in [*lines, tail]:
@@ -31,8 +49,7 @@ def _read_log(path: Path) -> tuple[list[dict], int]:
         except ValueError:
             damaged += line is not tail
             continue
-        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)) \
-                and isinstance(record.get("elapsed_s"), (int, float)):
+        if _is_record(record):
             records.append(record)
         else:
             damaged += 1
@@ -54,8 +71,9 @@ def log_notes(out_dir: Path) -> list[str]:
     for path in sorted((out_dir / "logs").glob("throughput-w*.jsonl")):
         _, damaged = _read_log(path)
         if damaged:
-            notes.append(f"logs/{path.name}: {damaged} damaged lines (not JSON records) left out of the throughput "
-                         f"plot; the log is diagnostics only, the committed rows are not affected")
+            notes.append(f"logs/{path.name}: {damaged} damaged lines (not JSON records, or a field the plot reads "
+                         f"is null or not a number) left out of the throughput plot; the log is diagnostics only, "
+                         f"the committed rows are not affected")
     return notes
 
 
