@@ -457,5 +457,6 @@ class JobLoop:
             "triton_builds": {"setup": self.engine_builds, "loop": t.builds, "not_listed": t.builds_dropped},
             "rows_s": round(t.rows_done / max(wall_s, 1e-9), 3),
             "finish_reasons": t.finish_reasons, "rejects_by_class": t.rejects_by_class,
-            "engine": self._stats(), "idle_gaps": self.idle_trace.summary(), "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
+            "engine": self._stats(), "idle_gaps": self.idle_trace.summary(),
+            "peak_rss_mib": round(peak_rss_mib(), 1), "time": time.time(),
         }
