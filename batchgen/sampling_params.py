@@ -16,6 +16,12 @@ PositiveInt = Annotated[int, Field(gt=0)]
 # max_position_embeddings) bounds it further, checked where the config is read (the engine, validate, run).
 MAX_NEW_TOKENS = 1 << 24
 MAX_LOGPROBS = 20  # top log-probs per position (vLLM's and OpenAI's limit)
+# A temperature other than 0 within these bounds: the sampler divides float32 logits by it, and beyond them the
+# quotients overflow (1e-40 made every positive logit +inf: ties drawn as token 0; 1e39 or .inf: NaN logits that
+# broke response_format, min_new_tokens and top_k). Below MIN_TEMPERATURE a draw is greedy anyway; above
+# MAX_TEMPERATURE it is uniform over the allowed tokens.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e5
+MAX_REPETITION_PENALTY = 1e5  # positive logits divided, negative multiplied by it: float32 overflows beyond
 
 
 # structured output
@@ -81,7 +87,9 @@ class SamplingParams(BaseModel):
         "only (needs prompt_logprobs: true)."))
     min_new_tokens: Annotated[int, Field(ge=0)] = Field(0, description=(
         "EOS and stop_token_ids cannot end a completion before this many tokens."))
-    temperature: Annotated[float, Field(ge=0)] = Field(0.7, description="Softmax temperature; 0 is greedy.")
+    temperature: Annotated[float, Field(ge=0)] = Field(0.7, description=(
+        "Softmax temperature: 0 is greedy, else between 1e-5 and 1e5 (the float32 logits divided by it stay in "
+        "range)."))
     top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description=(
         "Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p; 1.0 turns it "
         "off."))
@@ -91,7 +99,7 @@ class SamplingParams(BaseModel):
         "Drop tokens whose probability is below min_p times the most likely token's; 0.0 turns it off."))
     repetition_penalty: Annotated[float, Field(gt=0)] = Field(1.0, description=(
         "Divide positive logits (multiply negative ones) of tokens already in the prompt or the completion by "
-        "this value (transformers' and vLLM's definition); 1.0 turns it off."))
+        "this value (transformers' and vLLM's definition), between 1e-5 and 1e5; 1.0 turns it off."))
     # OpenAI's penalties, as vLLM applies them
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = Field(0.0, description=(
         "Subtract this once from the logit of every token the completion already holds (OpenAI's definition; "
@@ -145,6 +153,29 @@ class SamplingParams(BaseModel):
     def _non_empty_stops(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_in_float_range(cls, value: float) -> float:
+        if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+            raise ValueError(f"{value} is neither 0 (greedy) nor between {MIN_TEMPERATURE:g} and "
+                             f"{MAX_TEMPERATURE:g}: the logits divided by it leave float32's range")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty_in_float_range(cls, value: float) -> float:
+        if not 1 / MAX_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"{value} is not between {1 / MAX_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} "
+                             f"(1.0 turns it off): the logits divided or multiplied by it leave float32's range")
+        return value
+
+    @field_validator("max_new_tokens", "min_new_tokens", "n", "seed", "top_k", "thinking_budget", mode="before")
+    @classmethod
+    def _a_count_is_no_boolean(cls, value, info):
+        if isinstance(value, bool):  # `n: true` would silently mean 1
+            raise ValueError(f"{info.field_name} takes a number, not {str(value).lower()}")
         return value
 
     @field_validator("logprobs", mode="before")

@@ -18,6 +18,7 @@ from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
 from batchgen.prompts import PromptRenderer, RowError
+from batchgen.output import generation_columns as gen
 from batchgen.sources import Source, open_source, refuse_ignored_keys
 
 
@@ -47,6 +48,8 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     source_line = len(lines)  # its row count is known only once the rows are read (JSONL: counted below)
     lines.append("")
     tokenizer, config = tokenizer_and_config(spec)
+    # output.reasoning's markers and sampling.thinking_budget's, refused here as run refuses them (job/loop.py)
+    gen.budget_markers(spec, tokenizer, gen.resolve_markers(spec, tokenizer))
     max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it
     lines += _model_lines(spec, config)
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)

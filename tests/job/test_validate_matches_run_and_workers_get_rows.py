@@ -190,3 +190,19 @@ def test_validate_counts_a_jsonl_source_longer_than_its_sample_by_the_key_scan(t
     assert "; 9 rows; columns:" in audit(spec, sample_rows=4)  # the key scan reads every row
     no_key = spec.model_copy(update={"source": spec.source.model_copy(update={"key_column": None})})
     assert "; more than 4 rows (the first 4 rendered); columns:" in audit(no_key, sample_rows=4)
+
+
+@pytest.mark.parametrize("sections", [
+    {"sampling": {"thinking_budget": 2}},  # the tokenizer has no <think> / </think>
+    {"sampling": {"thinking_budget": 2}, "output": {"reasoning": "auto"}},
+    {"sampling": {"thinking_budget": 2}, "output": {"reasoning": {"start": "<>", "end": "STOP"}}},  # 2-token end
+], ids=["no-markers", "auto", "two-token-end"])
+def test_validate_refuses_a_thinking_budget_without_usable_markers_as_run_does(tmp_path, tiny_model_dir,
+                                                                               sections):
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"}, **sections)
+    runner = CliRunner()
+    validated = runner.invoke(app, ["validate", str(job)])
+    ran = runner.invoke(app, ["run", str(job), "--no-progress"])
+    assert validated.exit_code == ran.exit_code == 2
+    assert "sampling.thinking_budget needs" in validated.output and "sampling.thinking_budget needs" in ran.output
