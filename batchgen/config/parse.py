@@ -152,7 +152,9 @@ def apply_override(raw: dict, assignment: str) -> None:
     parts = path.strip().split(".")
     node = raw
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or written empty (`sampling:`) or null: the override starts it
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise JobError(f"--set {assignment!r}: '{p}' is not a section")
     node[parts[-1]] = load_yaml(text, f"--set {assignment!r}: the value") if text.strip() else ""

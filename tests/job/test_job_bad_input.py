@@ -255,3 +255,21 @@ def test_a_run_with_a_thousand_shards_loads_with_datasets(job, tmp_path):
     assert len(files) >= 1000
     ds = datasets.load_dataset("parquet", data_files=files, split="train")
     assert ds.num_rows == 1000 and len(set(ds["id"])) == 1000
+
+
+def test_a_set_into_a_section_written_empty_or_null_fills_it(tmp_path, tiny_model_dir):
+    """`sampling:` written empty, or `response_format: null`: --set sampling.temperature=0 and --set
+    sampling.response_format.type=json_object set the key (they said "'sampling' is not a section")."""
+    from batchgen.errors import JobError
+    from batchgen.job.job_file import load_spec
+
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(2))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{path: {tiny_model_dir}}}\nsource: {{path: rows.jsonl}}\n"
+                   f"prompt: {{template: '{{{{ topic }}}}'}}\nsampling:\n")
+    assert load_spec(job, ["sampling.temperature=0"]).sampling.temperature == 0
+    job.write_text(job.read_text() + "  response_format: null\n")
+    spec = load_spec(job, ["sampling.response_format.type=json_object"])
+    assert spec.sampling.response_format.type == "json_object"
+    with pytest.raises(JobError, match="'temperature' is not a section"):
+        load_spec(job, ["sampling.temperature=0", "sampling.temperature.x=1"])  # a value is still no section
