@@ -89,6 +89,8 @@ class IdleTrace:
 
     def add_gaps(self, gaps: list[tuple[int, str, float]]) -> None:
         """Gaps over 1 ms (step index, kind, idle seconds: StepTiming.take_gaps), each charged to its span."""
+        if not gaps:  # most passes: nothing to match
+            return
         passes = list(self._passes)
         span = {_index(b): (a, b) for a, b in zip(passes, passes[1:]) if _consecutive(a, b)}
         for index, kind, idle_s in gaps:

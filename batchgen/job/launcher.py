@@ -82,11 +82,8 @@ def _wait_groups(groups: list[list[subprocess.Popen]]) -> list[int]:
     codes = [[p.wait() for p in group] for group in groups]
     # a group's code: its rank 0's, else its first failed rank's; where the launcher itself stopped rank 0 after
     # another rank failed, that rank's code (rank 0's 143 or -9 would read as an outside stop)
-    out = []
-    for g, c in enumerate(codes):
-        failed_other = next((x for x in c[1:] if x != 0), 0)
-        out.append(failed_other if g in stopped and failed_other else c[0] if c[0] != 0 else failed_other)
-    return out
+    first_failed = [next((x for x in c[1:] if x != 0), 0) for c in codes]
+    return [c[0] if c[0] != 0 and g not in stopped else first_failed[g] or c[0] for g, c in enumerate(codes)]
 
 
 def _signal_name(signum: int) -> str:

@@ -22,6 +22,7 @@ input column, a logprob of -inf) is written as null. `parquet` keeps them as the
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -41,6 +42,7 @@ from batchgen.output import manifest as mf
 from batchgen.output.layout import refuse_pending_fresh, resolved_job_path
 from batchgen.output.ledger import Ledger
 from batchgen.output.shard_check import read_checked
+from batchgen.output.temp_file import removed_on_failure
 
 FORMATS = ("openai", "jsonl", "parquet")
 OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length"}
@@ -182,15 +184,12 @@ def _write_all(files: list[tuple[Path, Any]]) -> None:
     one is written are they renamed over their paths. On any failure (a full disk, a rename onto a folder, Ctrl-C)
     every temporary file is removed and the error raised: a failed export leaves no hidden copy behind, and one
     that fails while writing `--errors` has not replaced `--to` either."""
-    tmps = [_tmp(path) for path, _ in files]
-    try:
+    with contextlib.ExitStack() as stack:
+        tmps = [stack.enter_context(removed_on_failure(_tmp(path), path)) for path, _ in files]
         for tmp, (_, write) in zip(tmps, files):
             write(tmp)
         for tmp, (path, _) in zip(tmps, files):
             os.replace(tmp, path)
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
 
 
 def _lines_writer(lines: list[str]):

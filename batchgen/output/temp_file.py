@@ -1,5 +1,5 @@
 """How batchgen's small whole-file writes in an output folder (the marker, the resolved job, the fingerprint, the
-numerics record, the workers' reports) handle their temporary files: a write that fails (a full disk, a quota)
+numerics record, the workers' reports, exports) handle their temporary files: a write that fails (a full disk, a quota)
 leaves no temporary file in the user's output folder, and its error names the file being written (a bare
 "[Errno 28] No space left on device" said nothing of where)."""
 
