@@ -34,7 +34,10 @@ def connect(ray, workers: int | str, ranks_per_worker: int = 1) -> bool:
     local = {} if address is not None or workers == "auto" else \
         {"num_cpus": max(os.cpu_count() or 1, int(workers) * ranks_per_worker)}
     try:
-        ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
+        # without RAY_ADDRESS, "local": a new local instance (Ray's own default would join any instance it finds
+        # on this machine, and refuse num_cpus there with a ValueError)
+        ray.init(address=address or "local", include_dashboard=False, configure_logging=False, log_to_driver=True,
+                 **local)
     except ConnectionError as e:
         raise JobError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {e}") from None
     return True

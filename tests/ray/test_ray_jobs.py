@@ -51,7 +51,7 @@ def setup(tmp_path_factory, tiny_model_dir):
 def ray_here():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 

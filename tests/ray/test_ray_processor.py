@@ -29,7 +29,7 @@ VARIES = ("num_cached_tokens",)
 
 @pytest.fixture(scope="module")
 def ray_here():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 
