@@ -115,7 +115,8 @@ class JobLoop:
         self.reasoning = gen.resolve_markers(spec, tokenizer)  # output.reasoning: None keeps `completion` whole
         self.think_markers = gen.budget_markers(spec, tokenizer, self.reasoning)  # sampling.thinking_budget's
         self.schema = OutputSchema.build(spec, self.source.schema, reasoning=self.reasoning is not None)
-        self.row_sampling = RowSampling(spec, self.source.columns)  # the job's `sampling:`, or a row's own
+        # the job's `sampling:`, or a row's own
+        self.row_sampling = RowSampling(spec, self.source.columns, config.get_text_config().vocab_size)
         self.engine = None  # built by _engine() on the first row that needs it
         self.held_engine_errors: list[tuple] = []  # (key, position, message): "engine_error" rows since the last
         # row generated, not yet handed to the writer (MAX_CONSECUTIVE_ENGINE_ERRORS says why)

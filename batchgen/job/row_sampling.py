@@ -28,8 +28,11 @@ JOB_WIDE = ("logprobs", "prompt_logprobs")
 
 
 class RowSampling:
-    def __init__(self, spec: JobSpec, columns: list[str]) -> None:
+    def __init__(self, spec: JobSpec, columns: list[str], vocab_size: int | None = None) -> None:
+        """`vocab_size`: the model's, to reject a row's logit_bias / stop_token_ids ids it lacks (None: unchecked
+        here; the engine still refuses them when the row is added)."""
         self.column = spec.source.sampling_column
+        self.vocab_size = vocab_size
         self.job = spec.sampling
         self.max_samples_per_row = spec.limits.max_samples_per_row
         if self.column is not None and self.column not in columns:
@@ -113,6 +116,11 @@ class RowSampling:
         if params.n > self.max_samples_per_row:
             raise RowError("bad_sampling", f"{where}: n {params.n} is above limits.max_samples_per_row "
                                            f"({self.max_samples_per_row}); raise the limit in the job file to allow it")
+        if self.vocab_size is not None:
+            try:
+                params.check_vocab(self.vocab_size)
+            except ValueError as e:
+                raise RowError("bad_sampling", f"{where}: {e}") from None
         changed = [k for k in JOB_WIDE if getattr(params, k) != getattr(self.job, k)]
         if changed:
             raise RowError("bad_sampling", f"{where}: {', '.join(changed)} decide the output columns: set them "

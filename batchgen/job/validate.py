@@ -44,10 +44,11 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     refuse_ignored_keys(spec.source)
     source = open_source(spec.source)
     schema = OutputSchema.build(spec, source.schema)  # output.keep_columns against the source's columns, as run
-    row_sampling = RowSampling(spec, source.columns)  # source.sampling_column, sampling.response_format_column
     source_line = len(lines)  # its row count is known only once the rows are read (JSONL: counted below)
     lines.append("")
     tokenizer, config = tokenizer_and_config(spec)
+    # source.sampling_column, sampling.response_format_column; a row's token ids the model lacks, as run rejects them
+    row_sampling = RowSampling(spec, source.columns, config.get_text_config().vocab_size)
     # output.reasoning's markers and sampling.thinking_budget's, refused here as run refuses them (job/loop.py)
     gen.budget_markers(spec, tokenizer, gen.resolve_markers(spec, tokenizer))
     max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it

@@ -175,6 +175,7 @@ class BatchGenerator:
         self.spec = spec = JobSpec.model_validate(spec_data)
         _, config = tokenizer_and_config(spec)
         self.max_prompt_tokens = preflight.max_prompt_tokens(spec, config)  # its refusals before any weight loads
+        self.vocab_size = config.get_text_config().vocab_size  # a row's logit_bias / stop_token_ids checked against it
         self.engine = None
         self._build_engine()
         self.tokenizer = self.engine.tokenizer  # the one the job runner renders and decodes with
@@ -325,7 +326,7 @@ class BatchGenerator:
         schema = replace(schema, data=data)
         return _Columns(schema, pa.schema([*data, *ERROR_FIELDS]),
                         PromptRenderer(spec.prompt, self.tokenizer, names, self.max_prompt_tokens),
-                        RowSampling(spec, names))
+                        RowSampling(spec, names, self.vocab_size))
 
 
 def row_key(columns: dict[str, Any]) -> str:

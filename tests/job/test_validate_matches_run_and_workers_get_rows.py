@@ -206,3 +206,26 @@ def test_validate_refuses_a_thinking_budget_without_usable_markers_as_run_does(t
     ran = runner.invoke(app, ["run", str(job), "--no-progress"])
     assert validated.exit_code == ran.exit_code == 2
     assert "sampling.thinking_budget needs" in validated.output and "sampling.thinking_budget needs" in ran.output
+
+
+def test_a_rows_token_ids_outside_the_vocabulary_are_counted_by_validate_and_rejected_by_run(tmp_path,
+                                                                                             tiny_model_dir):
+    """A row's own logit_bias or stop_token_ids naming ids the model lacks: validate predicts the bad_sampling reject
+    run makes (it said nothing before), naming the field in run's message."""
+    rows = seed_rows(5)
+    overrides = [None, {"logit_bias": {"999999": 5}}, {"stop_token_ids": [3, 700000]}, {"logit_bias": {"7": 2}},
+                 {"max_new_tokens": 4}]
+    for r, o in zip(rows, overrides):
+        r["params"] = None if o is None else json.dumps(o)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "sampling_column": "params"})
+    validated = _cli("validate", job)
+    assert validated.exit_code == 0, validated.output
+    assert "rows that would be rejected in the sample: bad_sampling: 2" in validated.output
+    ran = _cli("run", job, "--no-progress")
+    assert ran.exit_code == 0, ran.output
+    rejects = {r["id"]: r for r in read_rows(tmp_path / "out", "rejects")}
+    assert {k: r["error_class"] for k, r in rejects.items()} == {"row-0001": "bad_sampling", "row-0002": "bad_sampling"}
+    assert "logit_bias: token ids [999999]" in rejects["row-0001"]["message"]
+    assert "stop_token_ids: token ids [700000]" in rejects["row-0002"]["message"]
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0003", "row-0004"]
