@@ -30,6 +30,7 @@ from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
 from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
+from batchgen.sample.grammar_checks import unenforced_warning
 from batchgen.sources import open_source, refuse_ignored_keys
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
@@ -116,7 +117,11 @@ class JobLoop:
         self.think_markers = gen.budget_markers(spec, tokenizer, self.reasoning)  # sampling.thinking_budget's
         self.schema = OutputSchema.build(spec, self.source.schema, reasoning=self.reasoning is not None)
         # the job's `sampling:`, or a row's own
-        self.row_sampling = RowSampling(spec, self.source.columns, config.get_text_config().vocab_size)
+        self.row_sampling = RowSampling(spec, self.source.columns, config.get_text_config().vocab_size,
+                                        warn=lambda w: print(w, file=sys.stderr))
+        warning = unenforced_warning(spec.sampling.response_format)  # structured output: keywords not enforced
+        if warning is not None:
+            print(warning, file=sys.stderr)
         self.engine = None  # built by _engine() on the first row that needs it
         self.held_engine_errors: list[tuple] = []  # (key, position, message): "engine_error" rows since the last
         # row generated, not yet handed to the writer (MAX_CONSECUTIVE_ENGINE_ERRORS says why)

@@ -14,6 +14,7 @@ its row as `bad_response_format`, with xgrammar's reason; each distinct value is
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,9 +29,12 @@ JOB_WIDE = ("logprobs", "prompt_logprobs")
 
 
 class RowSampling:
-    def __init__(self, spec: JobSpec, columns: list[str], vocab_size: int | None = None) -> None:
+    def __init__(self, spec: JobSpec, columns: list[str], vocab_size: int | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         """`vocab_size`: the model's, to reject a row's logit_bias / stop_token_ids ids it lacks (None: unchecked
-        here; the engine still refuses them when the row is added)."""
+        here; the engine still refuses them when the row is added). `warn`: told, once a run, of the first row
+        schema (response_format_column) using keywords xgrammar does not enforce; `num_unenforced` counts the
+        distinct ones."""
         self.column = spec.source.sampling_column
         self.vocab_size = vocab_size
         self.job = spec.sampling
@@ -45,6 +49,8 @@ class RowSampling:
             raise JobError(f"sampling.response_format_column {self.format_column!r} is not a column of the source; "
                            f"columns: {', '.join(columns)}")
         self._formats: dict[str, ResponseFormat] = {}
+        self.warn = warn
+        self.num_unenforced = 0
 
     def params_for(self, columns: dict[str, Any]) -> SamplingParams:
         """The row's sampling settings; RowError('bad_sampling' / 'bad_response_format') when a value is not
@@ -66,6 +72,7 @@ class RowSampling:
     def _response_format(self, value: Any) -> ResponseFormat | None:
         """The row's format, None for an empty object (the job's format applies); RowError when not usable."""
         from batchgen.sample.grammar import grammar_error
+        from batchgen.sample.grammar_checks import unenforced_warning
 
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
         rf = self._formats.get(text)
@@ -85,6 +92,11 @@ class RowSampling:
             raise RowError("bad_response_format", f"{where} is not a JSON Schema xgrammar can use: {reason}")
         if len(self._formats) < MAX_CACHED:
             self._formats[text] = rf
+        warning = unenforced_warning(rf, f"the schema in column {self.format_column!r} of a row (the first such)")
+        if warning is not None:
+            self.num_unenforced += 1
+            if self.warn is not None and self.num_unenforced == 1:
+                self.warn(warning)
         return rf
 
     def _sampling_for(self, columns: dict[str, Any]) -> SamplingParams:

@@ -14,6 +14,7 @@ from pathlib import Path
 from batchgen.errors import JobError
 from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
+from batchgen.sample.grammar_checks import UNENFORCED_KEYWORDS, unenforced_warning
 from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema
@@ -49,6 +50,9 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     tokenizer, config = tokenizer_and_config(spec)
     # source.sampling_column, sampling.response_format_column; a row's token ids the model lacks, as run rejects them
     row_sampling = RowSampling(spec, source.columns, config.get_text_config().vocab_size)
+    warning = unenforced_warning(spec.sampling.response_format)  # structured output: keywords not enforced
+    if warning is not None:
+        lines.append(warning.removeprefix("batchgen: "))
     # output.reasoning's markers and sampling.thinking_budget's, refused here as run refuses them (job/loop.py)
     gen.budget_markers(spec, tokenizer, gen.resolve_markers(spec, tokenizer))
     max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it
@@ -61,6 +65,10 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
             break
         sample.add(spec, row, renderer, tokenizer, row_sampling, max_prompt, show)
     lines += sample.lines(spec, max_prompt)
+    if row_sampling.num_unenforced:
+        lines.append(f"warning: {row_sampling.num_unenforced} distinct schema(s) of the sampled rows' "
+                     f"sampling.response_format_column {spec.sampling.response_format_column!r} use keywords xgrammar "
+                     f"does not enforce ({', '.join(UNENFORCED_KEYWORDS)}); completions may break them")
     lines.append(f"sampling: n={spec.sampling.n}, max_new_tokens={spec.sampling.max_new_tokens}, "
                  f"temperature={spec.sampling.temperature}, seed={spec.sampling.seed}"
                  + (f", response_format={spec.sampling.response_format.type}" if spec.sampling.response_format else "")

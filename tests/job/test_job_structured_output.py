@@ -115,3 +115,29 @@ def test_openai_batch_lines_response_format_json_object_and_json_schema_are_hono
     (bad,) = read_rows(tmp_path / "out", "rejects")
     assert bad["custom_id"] == "bad" and bad["error_class"] == "bad_sampling"
     assert "response_format.json_schema: xgrammar cannot use it" in bad["message"]
+
+
+def test_run_and_validate_name_the_schema_keywords_xgrammar_does_not_enforce(tmp_path, tiny_model_dir):
+    """A schema carrying `not` / `uniqueItems` runs (they are often documentation), but both commands say that the
+    completions are generated without them, naming where they sit; a row's schema is named once a run."""
+    rows = seed_rows(4)
+    for i, r in enumerate(rows):
+        r["schema"] = json.dumps({**SCHEMA, "not": {"required": [f"x{i}"]}}) if i % 2 else None
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    sampling={"max_new_tokens": 24, "response_format_column": "schema", "response_format": {
+                        "type": "json_schema", "json_schema": {
+                            "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True,
+                                                                  "items": {"type": "integer"}}}}}})
+    validated = runner.invoke(app, ["validate", str(job)])
+    assert validated.exit_code == 0, validated.output
+    assert ("warning: sampling.response_format.json_schema uses keywords xgrammar does not enforce: 'uniqueItems' "
+            "at /properties/t. Completions are generated as if they were absent") in validated.output
+    assert ("warning: 2 distinct schema(s) of the sampled rows' sampling.response_format_column 'schema' use "
+            "keywords xgrammar does not enforce") in validated.output
+    ran = _run(job)
+    assert ran.exit_code == 0, ran.output
+    assert ran.output.count("'uniqueItems' at /properties/t") == 1
+    assert ran.output.count("batchgen: warning: the schema in column 'schema' of a row (the first such) uses "
+                            "keywords xgrammar does not enforce: 'not' at /") == 1
+    assert len(read_rows(tmp_path / "out")) == 4
