@@ -208,6 +208,7 @@ def main(rows: int = 4000, seqs: str = "256,512", penalties: str = "1.0,1.1", ne
     job = write_job(work, model_dir, write_source(work, rows), new_tokens)
     report = {"gpu": torch.cuda.get_device_name(0), "copy_TBps": ceilings.copy_bytes_s / 1e12,
               "matmul_TFLOPs": ceilings.matmul_flop_s / 1e12,
+              "matmul_sustained_TFLOPs": ceilings.matmul_sustained_flop_s / 1e12,
               "fp8_matmul_TFLOPs": ceilings.fp8_matmul_flop_s and ceilings.fp8_matmul_flop_s / 1e12,
               "rows": rows, "new_tokens": new_tokens, "vocab_size": config.get_text_config().vocab_size,
               "geometry": geometry, "weights": weights, "job_sets": list(extra_sets), "runs": [],
@@ -277,10 +278,11 @@ def _warm_up(work: Path, model_dir: Path, seq_values: list, penalty_values: list
 def _print_runs(runs: list[dict]) -> None:
     """The runs' table, then each run's steps by kind and where the loop's wall time went."""
     print(f"{'code':>8} {'seqs':>5} {'penalty':>8} {'tok/s e2e':>10} {'steady':>9} {'limit':>9} {'x limit':>8} "
-          f"{'ms/step':>8} {'host ms':>8} {'busy':>6} {'builds s':>8}")
+          f"{'x sust.':>8} {'ms/step':>8} {'host ms':>8} {'busy':>6} {'builds s':>8}")
     for r in runs:
         print(f"{r['code'][-8:]:>8} {_seqs_label(r):>5} {r['repetition_penalty']:>8} {r['tok_s_end_to_end']:>10.0f} "
               f"{r['tok_s_steady']:>9.0f} {r['limit_tok_s']:>9.0f} {r['x_limit']:>8.2f} "
+              f"{r.get('x_limit_sustained') or float('nan'):>8.2f} "
               f"{r['loop_ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_busy']:>6.3f} "
               f"{r.get('triton_compile_s', 0.0):>8.2f}")
     for r in runs:

@@ -11,11 +11,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from batchgen.bench.ab import ratio, variant_means
 from batchgen.bench.geometries import decode_bytes
 from batchgen.bench.seed import Ceilings
+from batchgen.quant.scheme import is_fp8
 
 
 def run_limit_s(outputs: list[dict], config, num_steps: int, c: Ceilings, kv_element_bytes: int = 2) -> float:
@@ -69,8 +71,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, r
                             columns=["num_prompt_tokens", "num_completion_tokens"]).to_pylist()
     e = report["engine"]
     sets = dict(kv.split("=", 1) for kv in extra_sets)
-    limit = run_limit_s(outputs, config, e["num_steps"], c,
-                        kv_element_bytes=1 if sets.get("engine.kv_cache_dtype") == "fp8" else 2)
+    kv_bytes = 1 if sets.get("engine.kv_cache_dtype") == "fp8" else 2
+    limit = run_limit_s(outputs, config, e["num_steps"], c, kv_element_bytes=kv_bytes)
+    fp8 = is_fp8(config)  # FP8 projections: their rate's sustained figure is not measured
     return {
         "code": batchgen_dir or "this", "max_num_seqs": max_num_seqs, "repetition_penalty": penalty,
         # what the engine ran (auto: its choice); None: a checkout whose report does not say
@@ -80,6 +83,9 @@ def run_job(job: Path, out_dir: Path, max_num_seqs: int | str, penalty: float, r
         **_step_costs(report), **_triton_builds(report),
         "limit_s": round(limit, 2), "limit_tok_s": round(report["generated_tokens"] / limit, 1),
         "x_limit": round(report["wall_s"] / limit, 2),
+        # the same limit with bf16 GEMM FLOPs at the sustained matmul rate (what the GPU holds at its power limit)
+        "x_limit_sustained": None if not c.matmul_sustained_flop_s or fp8 else round(report["wall_s"] / run_limit_s(
+            outputs, config, e["num_steps"], replace(c, matmul_flop_s=c.matmul_sustained_flop_s), kv_bytes), 2),
     }
 
 

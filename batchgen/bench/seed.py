@@ -25,6 +25,9 @@ class Ceilings:
     copy_bytes_s: float  # device-to-device copy, bytes read + written per second
     matmul_flop_s: float  # bf16 8192^3 matmul
     fp8_matmul_flop_s: float | None = None  # FP8 (e4m3) 8192^3 torch._scaled_mm, row-wise scales; None: not measured
+    # the bf16 8192^3 matmul held for about a second: a GPU at its power limit lowers its clock under long GEMM
+    # runs (one H100 on 2026-12-05: 690-694 against 789 TFLOP/s, bench/gemm_shapes.py); None: not measured
+    matmul_sustained_flop_s: float | None = None
 
     def gemm_s(self, flops: float, fp8: bool = False) -> float:
         """Seconds for `flops` of GEMMs at the measured rate: FP8's where `fp8` (a job whose projections are FP8)
@@ -57,6 +60,9 @@ def measure_ceilings(fp8: bool = False) -> Ceilings:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     flops = 2 * n**3 / (_timed_ms(lambda: a @ b) / 1e3)
+    # ~0.8 s of calls first (the clock settles at the power limit), then ~0.8 s timed
+    sustained = 2 * n**3 / (_timed_ms(lambda: a @ b, warmup=max(3, int(0.8 / (2 * n**3 / flops))),
+                                      iters=max(10, int(0.8 / (2 * n**3 / flops)))) / 1e3)
     fp8_flops = None
     if fp8:
         from batchgen.kernels.fp8.quant import FP8_DTYPE
@@ -69,7 +75,7 @@ def measure_ceilings(fp8: bool = False) -> Ceilings:
                                                                        out_dtype=torch.bfloat16)) / 1e3)
         except RuntimeError as e:  # no FP8 matmul on this GPU (before sm89): FP8 FLOPs timed at bf16's rate
             print(f"FP8 matmul rate not measured ({str(e).splitlines()[0]}): FP8 GEMM FLOPs at the bf16 rate")
-    return Ceilings(bw, flops, fp8_flops)
+    return Ceilings(bw, flops, fp8_flops, sustained)
 
 
 def floor_seconds(config, requests: int, prompt: int, new: int, c: Ceilings,
