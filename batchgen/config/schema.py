@@ -36,6 +36,23 @@ class ModelSpec(_Strict):
         "cuda or cuda:N."))
 
 
+# apply_chat_template's own arguments, or what batchgen passes it (messages is the template's variable for the
+# conversation): given as chat_template_kwargs they collide ("got multiple values") or change what it returns, so
+# every row would fail; tools, documents and chat_template (a named template) pass through
+RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "messages", "add_generation_prompt", "continue_final_message",
+                                 "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def check_chat_template_kwargs(kwargs: dict, key: str = "prompt.chat_template_kwargs") -> None:
+    """ValueError naming the first of `kwargs` that apply_chat_template takes or batchgen sets itself."""
+    taken = [k for k in kwargs if k in RESERVED_CHAT_TEMPLATE_KWARGS]
+    if taken:
+        raise ValueError(f"{key}: {', '.join(map(repr, taken))} cannot be set here: batchgen renders each prompt "
+                         f"with messages=the row's turns, add_generation_prompt=true and tokenize=false; give only "
+                         f"the template's own variables (for example enable_thinking)")
+
+
 class SourceSpec(_Strict):
     path: str | list[str] = Field(description=(
         "The input: a file, a glob, a list of them, a datasets save_to_disk folder, a hub dataset name, or "
@@ -60,6 +77,12 @@ class SourceSpec(_Strict):
     worker_unit_rows: PositiveInt | None = Field(None, description=(
         "Rows are dealt to workers (--gpus, --workers) in units of this many consecutive rows. null: sized from "
         "the source's row count so that every worker gets rows, 1,024 for large sources."))
+
+    @model_validator(mode="after")
+    def _some_path(self) -> SourceSpec:
+        if self.path == [] or self.path == "" or (isinstance(self.path, list) and "" in self.path):
+            raise ValueError("source.path names no input: give a file, a glob, a folder or a list of them")
+        return self
 
 
 class LimitsSpec(_Strict):
@@ -123,6 +146,7 @@ class PromptSpec(_Strict):
                              f"(got {', '.join(given) or 'none'})")
         if self.messages_column is not None and not self.chat:
             raise ValueError("prompt.messages_column needs prompt.chat: true")
+        check_chat_template_kwargs(self.chat_template_kwargs)
         return self
 
 
@@ -144,11 +168,11 @@ class OutputSpec(_Strict):
         "Seconds: commit what is finished at least this often, even if a shard is short (how much work a crash "
         "can lose)."))
     keep_columns: Literal["all", "none"] | list[str] = Field("all", description=(
-        "Source columns copied to the output: all, none, or a list of names."))
+        "Source columns copied to the output: all, none, or a list of names (each once)."))
     keep_prompt: bool = Field(False, description="Also store the rendered prompt (column prompt).")
     keep_token_ids: bool = Field(False, description=(
-        "Also store each completion's token ids (column token_ids, list<int32>; a stop token id is kept, as "
-        "counted in num_tokens)."))
+        "Also store each completion's token ids (column completion_token_ids, list<int32>; a stop token id is "
+        "kept, as counted in num_completion_tokens)."))
     logprob_tokens: bool = Field(False, description=(
         "With sampling.logprobs: also store each token's text beside its id, in completion_logprob_tokens (the "
         "generated tokens) and as `token` in each completion_top_logprobs entry. Each token is decoded alone: "
@@ -160,6 +184,15 @@ class OutputSpec(_Strict):
         "tokens if it has them; or give {start, end}. With markers, `completion` holds the answer only, "
         "`reasoning` the think block's text and `num_reasoning_tokens` its length; none keeps the whole text "
         "in `completion`."))
+
+    @model_validator(mode="after")
+    def _columns_once(self) -> OutputSpec:
+        if isinstance(self.keep_columns, list):
+            twice = sorted({c for c in self.keep_columns if self.keep_columns.count(c) > 1})
+            if twice:
+                raise ValueError(f"output.keep_columns names {', '.join(map(repr, twice))} more than once; list "
+                                 f"each column once")
+        return self
 
 
 class JobSampling(SamplingParams):

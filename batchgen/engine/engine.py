@@ -440,6 +440,9 @@ class Engine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat() needs an engine built with a tokenizer that has a chat template; use "
                              "generate() with raw prompts otherwise")
+        from batchgen.config.schema import check_chat_template_kwargs
+
+        check_chat_template_kwargs(chat_template_kwargs or {}, key="chat_template_kwargs")
         prompts = []
         for i, messages in enumerate(conversations):
             if isinstance(messages, (str, dict)) or not all(isinstance(m, dict) and "role" in m and "content" in m

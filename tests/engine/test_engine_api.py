@@ -33,6 +33,8 @@ def test_chat_refuses_a_tokenizer_without_a_chat_template_and_malformed_conversa
     with Engine(model, tokenizer, EngineConfig(num_kv_blocks=16)) as engine:
         with pytest.raises(ValueError, match="conversation 0 must be a list of"):
             engine.chat(["just a string"])
+        with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize' cannot be set here"):
+            engine.chat([[{"role": "user", "content": "hi"}]], chat_template_kwargs={"tokenize": True})
 
 
 def test_a_stop_string_given_as_one_string_is_one_stop_string():

@@ -47,6 +47,13 @@ def _edit(job, **sections):
     ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
     ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
     ("engine.graph_blas_library=cublasLt", "'engine.graph_blas_library' = 'cublasLt': Input should be"),
+    # each of these once failed every row, or the run itself, with a Python error (exit 1 or all rows rejected)
+    ("output.keep_columns=[topic, topic]", "output.keep_columns names 'topic' more than once"),
+    ("source.path=[]", "source.path names no input"),
+    ("prompt.chat_template_kwargs={add_generation_prompt: false}",
+     "prompt.chat_template_kwargs: 'add_generation_prompt' cannot be set here"),
+    ("prompt.chat_template_kwargs={messages: 5, enable_thinking: false}",
+     "prompt.chat_template_kwargs: 'messages' cannot be set here"),
 ])
 def test_spec_errors_name_the_key_and_value(job, override, message):
     result = _run(job, "--set", override)
