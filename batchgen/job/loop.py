@@ -129,6 +129,7 @@ class JobLoop:
         self.engine_compile_s = 0.0  # Triton builds during the engine's set-up (part of setup_s)
         self.engine_builds: list[dict] = []  # the Triton builds of the engine's set-up (meter.totals.builds: later)
         max_prompt = preflight.max_prompt_tokens(spec, config)  # before any weight loads
+        preflight.check_kv_cache_fits(spec, config, self.device)
         self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
         check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
                                            tokenizer, __version__))

@@ -1,6 +1,7 @@
 """What `run` and `validate` refuse from a job's spec and its model's config alone, before any weight loads, with
 the same messages: a checkpoint scheme batchgen cannot run, a tensor-parallel split or deterministic mode the model
-does not support, token ids outside the vocabulary, and a max_new_tokens that leaves no room for a prompt."""
+does not support, token ids outside the vocabulary, a max_new_tokens that leaves no room for a prompt, and an
+explicit K/V cache size larger than the device's whole memory."""
 
 from __future__ import annotations
 
@@ -31,3 +32,35 @@ def max_prompt_tokens(spec: JobSpec, config) -> int:
         raise JobError(f"sampling.max_new_tokens ({spec.sampling.max_new_tokens}) leaves no room for a prompt "
                        f"in the model's context of {context} tokens")
     return max_prompt
+
+
+def check_kv_cache_fits(spec: JobSpec, config, device) -> None:
+    """Refuse (JobError naming the key) a K/V cache asked for explicitly (engine.num_kv_blocks, or on CPU
+    engine.cpu_kv_cache_bytes) that is larger than the device's whole memory: the engine would fail only after the
+    weights loaded. A lower bound (2-byte elements, 1 with kv_cache_dtype fp8; weights and activations not
+    counted), so it never refuses a cache that fits."""
+    import os
+
+    import torch
+
+    from batchgen.attention.kv_cache import KVGeometry
+
+    engine = spec.engine
+    element = torch.float8_e4m3fn if engine.kv_cache_dtype == "fp8" else torch.bfloat16
+    # each tensor-parallel rank holds its share of the KV heads
+    per_block = KVGeometry.from_config(config).bytes_per_block(engine.block_size, element) \
+        // engine.tensor_parallel_size
+    if engine.num_kv_blocks is not None:
+        key, value, need = "engine.num_kv_blocks", engine.num_kv_blocks, engine.num_kv_blocks * per_block
+    elif device.type == "cpu":
+        key, value, need = "engine.cpu_kv_cache_bytes", engine.cpu_kv_cache_bytes, engine.cpu_kv_cache_bytes
+    else:
+        return  # sized from what is free at start-up
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total:
+        raise JobError(f"{key} ({value:,}) asks for a K/V cache of at least {need / 2**30:,.1f} GiB; {device} has "
+                       f"{total / 2**30:,.1f} GiB in all. Lower it, or leave engine.num_kv_blocks null to size the "
+                       f"cache from the memory free at start-up")

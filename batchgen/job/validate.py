@@ -39,7 +39,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
 
     from batchgen.job import placement
 
-    resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
+    device = resolve_device(spec.model.device)  # a device this machine lacks is refused here, as run refuses it
     placement.check(Path(spec.output.dir), spec.source.path, None)  # a source among batchgen's files, as run
     lines = [f"job: ok ({spec.name or 'unnamed'}); output -> {spec.output.dir}"]
     refuse_ignored_keys(spec.source)
@@ -56,6 +56,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     # output.reasoning's markers and sampling.thinking_budget's, refused here as run refuses them (job/loop.py)
     gen.budget_markers(spec, tokenizer, gen.resolve_markers(spec, tokenizer))
     max_prompt = preflight.max_prompt_tokens(spec, config)  # what run refuses from the config alone, as it says it
+    preflight.check_kv_cache_fits(spec, config, device)
     lines += _model_lines(spec, config)
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)
     sample = _RowSample()

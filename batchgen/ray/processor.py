@@ -175,6 +175,9 @@ class BatchGenerator:
         self.spec = spec = JobSpec.model_validate(spec_data)
         _, config = tokenizer_and_config(spec)
         self.max_prompt_tokens = preflight.max_prompt_tokens(spec, config)  # its refusals before any weight loads
+        from batchgen.runner.loader import resolve_device
+
+        preflight.check_kv_cache_fits(spec, config, resolve_device(spec.model.device))
         self.vocab_size = config.get_text_config().vocab_size  # a row's logit_bias / stop_token_ids checked against it
         self.engine = None
         self._build_engine()

@@ -229,3 +229,25 @@ def test_a_rows_token_ids_outside_the_vocabulary_are_counted_by_validate_and_rej
     assert "logit_bias: token ids [999999]" in rejects["row-0001"]["message"]
     assert "stop_token_ids: token ids [700000]" in rejects["row-0002"]["message"]
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0003", "row-0004"]
+
+
+@pytest.mark.parametrize("overrides", [["engine.num_kv_blocks=100000000000"],
+                                       ["engine.num_kv_blocks=null", "engine.cpu_kv_cache_bytes=100000000000000"]])
+def test_a_kv_cache_larger_than_the_device_is_refused_by_validate_and_by_run_before_the_weights_load(
+        tmp_path, tiny_model_dir, overrides):
+    """Before: validate passed it and run refused it only after loading the weights (a long wait on a big model).
+    run's weights here are damaged: a run that loaded them first would fail on them instead."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    sets = [a for o in overrides for a in ("--set", o)]
+    key = overrides[-1].split("=")[0]
+    validated = _cli("validate", _job(tmp_path, tiny_model_dir), *sets)
+    ran = _cli("run", _job(tmp_path, str(model)), *sets, "--no-progress")
+    for result in (validated, ran):
+        assert result.exit_code == 2, result.output
+        assert f"{key} (" in result.output and "asks for a K/V cache of at least" in result.output, result.output
+        assert "GiB in all" in result.output
