@@ -229,7 +229,8 @@ class JobSpec(_Strict):
         "What to generate for each row: the Python API's SamplingParams, plus response_format_column."))
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
         "Speed knobs of the engine (the Python API's EngineConfig). They may change between resumed runs, "
-        "except deterministic and kv_cache_dtype, which change the numerics and are part of the fingerprint."))
+        "except deterministic and kv_cache_dtype, which change the numerics, and max_model_len, which decides which "
+        "prompts fit and where completions stop: those are part of the fingerprint."))
     output: OutputSpec = Field(default_factory=OutputSpec, description=(
         "Where and how the results are written. The whole section is optional."))
     limits: LimitsSpec = Field(default_factory=LimitsSpec, description=(

@@ -1,7 +1,7 @@
 """Fingerprint: what decides the output (model, tokenizer, chat template, prompt, sampling, row identity,
-batchgen version, engine.deterministic, engine.kv_cache_dtype: fp8). Resuming into a directory whose fingerprint
-differs is refused, naming what changed; the other engine knobs (batch size, memory, graphs) are not part of it
-and may change freely.
+batchgen version, engine.deterministic, engine.kv_cache_dtype: fp8, engine.max_model_len). Resuming into a
+directory whose fingerprint differs is refused, naming what changed; the other engine knobs (batch size, memory,
+graphs) are not part of it and may change freely.
 engine.deterministic is: a dataset half made with batch-invariant kernels and half without is reproducible for
 no one."""
 
@@ -50,6 +50,9 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
         # kv_cache_dtype recorded only when fp8, so outputs begun before it (or without it) compare unchanged
         "engine": {"deterministic": spec.engine.deterministic,
                    **({"kv_cache_dtype": "fp8"} if spec.engine.kv_cache_dtype == "fp8" else {})},
+        # the context a sequence may fill: it decides which prompts are too long (or how they are cut) and where a
+        # completion stops; a component of its own, so that outputs begun before it resume unchanged
+        "max_model_len": spec.engine.max_model_len,
     }
 
 

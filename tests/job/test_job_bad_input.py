@@ -151,6 +151,20 @@ def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
     # a change of the data shards' columns would leave shards of two schemas in one output
     result = _run(job, "--set", "output.keep_token_ids=true")
     assert result.exit_code == 2 and "output_columns.keep_token_ids: False -> True" in result.output
+    # the context decides which prompts are too long and where completions stop: a resume under another one
+    # mixed two policies in one output (it was taken for a speed knob)
+    result = _run(job, "--set", "engine.max_model_len=40")
+    assert result.exit_code == 2 and "max_model_len: None -> 40" in result.output
+
+
+def test_an_output_begun_before_max_model_len_was_recorded_resumes_with_it_set(job, tmp_path):
+    assert _run(job, "--set", "engine.max_model_len=200").exit_code == 0
+    path = tmp_path / "out" / "fingerprint.json"
+    recorded = json.loads(path.read_text())
+    del recorded["components"]["max_model_len"]  # as written by a batchgen that did not record it
+    path.write_text(json.dumps(recorded))
+    again = _run(job, "--set", "engine.max_model_len=200")
+    assert again.exit_code == 0 and "6 already done" in again.output, again.output
 
 
 def test_an_output_begun_before_a_fingerprint_component_existed_still_resumes(job, tmp_path):
