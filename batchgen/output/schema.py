@@ -3,6 +3,7 @@ how an untyped source's values are fitted to them."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,10 @@ import pyarrow as pa
 from batchgen.errors import JobError, RowError
 from batchgen.config import JobSpec
 from batchgen.output import generation_columns as gen
+
+# a kept column whose field carries this (a JSONL column of objects no one arrow type holds, sources/jsonl.py) is
+# string-typed: an object in it is written as its JSON text (keys in the row's order, non-ASCII as it is)
+JSON_TEXT_METADATA = {b"batchgen": b"json_text"}
 
 OUTPUT_COLUMNS = ("row_idx", "sample_idx", "prompt", "completion", "completion_token_ids", "finish_reason",
                   "num_prompt_tokens", "num_completion_tokens", "num_cached_tokens", "seed")
@@ -48,15 +53,43 @@ class OutputSchema:
     def coerce(self, kept: dict[str, Any]) -> dict[str, Any]:
         """Check an untyped source's values (JSONL) against the column types inferred from its first rows:
         a value of another kind (12345 in a text column, "5" or 2.5 in an integer column, an unknown key in an
-        object column) rejects the row as `schema_mismatch`; nothing is converted or stringified."""
+        object column) rejects the row as `schema_mismatch`. Nothing is converted, but for an object in a JSON text
+        column (JSON_TEXT_METADATA), which is written as its JSON text."""
         for name, value in kept.items():
-            field_type = self.data.field(name).type
+            field = self.data.field(name)
+            field_type = field.type
+            if isinstance(value, dict) and field.metadata == JSON_TEXT_METADATA:
+                kept[name] = json.dumps(value, ensure_ascii=False)
+                continue
             if not fits(value, field_type):
                 raise RowError("schema_mismatch", f"column {name!r} holds {_short(value)} "
                                                   f"({type(value).__name__}), which does not fit the column type "
                                                   f"{field_type} inferred from the source's first rows; fix the "
                                                   f"value, or leave the column out of output.keep_columns")
         return kept
+
+
+def check_kept_types(data_dir, schema: OutputSchema) -> None:
+    """Refuse (JobError naming the column) a resume whose kept columns' types differ from those of the shards
+    already in `data_dir` (JSONL types are inferred at each run: an edited source, or an earlier batchgen's
+    inference, can give another type): the shards of one output must read as one table. One shard's footer is
+    read."""
+    import pyarrow.parquet as pq
+    from pathlib import Path
+
+    shards = sorted(Path(data_dir).glob("*.parquet"))
+    if not shards:
+        return
+    try:
+        committed = pq.read_schema(shards[0])
+    except (OSError, pa.ArrowException):
+        return  # damage is verify's and the records' to report
+    for name in schema.kept:
+        if name in committed.names and committed.field(name).type != schema.data.field(name).type:
+            raise JobError(f"output.keep_columns: column {name!r} is {committed.field(name).type} in the shards "
+                           f"already written ({shards[0].name}) but {schema.data.field(name).type} as this run reads "
+                           f"the source; one output's shards share one schema. Restore the source, start over with "
+                           f"--fresh, or give this run another output.dir")
 
 
 def key_type_error(key_column: str, key: Any, position: int, key_type: pa.DataType) -> str:

@@ -17,6 +17,7 @@ from itertools import islice
 import pyarrow as pa
 
 from batchgen.errors import JobError
+from batchgen.output.schema import JSON_TEXT_METADATA
 from batchgen.sources.base import Source, SourceRow, check_format
 from batchgen.config import SourceSpec
 
@@ -87,18 +88,38 @@ def _nulls_as_strings(t: pa.DataType) -> pa.DataType:
 def column_type(values: list) -> pa.DataType:
     """A column's type from its values in the first rows: arrow's inference over all of them; where they mix
     kinds (5 and "five"), the type of the most common kind (the first seen on a tie). Rows whose value does
-    not fit become `schema_mismatch` rejects when the column is kept (output/schema.py). All null: string."""
+    not fit become `schema_mismatch` rejects when the column is kept (output/schema.py). All null: string.
+    Objects that no one arrow type holds ({"stop": "e"} and {"stop": ["a", "b"]}): string, a JSON text column
+    (`json_text_column`: its field carries JSON_TEXT_METADATA, and a kept object is written as its JSON text)."""
+    return _infer(values)[0]
+
+
+def json_text_column(values: list) -> bool:
+    """Whether the column is kept as JSON text: its values in the first rows are mostly objects, and arrow finds
+    no one type for those objects (shapes that clash, an int beyond 64 bits inside one)."""
+    return _infer(values)[1]
+
+
+def _infer(values: list) -> tuple[pa.DataType, bool]:
+    """(the column's type, whether it is a JSON text column)."""
     present = [v for v in values if v is not None]
     if not present:
-        return pa.string()
+        return pa.string(), False
     majority = Counter(_kind(v) for v in present).most_common(1)[0][0]
     same_kind = [v for v in present if _kind(v) == majority]
-    for candidates in (present, same_kind, same_kind[:1]):
+    for candidates in (present, same_kind):
         try:
-            return _nulls_as_strings(pa.array(candidates).type)
+            return _nulls_as_strings(pa.array(candidates).type), False
         except (pa.ArrowException, OverflowError, TypeError):
             continue
-    return pa.string()  # not even one value has an arrow type (an int beyond 64 bits): every value mismatches
+    if majority == "dict":  # every object fits as its JSON text, which per-row consumers read as the object
+        return pa.string(), True
+    try:
+        return _nulls_as_strings(pa.array(same_kind[:1]).type), False
+    except (pa.ArrowException, OverflowError, TypeError):  # not even one value has an arrow type (an int beyond
+        return pa.string(), False  # 64 bits): every value mismatches
+
+
 
 
 class JsonlSource(Source):
@@ -116,7 +137,10 @@ class JsonlSource(Source):
         names: dict[str, None] = {}
         for obj in sample:
             names.update(dict.fromkeys(obj))
-        self.schema = pa.schema([pa.field(n, column_type([obj.get(n) for obj in sample])) for n in names])
+        inferred = {n: _infer([obj.get(n) for obj in sample]) for n in names}
+        # a key is never JSON text: an object key still stops the job (keys are strings or integers)
+        self.schema = pa.schema([pa.field(n, t, metadata=JSON_TEXT_METADATA if as_text and n != spec.key_column
+                                          else None) for n, (t, as_text) in inferred.items()])
         self.check_key_column()
 
     def nonblank_lines(self) -> Iterator[tuple[str, int, str | UnicodeDecodeError]]:
