@@ -119,3 +119,16 @@ def test_a_corrupt_gz_source_stops_run_and_validate_with_exit_2_naming_the_file(
         result = runner.invoke(app, command)
         assert result.exit_code == 2, result.output
         assert "rows.jsonl.gz is not a readable gzip file" in result.output
+
+
+@pytest.mark.parametrize("text", ['[{"id": 1, "t": "a"}, {"id": 2, "t": "b"}]\n',
+                                  '[\n  {"id": 1, "t": "a"},\n  {"id": 2, "t": "b"}\n]\n'])
+def test_a_json_array_file_is_refused_saying_it_is_an_array_not_json_lines(tmp_path, text):
+    """A .json file holding an array (one line, or pretty-printed: its last object's line parses alone, and the
+    job ran on that one row, every other line a malformed_row reject) is named as what it is."""
+    from batchgen.errors import JobError
+
+    (tmp_path / "rows.json").write_text(text)
+    with pytest.raises(JobError, match=r"rows.json starts with '\[' at line 1: a JSON array, where batchgen reads "
+                                       r"JSON Lines"):
+        open_source(SourceSpec(path=str(tmp_path / "rows.json")))
