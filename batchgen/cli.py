@@ -89,6 +89,19 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", metavar="DIR",
                                                   help="Output directory (overrides output.dir; relative to the "
                                                        "current folder).")]
+TensorParallelOpt = Annotated[Optional[int], typer.Option(
+    "--tensor-parallel", metavar="N", help="Split the model over N ranks per worker, one process (and on CUDA one "
+                                           "GPU) each: the engine key tensor_parallel_size.")]
+DeterministicOpt = Annotated[bool, typer.Option(
+    "--deterministic", metavar="", help="Batch-invariant kernels: each row's tokens do not depend on batch size, "
+                                        "other rows, chunking, prefix cache, resume or worker count. Sets "
+                                        "engine.deterministic.")]
+
+
+def _flag_overrides(tensor_parallel: int | None, deterministic: bool) -> list[str]:
+    """--tensor-parallel and --deterministic as the --set assignments they stand for."""
+    return ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None else []) + \
+        (["engine.deterministic=true"] if deterministic else [])
 
 
 @app.command()
@@ -107,14 +120,8 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
         gpus: Annotated[Optional[str], typer.Option(metavar="N|all",
                                                     help="Start one worker process per GPU: a number or 'all'.")]
         = None,
-        tensor_parallel: Annotated[Optional[int], typer.Option(
-            "--tensor-parallel", metavar="N", help="Split the model over N ranks per worker, one process (and on "
-                                                   "CUDA one GPU) each: the engine key tensor_parallel_size.")] = None,
-        deterministic: Annotated[bool, typer.Option(
-            "--deterministic", metavar="", help="Batch-invariant kernels: each row's tokens do not depend on batch "
-                                                "size, other rows, chunking, prefix cache, resume or worker count. "
-                                                "Sets engine.deterministic.")]
-        = False,
+        tensor_parallel: TensorParallelOpt = None,
+        deterministic: DeterministicOpt = False,
         progress: Annotated[bool, typer.Option(metavar="", help="Show the progress bar.")] = True,
         on_ray: Annotated[bool, typer.Option("--ray", metavar="", help="Run on Ray (the cluster in RAY_ADDRESS, "
                                                                         "else a local one): rows dealt to "
@@ -134,8 +141,7 @@ def run(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
             signal.signal(s, signal.SIG_IGN)
     from batchgen.job.job_file import load_spec
 
-    overrides = (set_ or []) + ([f"engine.tensor_parallel_size={tensor_parallel}"] if tensor_parallel is not None
-                                else []) + (["engine.deterministic=true"] if deterministic else [])
+    overrides = (set_ or []) + _flag_overrides(tensor_parallel, deterministic)
     spec = load_spec(job, overrides, output)
     static_identity = worker_index is not None or num_workers is not None
     if on_ray:
@@ -252,7 +258,8 @@ def _summarise(result, who: str) -> None:
 
 @app.command()
 @_user_errors
-def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
+def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None, tensor_parallel: TensorParallelOpt = None,
+             deterministic: DeterministicOpt = False,
              sample_rows: Annotated[int, typer.Option(metavar="N", help="Rows to render and tokenize for the audit.")]
              = 1000,
              show: Annotated[int, typer.Option(metavar="N", help="Rendered prompts to print.")] = 2) -> None:
@@ -260,7 +267,7 @@ def validate(job: JobArg, set_: SetOpt = None, output: OutputOpt = None,
     from batchgen.job.job_file import load_spec
     from batchgen.job.validate import audit
 
-    spec = load_spec(job, set_ or [], output)
+    spec = load_spec(job, (set_ or []) + _flag_overrides(tensor_parallel, deterministic), output)
     typer.echo(audit(spec, sample_rows=sample_rows, show=show))
 
 

@@ -251,3 +251,13 @@ def test_a_kv_cache_larger_than_the_device_is_refused_by_validate_and_by_run_bef
         assert result.exit_code == 2, result.output
         assert f"{key} (" in result.output and "asks for a K/V cache of at least" in result.output, result.output
         assert "GiB in all" in result.output
+
+
+def test_validate_takes_runs_deterministic_and_tensor_parallel_flags_and_refuses_what_run_refuses(tmp_path,
+                                                                                                  tiny_model_dir):
+    job = _job(tmp_path, tiny_model_dir)
+    assert _cli("validate", job, "--deterministic").exit_code == 0  # "No such option" before
+    for flags in (["--deterministic", "--set", "engine.compile=true"], ["--tensor-parallel", "3"]):
+        validated, ran = _cli("validate", job, *flags), _cli("run", job, *flags, "--no-progress")
+        assert validated.exit_code == ran.exit_code == 2, (validated.output, ran.output)
+        assert validated.output.splitlines()[-1] == ran.output.splitlines()[-1]
