@@ -24,7 +24,8 @@ from batchgen.job import placement
 from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
-from batchgen.output.lock import DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition
+from batchgen.output.lock import (DIRECTORY_LOCK_FILE, AllWorkersLock, DirectoryLock, WorkerLock, check_partition,
+                                  is_held)
 from batchgen.output.temp_file import write_text_atomic
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
@@ -111,22 +112,79 @@ def fresh_start(spec: JobSpec, job_file: Path | None = None) -> None:
         start_over(out_dir, where, None)
 
 
+def _start_entries(out_dir: Path, new: set[str], lock: WorkerLock) -> tuple[list[Path], list[Path]] | None:
+    """What a start writes, among the top-level entries `new` that appeared in `out_dir` during a run: (files,
+    folders) to remove, the marker and this worker's lock file not included; None when any of `new` is something
+    else (a shard, a manifest, a report, a foreign file, a temporary of a start killed meanwhile).
+
+    A start writes: the DirectoryLock's file and this worker's lock file, the marker, `fingerprint.json`,
+    `job.resolved.yaml` (batchgen's header), `numerics.json` (engine.deterministic), the folders `data/`,
+    `rejects/` and `manifest/` (empty until a commit), `logs/` (this worker's throughput log, once it has logged)
+    and `reports/` (this worker's report, written after its loop). Another worker's lock file counts when no live
+    process holds it (a worker of the same start that failed too)."""
+    tag = lock.path.name.removeprefix(".lock-")
+    own_files = {"logs": {f"throughput-{tag}.jsonl"}, "reports": {f"{tag}.json"}}
+    files: list[Path] = []
+    folders: list[Path] = []
+    for name in sorted(new):
+        path = out_dir / name
+        if name in (DIRECTORY_LOCK_FILE, lock.path.name, layout.MARKER_FILE):
+            continue  # the caller's
+        if path.is_symlink():
+            return None
+        if name in layout.OWNED_DIRS and path.is_dir():
+            for inner in os.listdir(path):
+                inner_path = path / inner
+                if inner not in own_files.get(name, ()) or inner_path.is_symlink() or not inner_path.is_file():
+                    return None
+                files.append(inner_path)
+            folders.append(path)
+        elif not path.is_file():
+            return None
+        elif name in ("fingerprint.json", "numerics.json") or \
+                (name == layout.RESOLVED_JOB_FILE and layout.is_batchgen_entry(out_dir, name)):
+            files.append(path)
+        elif name.startswith(".lock-w") and layout.is_batchgen_entry(out_dir, name) and not is_held(path):
+            files.append(path)
+        else:
+            return None
+    return files, folders
+
+
 def _clean_failed_start(out_dir: Path, lock: WorkerLock, entries_before: set[str], created: list[Path]) -> None:
-    """After a run failed: if all it left is what any start writes (its own new lock file, the marker, the
-    directory lock file), remove those, and the folders this run created (`created`, the output directory
-    first) while they are empty. Anything else stays."""
+    """After a run failed: remove what it wrote, if it committed nothing. Only what appeared in `out_dir` during
+    this run (its entries then minus `entries_before`), only when all of that is what a start writes
+    (`_start_entries`: else the directory stays as it is), and the folders this run created (`created`, the
+    output directory first) while they are empty. While another worker runs only this worker's lock file is
+    removed; once any worker has committed (a manifest holds anything: a resume), only this worker's lock file and
+    a marker this run added. Best effort: an OSError leaves the rest (the marker goes after the other files, so a
+    folder left half cleaned still reads as an output)."""
     if lock.path.name in entries_before:
         return  # the lock file was there before this run
     try:
         with DirectoryLock(out_dir) as starting:  # no other run starts meanwhile
             new = set(os.listdir(out_dir)) - entries_before
-            if not new <= {lock.path.name, layout.MARKER_FILE, DIRECTORY_LOCK_FILE}:
+            start = _start_entries(out_dir, new, lock)
+            if start is None:
                 return  # the run (or another worker) wrote something: leave the directory as it is
+            if any(is_held(p) for p in out_dir.glob(".lock-w*") if p.name != lock.path.name):
+                lock.remove()  # another worker runs: what the start wrote is its output's too
+                return
+            manifests = out_dir / mf.MANIFEST_DIR
+            committed = manifests.is_dir() and bool(os.listdir(manifests))
+            if not committed:  # nothing generated: what the start wrote goes, or a next run would resume it
+                files, folders = start
+                for path in files:
+                    path.unlink()
+                for folder in folders:
+                    folder.rmdir()
             if layout.MARKER_FILE in new:
                 (out_dir / layout.MARKER_FILE).unlink()
             lock.remove()
             if DIRECTORY_LOCK_FILE in new:
                 starting.remove()
+            if committed:
+                return
         for folder in created:
             if any(folder.iterdir()):
                 break

@@ -100,7 +100,13 @@ def test_out_of_memory_at_start_up_names_the_knobs(setup, monkeypatch):
     assert "engine.num_kv_blocks" in result.output and "engine.cpu_kv_cache_bytes" in result.output  # CPU knobs
 
 
-def test_a_kv_cache_larger_than_memory_on_cpu_exits_2_naming_the_knobs_before_allocating(setup):
+def test_a_kv_cache_larger_than_memory_on_cpu_exits_2_naming_the_knobs_before_allocating(setup, monkeypatch):
+    """The engine's own check (a cache over the memory available, within the machine's total: job/preflight.py
+    refuses one over the total from the config, tested in test_validate_matches_run_and_workers_get_rows.py)."""
+    import os
+
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 40 if name == "SC_PHYS_PAGES" else real_sysconf(name))
     tmp, job, _ = setup
     result = CliRunner().invoke(app, ["run", str(job), "-o", str(tmp / "huge"), "--no-progress",
                                       "--set", "engine.num_kv_blocks=50000000"])
