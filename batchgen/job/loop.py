@@ -24,7 +24,7 @@ from batchgen.output import manifest as mf
 from batchgen.output import generation_columns as gen
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
-from batchgen.output.schema import OutputSchema, check_kept_types, fits, key_type_error
+from batchgen.output.schema import OutputSchema, fits, key_type_error, with_committed_kept_types
 from batchgen.output.shard_writer import ShardWriter
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.runner.loader import fingerprint_config, load_model, model_source, resolve_device
@@ -116,7 +116,7 @@ class JobLoop:
         self.reasoning = gen.resolve_markers(spec, tokenizer)  # output.reasoning: None keeps `completion` whole
         self.think_markers = gen.budget_markers(spec, tokenizer, self.reasoning)  # sampling.thinking_budget's
         self.schema = OutputSchema.build(spec, self.source.schema, reasoning=self.reasoning is not None)
-        check_kept_types(out_dir / "data", self.schema)  # a resume's kept columns typed as its shards are
+        self.schema = with_committed_kept_types(out_dir / "data", self.schema)  # a resume's, typed as its shards
         # the job's `sampling:`, or a row's own
         self.row_sampling = RowSampling(spec, self.source.columns, config.get_text_config().vocab_size,
                                         warn=lambda w: print(w, file=sys.stderr))

@@ -17,7 +17,7 @@ from batchgen.job.row_sampling import RowSampling
 from batchgen.sample.grammar_checks import UNENFORCED_KEYWORDS, unenforced_warning
 from batchgen.config import JobSpec
 from batchgen.output.keyset import KeySet
-from batchgen.output.schema import OutputSchema
+from batchgen.output.schema import OutputSchema, with_committed_kept_types
 from batchgen.prompts import PromptRenderer, RowError
 from batchgen.output import generation_columns as gen
 from batchgen.sources import Source, open_source, refuse_ignored_keys
@@ -76,6 +76,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
                  + (f", response_format_column={spec.sampling.response_format_column!r}"
                     if spec.sampling.response_format_column else ""))
     lines.append(_check_resume(spec, tokenizer, config))
+    schema = with_committed_kept_types(Path(spec.output.dir) / "data", schema)  # as run: kept types of its shards
     keys_line, num_scanned = check_keys(spec, source, schema)
     lines.append(keys_line)
     num_rows = source.expected_rows if source.expected_rows is not None else \

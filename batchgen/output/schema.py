@@ -4,7 +4,7 @@ how an untyped source's values are fitted to them."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -69,27 +69,48 @@ class OutputSchema:
         return kept
 
 
-def check_kept_types(data_dir, schema: OutputSchema) -> None:
-    """Refuse (JobError naming the column) a resume whose kept columns' types differ from those of the shards
-    already in `data_dir` (JSONL types are inferred at each run: an edited source, or an earlier batchgen's
-    inference, can give another type): the shards of one output must read as one table. One shard's footer is
-    read."""
+def as_written(schema: pa.Schema) -> pa.Schema:
+    """`schema` as a Parquet file gives it back (timestamp[s] is read as timestamp[ms], date64 as date32, ...)."""
+    import io
+
     import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(schema.empty_table(), buffer)
+    return pq.read_schema(pa.BufferReader(buffer.getvalue()))
+
+
+def with_committed_kept_types(data_dir, schema: OutputSchema) -> OutputSchema:
+    """A resume's schema checked against the shards already in `data_dir` (one shard's footer is read): the
+    shards of one output must read as one table, and JSONL types are inferred at each run. A JSON text column
+    (JSON_TEXT_METADATA) that the shards hold as another type takes that type, as the batchgen that began the
+    output inferred it (an upgrade alone never blocks a resume); any other kept column of another type, as
+    Parquet gives it back, is a JobError naming it (an edited source)."""
     from pathlib import Path
+
+    import pyarrow.parquet as pq
 
     shards = sorted(Path(data_dir).glob("*.parquet"))
     if not shards:
-        return
+        return schema
     try:
         committed = pq.read_schema(shards[0])
     except (OSError, pa.ArrowException):
-        return  # damage is verify's and the records' to report
+        return schema  # damage is verify's and the records' to report
+    written = as_written(schema.data)
+    fields = list(schema.data)
     for name in schema.kept:
-        if name in committed.names and committed.field(name).type != schema.data.field(name).type:
-            raise JobError(f"output.keep_columns: column {name!r} is {committed.field(name).type} in the shards "
-                           f"already written ({shards[0].name}) but {schema.data.field(name).type} as this run reads "
-                           f"the source; one output's shards share one schema. Restore the source, start over with "
-                           f"--fresh, or give this run another output.dir")
+        if name not in committed.names or committed.field(name).type == written.field(name).type:
+            continue
+        i = schema.data.get_field_index(name)
+        if fields[i].metadata == JSON_TEXT_METADATA:
+            fields[i] = pa.field(name, committed.field(name).type)
+            continue
+        raise JobError(f"output.keep_columns: column {name!r} is {committed.field(name).type} in the shards "
+                       f"already written ({shards[0].name}) but {written.field(name).type} as this run reads the "
+                       f"source; one output's shards share one schema. Restore the source, start over with "
+                       f"--fresh, or give this run another output.dir")
+    return replace(schema, data=pa.schema(fields))
 
 
 def key_type_error(key_column: str, key: Any, position: int, key_type: pa.DataType) -> str:

@@ -130,11 +130,12 @@ class JsonlSource(Source):
         self.description = f"{len(files)} JSONL file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
         self.num_rows = None  # counting lines would need a full read
         check_format(files, "jsonl", type_given=spec.type is not None)
+        for path in files:  # a JSON document holding an array (a .json file): no line of it is a row
+            start = next((line for line in _lines(path) if isinstance(line, UnicodeDecodeError) or line.strip()), "")
+            if isinstance(start, str) and start.lstrip().startswith("["):
+                raise JobError(f"{path} starts with '[': a JSON array, where batchgen reads JSON Lines (one object "
+                               f"per line); convert it, e.g. jq -c '.[]' IN > OUT.jsonl")
         first = list(islice(self.nonblank_lines(), SCHEMA_SAMPLE_ROWS))
-        if first and isinstance(first[0][2], str) and first[0][2].lstrip().startswith("["):
-            # a JSON document holding an array (a .json file): no line of it is a row
-            raise JobError(f"{first[0][0]} starts with '[' at line {first[0][1]}: a JSON array, where batchgen reads "
-                           f"JSON Lines (one object per line); convert it, e.g. jq -c '.[]' IN > OUT.jsonl")
         sample = [obj for obj, _ in (parse_line(line) for _, _, line in first) if obj is not None]
         if not sample:
             raise JobError(f"{self.description} holds no JSON objects (empty source?)")

@@ -54,12 +54,22 @@ def _edit(job, **sections):
      "prompt.chat_template_kwargs: 'add_generation_prompt' cannot be set here"),
     ("prompt.chat_template_kwargs={messages: 5, enable_thinking: false}",
      "prompt.chat_template_kwargs: 'messages' cannot be set here"),
+    ("prompt.chat_template_kwargs={continue_final_message: true, padding: true}",
+     "prompt.chat_template_kwargs: 'continue_final_message' cannot be set here"),
 ])
 def test_spec_errors_name_the_key_and_value(job, override, message):
     result = _run(job, "--set", override)
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_chat_template_kwargs_that_change_nothing_without_tokenizing_are_accepted(job):
+    """padding, return_dict or continue_final_message: false render the same text: refusing them would refuse
+    outputs begun with them."""
+    result = _run(job, "--set", "prompt.chat_template_kwargs={padding: true, return_dict: true, "
+                                "continue_final_message: false}")
+    assert result.exit_code == 0, result.output
 
 
 def test_a_job_file_setting_a_removed_option_is_refused_naming_the_key_and_what_to_do(job):

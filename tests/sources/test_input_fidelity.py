@@ -129,6 +129,8 @@ def test_a_json_array_file_is_refused_saying_it_is_an_array_not_json_lines(tmp_p
     from batchgen.errors import JobError
 
     (tmp_path / "rows.json").write_text(text)
-    with pytest.raises(JobError, match=r"rows.json starts with '\[' at line 1: a JSON array, where batchgen reads "
-                                       r"JSON Lines"):
-        open_source(SourceSpec(path=str(tmp_path / "rows.json")))
+    (tmp_path / "first.jsonl").write_text('{"id": 0, "t": "z"}\n')
+    for paths in ([str(tmp_path / "rows.json")], [str(tmp_path / "first.jsonl"), str(tmp_path / "rows.json")]):
+        with pytest.raises(JobError, match=r"rows.json starts with '\[': a JSON array, where batchgen reads JSON "
+                                           r"Lines"):
+            open_source(SourceSpec(path=paths))

@@ -90,9 +90,12 @@ def test_a_sampling_column_of_clashing_objects_generates_every_row_and_keeps_the
     assert table.schema.field("samp").type == pa.string()
 
 
-def test_a_resume_whose_kept_column_reads_as_another_type_is_refused_naming_it(tmp_path, tiny_model_dir):
-    """JSONL types are inferred at each run: a source edited so that a kept column's type changes (as an output
-    begun by an earlier batchgen whose inference differed) would write shards that no longer read as one table."""
+def test_a_resume_keeps_the_shards_type_for_a_json_text_column_and_refuses_another_changed_type(
+        tmp_path, tiny_model_dir):
+    """JSONL types are inferred at each run. A column whose objects clash now (a JSON text column) but were one
+    struct when the output began (an earlier batchgen, or an edited source) keeps the shards' struct: an upgrade
+    alone never blocks a resume, and the clashing row is a schema_mismatch reject as it was then. Any other kept
+    column whose type changed would write shards that no longer read as one table: refused, naming it."""
     rows = seed_rows(4)
     for r in rows:
         r["meta"] = {"lang": "en"}
@@ -101,8 +104,40 @@ def test_a_resume_whose_kept_column_reads_as_another_type_is_refused_naming_it(t
     assert runner.invoke(app, ["run", str(job), "--no-progress"]).exit_code == 0
     rows[2]["meta"] = {"lang": ["en", "fr"]}  # the first rows' objects no longer unify: a JSON text column
     write_jsonl(tmp_path / "rows.jsonl", rows)
-    result = runner.invoke(app, ["run", str(job), "--no-progress"])
-    assert result.exit_code == 2, result.output
-    assert "column 'meta' is struct<lang: string> in the shards already written" in result.output
-    assert "but string as this run reads the source" in result.output
-    assert len(read_rows(tmp_path / "out")) == 2  # nothing written under the new type
+    for command in ("validate", "run"):
+        result = runner.invoke(app, [command, str(job), *(["--no-progress"] if command == "run" else [])])
+        assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0001", "row-0003"]
+    assert [r["error_class"] for r in read_rows(tmp_path / "out", "rejects")] == ["schema_mismatch"]
+    assert {pq.read_schema(p).field("meta").type for p in (tmp_path / "out" / "data").glob("*.parquet")} == {
+        pa.struct([("lang", pa.string())])}
+    for r in rows:
+        r["level"] = str(r["level"])  # an integer column now text: refused by validate and by run
+    rows.append({**seed_rows(5)[4], "meta": {"lang": "en"}, "level": "x"})
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    for command in ("validate", "run"):
+        result = runner.invoke(app, [command, str(job), *(["--no-progress"] if command == "run" else [])])
+        assert result.exit_code == 2, result.output
+        assert "column 'level' is int64 in the shards already written" in result.output
+        assert "but string as this run reads the source" in result.output
+    assert len(read_rows(tmp_path / "out")) == 3  # nothing written under the new type
+
+
+def test_a_resume_of_an_unchanged_job_keeping_a_type_parquet_stores_otherwise_goes_on(tmp_path, tiny_model_dir):
+    """timestamp[s] is written to Parquet as timestamp[ms] (date64 as date32): compared as written, an unchanged
+    datasets job that keeps such a column resumes (it was refused naming the column)."""
+    datasets = pytest.importorskip("datasets")
+    import datetime
+
+    rows = seed_rows(6)
+    for r in rows:
+        r["when"], r["day"] = datetime.datetime(2024, 1, 1), datetime.date(2024, 1, 2)
+    features = datasets.Features({"id": datasets.Value("string"), "topic": datasets.Value("string"),
+                                  "level": datasets.Value("int64"), "when": datasets.Value("timestamp[s]"),
+                                  "day": datasets.Value("date64")})
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    for limit in (3, None):  # the same job, then all its rows
+        job = write_job(tmp_path, tiny_model_dir, {"path": "ds", "key_column": "id", "limit": limit})
+        result = runner.invoke(app, ["run", str(job), "--no-progress"])
+        assert result.exit_code == 0, result.output
+    assert len(read_rows(tmp_path / "out")) == 6
