@@ -55,6 +55,21 @@ def write_job(tmp: Path, model_path: str, source: dict, *, name: str = "job.yaml
     return path
 
 
+def six_row_job(tmp: Path, model_path: str) -> Path:
+    """The common job of the CLI tests: rows.jsonl of seed_rows(6), keyed by id."""
+    write_jsonl(tmp / "rows.jsonl", seed_rows(6))
+    return write_job(tmp, model_path, {"path": "rows.jsonl", "key_column": "id"})
+
+
+def invoke_run(*args):
+    """`batchgen run ARGS --no-progress` in this process (typer's CliRunner): its result."""
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    return CliRunner().invoke(app, ["run", *map(str, args), "--no-progress"])
+
+
 def read_rows(out_dir: Path, folder: str = "data") -> list[dict]:
     rows = []
     for f in sorted(glob.glob(str(out_dir / folder / "*.parquet"))):

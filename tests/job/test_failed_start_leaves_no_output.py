@@ -9,23 +9,16 @@ import shutil
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from batchgen.cli import app
 from batchgen.output.lock import WorkerLock
-from jobutil import read_rows, seed_rows, write_job, write_jsonl
+from jobutil import invoke_run, read_rows, seed_rows, six_row_job, write_job, write_jsonl
 
-runner = CliRunner()
-
-
-def _run(*args):
-    return runner.invoke(app, ["run", *map(str, args), "--no-progress"])
+_run = invoke_run
 
 
 @pytest.fixture
 def job(tmp_path, tiny_model_dir):
-    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
-    return write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"})
+    return six_row_job(tmp_path, tiny_model_dir)
 
 
 @pytest.fixture
