@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, check_chat_template_kwargs
 from batchgen.sampling_params import SamplingParams
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -34,25 +34,6 @@ class ModelSpec(_Strict):
     device: str = Field("auto", description=(
         "Where the model runs: auto (a GPU if there is one, each worker of --gpus its own; else the CPU), cpu, "
         "cuda or cuda:N."))
-
-
-# what batchgen passes apply_chat_template itself (messages is the template's variable for the conversation): given
-# again as chat_template_kwargs they collide ("got multiple values") and every row fails; so do these two when true
-# (continue_final_message contradicts the generation prompt; an assistant mask needs a tokenized result). The call's
-# other arguments (padding, return_dict, ...) do nothing without tokenizing; tools, documents and chat_template are
-# the template's to use.
-RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "messages", "add_generation_prompt", "tokenize")
-RESERVED_WHEN_TRUE_CHAT_TEMPLATE_KWARGS = ("continue_final_message", "return_assistant_tokens_mask")
-
-
-def check_chat_template_kwargs(kwargs: dict, key: str = "prompt.chat_template_kwargs") -> None:
-    """ValueError naming the first of `kwargs` that would make every prompt's chat template call fail."""
-    taken = [k for k, v in kwargs.items()
-             if k in RESERVED_CHAT_TEMPLATE_KWARGS or (k in RESERVED_WHEN_TRUE_CHAT_TEMPLATE_KWARGS and v)]
-    if taken:
-        raise ValueError(f"{key}: {', '.join(map(repr, taken))} cannot be set here: batchgen renders each prompt "
-                         f"with messages=the row's turns, add_generation_prompt=true and tokenize=false, so every "
-                         f"row would fail; give only the template's own variables (for example enable_thinking)")
 
 
 class SourceSpec(_Strict):

@@ -26,7 +26,7 @@ from batchgen.distributed.groups import for_engine, local_kv_geometry
 from batchgen.engine.batch import ScheduledBatch, StepOutput
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine import sizing
-from batchgen.engine.config import Auto, EngineConfig
+from batchgen.engine.config import Auto, EngineConfig, check_chat_template_kwargs
 from batchgen.engine.detokenizer import StopStringWatcher, final_text, text_token_ids
 from batchgen.engine.reasoning import ReasoningMarkers, ThinkingBudget
 from batchgen.engine.request import FinishReason, Request
@@ -440,8 +440,6 @@ class Engine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat() needs an engine built with a tokenizer that has a chat template; use "
                              "generate() with raw prompts otherwise")
-        from batchgen.config.schema import check_chat_template_kwargs
-
         check_chat_template_kwargs(chat_template_kwargs or {}, key="chat_template_kwargs")
         prompts = []
         for i, messages in enumerate(conversations):
