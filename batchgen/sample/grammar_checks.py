@@ -50,6 +50,11 @@ SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depen
 MAX_NAMED = 5  # places named in a message
 
 
+def _pointer_token(name) -> str:
+    """A name as one JSON pointer token (RFC 6901: ~ as ~0, / as ~1)."""
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
 def unenforced_keywords(schema) -> list[str]:
     """"'<keyword>' at <JSON pointer>" for every UNENFORCED_KEYWORDS keyword of a JSON Schema, in document order
     (without recursion: schemas may nest deeply)."""
@@ -61,9 +66,9 @@ def unenforced_keywords(schema) -> list[str]:
             for k, v in node.items():
                 if k in UNENFORCED_KEYWORDS and not (k in ("then", "else") and "if" in node):
                     found.append(f"{k!r} at {where or '/'}")
-                path = f"{where}/{str(k).replace('~', '~0').replace('/', '~1')}"
+                path = f"{where}/{_pointer_token(k)}"
                 if k in SCHEMA_MAPS and isinstance(v, dict):  # names -> subschemas
-                    children += [(sub, f"{path}/{str(n).replace('~', '~0').replace('/', '~1')}") for n, sub in v.items()]
+                    children += [(sub, f"{path}/{_pointer_token(n)}") for n, sub in v.items()]
                 elif k not in ("enum", "const", "default", "examples"):  # values there are data, not schemas
                     children.append((v, path))
         elif isinstance(node, list):

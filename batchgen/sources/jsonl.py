@@ -130,12 +130,12 @@ class JsonlSource(Source):
         self.description = f"{len(files)} JSONL file(s) ({files[0]}{', ...' if len(files) > 1 else ''})"
         self.num_rows = None  # counting lines would need a full read
         check_format(files, "jsonl", type_given=spec.type is not None)
-        for path in files:  # a JSON document holding an array (a .json file): no line of it is a row
+        for path in (f for f in files if f.endswith(".json")):  # a JSON document holding an array: no line is a row
             start = next((line for line in _lines(path) if isinstance(line, UnicodeDecodeError) or line.strip()), "")
             if isinstance(start, str) and start.lstrip().startswith("["):
                 raise JobError(f"{path} starts with '[': a JSON array, where batchgen reads JSON Lines (one object "
                                f"per line); convert it, e.g. jq -c '.[]' IN > OUT.jsonl")
-        first = list(islice(self.nonblank_lines(), SCHEMA_SAMPLE_ROWS))
+        first = islice(self.nonblank_lines(), SCHEMA_SAMPLE_ROWS)
         sample = [obj for obj, _ in (parse_line(line) for _, _, line in first) if obj is not None]
         if not sample:
             raise JobError(f"{self.description} holds no JSON objects (empty source?)")
