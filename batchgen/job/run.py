@@ -239,6 +239,9 @@ def run_job(spec: JobSpec, *, fresh: bool = False, worker: WorkerInfo = WorkerIn
             lock = WorkerLock(out_dir, tag, count=worker.count)
             if fresh:  # refused while any other worker runs (naming it): then no partition can differ
                 start_over(out_dir, where, lock)
+                # what the old output held is gone: a failure from here on cleans up what this start writes,
+                # under the old names too (what survived the fresh: the marker, lock files, stays)
+                entries_before = (entries_before & set(os.listdir(out_dir))) - {lock.path.name}
             check_partition(out_dir, lock)
             fresh_mod.finish_interrupted(out_dir)
             refuse_a_users_resolved_job(out_dir)

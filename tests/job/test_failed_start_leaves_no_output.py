@@ -142,3 +142,22 @@ def test_nothing_a_running_worker_uses_is_removed(job, tmp_path, engine_fails):
             assert (out / name).is_dir(), name
     finally:
         other.remove()
+
+
+def test_a_fresh_start_that_fails_leaves_no_half_made_output_under_the_old_names(job, tmp_path, monkeypatch):
+    assert _run(job).exit_code == 0  # an output: fingerprint, resolved job, shards, manifest, reports
+    out = tmp_path / "out"
+    from batchgen.engine import engine as engine_module
+
+    def no_memory(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", no_memory)
+    failed = _run(job, "--fresh", "--set", "sampling.temperature=0.7")
+    assert failed.exit_code == 2, failed.output
+    left = sorted(p.name for p in out.iterdir())
+    assert left in ([], [".batchgen"]), left  # the old output went (as asked); nothing of the failed start stays
+    monkeypatch.undo()
+    changed = _run(job, "--set", "sampling.temperature=0.9")  # a new start, not a refused resume
+    assert changed.exit_code == 0 and "refusing to resume" not in changed.output, changed.output
+    assert len(read_rows(out)) == 6
