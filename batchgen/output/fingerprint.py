@@ -52,8 +52,16 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
                    **({"kv_cache_dtype": "fp8"} if spec.engine.kv_cache_dtype == "fp8" else {})},
         # the context a sequence may fill: it decides which prompts are too long (or how they are cut) and where a
         # completion stops; a component of its own, so that outputs begun before it resume unchanged
-        "max_model_len": spec.engine.max_model_len,
+        "max_model_len": _context(spec, model_config),
     }
+
+
+def _context(spec: JobSpec, model_config: dict) -> int | None:
+    """engine.max_model_len as recorded: None for the model's own context, unset or set to the same number (one
+    context, one record: a resume that spells it out is the same job)."""
+    text = model_config.get("text_config") or model_config
+    own = text.get("max_position_embeddings")
+    return None if spec.engine.max_model_len == own else spec.engine.max_model_len
 
 
 # sampling settings added after outputs existed: recorded only when set, so an output begun before them (or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -158,6 +159,17 @@ def test_resume_with_changed_sampling_is_refused_naming_the_change(job):
     # mixed two policies in one output (it was taken for a speed knob)
     result = _run(job, "--set", "engine.max_model_len=40")
     assert result.exit_code == 2 and "max_model_len: None -> 40" in result.output
+
+
+def test_max_model_len_set_to_the_models_own_context_resumes_an_output_begun_without_it(job, tmp_path,
+                                                                                         tiny_model_dir):
+    own = json.loads((Path(tiny_model_dir) / "config.json").read_text())["max_position_embeddings"]
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    assert _run(job).exit_code == 0
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(6))
+    spelled_out = _run(job, "--set", f"engine.max_model_len={own}")  # the same context: the same job
+    assert spelled_out.exit_code == 0 and "3 already done" in spelled_out.output, spelled_out.output
+    assert _run(job, "--set", f"engine.max_model_len={own - 1}").exit_code == 2  # another context is refused
 
 
 def test_an_output_begun_before_max_model_len_was_recorded_resumes_with_it_set(job, tmp_path):
