@@ -13,7 +13,9 @@ import gc
 import hashlib
 import json
 import os
+import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -71,8 +73,13 @@ def build_processor(job: str | os.PathLike | JobSpec | dict, *, concurrency: int
     (num_cpus too). No resume, no exactly-once: a Dataset that fails is generated again from its start when
     run again, and a batch whose actor died is generated again when Ray Data retries it elsewhere.
     """
+    from batchgen.sample.grammar_checks import unenforced_warning
+
     ray = import_ray()
     spec = _job_spec(job)
+    warning = unenforced_warning(spec.sampling.response_format)  # structured output: keywords not enforced
+    if warning is not None:  # as `batchgen run` prints it; a row's own schema is told in its actor's log
+        warnings.warn(warning.removeprefix("batchgen: warning: "), UserWarning, stacklevel=2)
     if spec.engine.tensor_parallel_size > 1:
         raise JobError(f"engine.tensor_parallel_size {spec.engine.tensor_parallel_size}: a Ray Data actor runs one "
                        f"GPU's engine; run tensor-parallel jobs with batchgen run --gpus or torchrun")
@@ -329,7 +336,7 @@ class BatchGenerator:
         schema = replace(schema, data=data)
         return _Columns(schema, pa.schema([*data, *ERROR_FIELDS]),
                         PromptRenderer(spec.prompt, self.tokenizer, names, self.max_prompt_tokens),
-                        RowSampling(spec, names, self.vocab_size))
+                        RowSampling(spec, names, self.vocab_size, warn=lambda w: print(w, file=sys.stderr)))
 
 
 def row_key(columns: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ installed, build_processor says how to install it. One local Ray instance for th
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -119,6 +120,19 @@ def test_a_template_naming_a_column_the_dataset_lacks_fails_the_dataset_with_bat
     # Ray Data wraps an actor's exception in its UserCodeException; JobError's message is in its text
     with pytest.raises(ray.exceptions.UserCodeException, match="JobError: prompt.template uses level"):
         build_processor(str(job))(ray.data.from_items(without_level)).take_all()
+
+
+def test_a_schema_keyword_xgrammar_does_not_enforce_is_warned_of_when_the_processor_is_built(setup):
+    tmp, job, _, _ = setup
+    data = yaml.safe_load(job.read_text())
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    data["sampling"]["response_format"] = {"type": "json_schema", "json_schema": schema}
+    with pytest.warns(UserWarning, match="does not enforce: 'uniqueItems' at /properties/tags"):
+        build_processor(data)
+    del schema["properties"]["tags"]["uniqueItems"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an enforced schema: no warning
+        build_processor(data)
 
 
 def test_without_ray_build_processor_says_how_to_install_it(setup, monkeypatch):
