@@ -84,6 +84,12 @@ def _last_record(path: Path) -> dict | None:
     return None
 
 
+def _records_a_process(lock: Path) -> bool:
+    """Whether a lock file holds what a batchgen run writes in it: its pid (a JSON record, or the pid alone)."""
+    pid = holder(lock)["pid"]
+    return isinstance(pid, int) or (isinstance(pid, str) and pid.isdigit())
+
+
 def _read_workers(out_dir: Path) -> dict[str, _Worker]:
     workers: dict[str, _Worker] = {}
 
@@ -95,6 +101,7 @@ def _read_workers(out_dir: Path) -> dict[str, _Worker]:
         w.rows, w.rejects = w.rows + r["num_rows"], w.rejects + r["num_rejects"]
         w.tokens += r["num_completion_tokens"]
         w.last_commit = max(w.last_commit or 0.0, r["time"])
+    committed = set(workers)
     for lock in out_dir.glob(".lock-w*"):
         if (w := worker(lock.name.removeprefix(".lock-"))) is not None:
             try:
@@ -104,6 +111,8 @@ def _read_workers(out_dir: Path) -> dict[str, _Worker]:
             w.running = is_held(lock)
             if w.running:
                 w.dealer = holder(lock).get("dealer")
+            elif not _records_a_process(lock) and w.tag not in committed:
+                del workers[w.tag]  # a file under a lock's name that no batchgen run wrote: no worker
     for log in (out_dir / "logs").glob("throughput-w*.jsonl"):
         if (w := worker(log.stem.removeprefix("throughput-"))) is not None:
             w.log = _last_record(log)

@@ -139,3 +139,14 @@ def test_a_folder_with_only_a_lock_file_says_what_is_there(tmp_path):
     result = _status(tmp_path / "notes")
     assert result.exit_code == 2
     assert "holds no batchgen output" in result.output and "it holds: todo.txt" in result.output
+
+
+def test_a_file_under_a_lock_name_that_no_run_wrote_is_no_worker(out):
+    _commit(out, "w00000", 40, time.time())
+    (out / ".lock-w00007").write_text("not a lock\n")  # copied in, or a user's
+    (out / ".lock-w00008").write_text("")
+    WorkerLock(out, "w00003").release()  # a killed run's: a stopped worker
+    result = _status(out)
+    assert result.exit_code == 0, result.output
+    assert "w00007" not in result.output and "w00008" not in result.output
+    assert "w00003: stopped" in result.output and "40 rows committed of 40" in result.output
