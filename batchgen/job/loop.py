@@ -59,11 +59,29 @@ def normalize_key(value: Any, position: int, key_column: str) -> str | int:
     return value
 
 
+def unparsed_row_key(position: int, key_column: str, first_seen: KeySet) -> str:
+    """The key of an unparseable row whose key the source does not know: a stand-in naming its position, recorded
+    in `first_seen` like any key, so a real key spelled the same stops the job (each would be committed under it)."""
+    key = f"<unparsed row {position}>"
+    earlier = first_seen.add(key, position)
+    if earlier is not None:
+        raise JobError(_stand_in_clash(key_column, key, position, earlier))
+    return key
+
+
+def _stand_in_clash(key_column: str, key: str, unparsed: int, other: int) -> str:
+    return (f"source.key_column {key_column!r}: row {other}'s key {key!r} is the key batchgen gives row {unparsed}, "
+            f"which could not be parsed (its reject is recorded under that key); fix or remove row {unparsed}, or "
+            f"change row {other}'s key")
+
+
 def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -> str | int:
     """The row's key, recorded in `first_seen`; a null, wrongly typed or duplicate key stops the job (run and
     validate give the same message)."""
     key = normalize_key(value, position, key_column)
     earlier = first_seen.add(key, position)
+    if earlier is not None and key == f"<unparsed row {earlier}>":
+        raise JobError(_stand_in_clash(key_column, key, earlier, position))
     if earlier is not None:
         raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
                        f"{position}); keys must be unique, or drop key_column to key rows by position")
@@ -297,7 +315,7 @@ class JobLoop:
             return row.position
         if row.columns is None:  # unparseable: its key if the source still knows it, else its position
             if row.key is None:
-                return f"<unparsed row {row.position}>"
+                return unparsed_row_key(row.position, key_column, first_seen)
             return unique_key(row.key, row.position, key_column, first_seen)
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if not self.source.typed and not fits(key, self.schema.key_field.type):  # JSONL: types inferred

@@ -190,7 +190,7 @@ def check_keys(spec: JobSpec, source: Source, schema: OutputSchema | None) -> tu
     earlier custom_id), which run records as that row's reject's key. Returns the report's line and the rows
     scanned (None without a key column: nothing scanned). `schema` None: key types are left to run's own check
     (a dealing driver has no schema; its workers check each row they get)."""
-    from batchgen.job.loop import unique_key
+    from batchgen.job.loop import unique_key, unparsed_row_key
     from batchgen.output.schema import fits, key_type_error
 
     key_column = spec.source.key_column
@@ -203,7 +203,9 @@ def check_keys(spec: JobSpec, source: Source, schema: OutputSchema | None) -> tu
         if row.columns is None:  # unparseable: rejected by run under its key if the source still knows one
             if row.key is not None:  # (an OpenAI line's custom_id), which must be unique as run's _key says
                 unique_key(row.key, row.position, key_column, first_seen)
-            continue  # else keyed by its position, as run keys it
+            else:  # else by a stand-in naming its position, which no real key may repeat (run's _key)
+                unparsed_row_key(row.position, key_column, first_seen)
+            continue
         key = unique_key(row.columns.get(key_column), row.position, key_column, first_seen)
         if schema is not None and not source.typed and not fits(key, schema.key_field.type):
             raise JobError(key_type_error(key_column, key, row.position, schema.key_field.type))

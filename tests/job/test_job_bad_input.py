@@ -116,6 +116,34 @@ def test_corrupt_parquet_file_is_named(job, tmp_path):
     assert result.exit_code == 2 and "bad.parquet" in result.output and "corrupt or truncated" in result.output
 
 
+@pytest.mark.parametrize("real_first", [False, True])
+def test_a_real_key_spelled_as_an_unparsed_rows_stand_in_stops_the_job_before_it_is_committed_twice(
+        job, tmp_path, real_first):
+    import json as _json
+
+    lines = [_json.dumps(r) for r in seed_rows(3)]
+    clash = _json.dumps({"id": "<unparsed row 3>" if real_first else "<unparsed row 2>", "topic": "x", "level": 1})
+    lines[2:2] = [clash, '{"id": "broken", '] if real_first else ['{"id": "broken", ', clash]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    unparsed, other = (3, 2) if real_first else (2, 3)
+    said = f"row {other}'s key '<unparsed row {unparsed}>' is the key batchgen gives row {unparsed}, which could not"
+    checked = _run_cli_validate(job)
+    assert checked.returncode == 2 and said in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+    failed = _run(job)
+    assert failed.exit_code == 2 and said in failed.output, failed.output
+    out = tmp_path / "out"
+    if out.exists():  # what was committed before the clash was reached is intact (no key twice)
+        from batchgen.output.verify import verify
+
+        assert verify(out).intact
+
+
+def _run_cli_validate(job):
+    from jobutil import run_cli
+
+    return run_cli("validate", str(job))
+
+
 def test_bad_rows_go_to_rejects_and_the_job_goes_on(job, tmp_path):
     rows = seed_rows(5)
     rows[1]["topic"] = "   "  # renders fine
