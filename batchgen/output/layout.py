@@ -136,7 +136,8 @@ def is_batchgen_entry(out_dir: Path, rel: str, owned: bool = True) -> bool:
             return True
         if name == CARD_FILE:
             return is_batchgen_card(path)
-        return name == LEGACY_JOB_FILE and is_legacy_job_file(path, out_dir)
+        # an earlier batchgen's resolved job only in an unmarked folder: in a marked one it is a user's file
+        return name == LEGACY_JOB_FILE and not (out_dir / MARKER_FILE).exists() and is_legacy_job_file(path, out_dir)
     if len(parts) != 2 or parts[0] not in OWNED_DIRS or not path.is_file() or path.is_symlink():
         return False
     name = parts[1]

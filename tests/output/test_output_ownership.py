@@ -132,6 +132,22 @@ def test_fresh_refuses_users_files_named_like_batchgens_inside_its_folders_and_d
     assert len(read_rows(out)) == NUM_ROWS
 
 
+def test_a_users_job_yaml_in_a_marked_output_is_never_taken_for_an_earlier_batchgens(finished):
+    """A plain dump of a job with this folder as its absolute output.dir reads like an earlier batchgen's resolved
+    job; in a folder batchgen marked it is the user's: --fresh refuses, naming it, and keeps it."""
+    from batchgen.output.layout import foreign_entries
+
+    job, out = finished
+    resolved = yaml.safe_load((out / "job.resolved.yaml").read_text())
+    assert resolved["output"]["dir"] == str(out.resolve())
+    mine = yaml.safe_dump(resolved).encode()
+    (out / "job.yaml").write_bytes(mine)
+    assert foreign_entries(out) == ["job.yaml"]
+    result = run_cli("run", str(job), "--fresh")
+    assert result.returncode == 2 and "--fresh refused" in result.stderr and "job.yaml" in result.stderr
+    assert (out / "job.yaml").read_bytes() == mine and len(read_rows(out)) == NUM_ROWS
+
+
 def test_a_folder_batchgen_never_used_holding_files_under_its_names_is_refused_by_run_and_fresh(tmp_path,
                                                                                                   tiny_model_dir):
     """No .batchgen marker and no earlier output's records: a user's fingerprint.json, numerics.json or
