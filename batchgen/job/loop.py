@@ -22,6 +22,7 @@ from batchgen.job.metrics import ThroughputMeter, peak_rss_mib
 from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output import generation_columns as gen
+from batchgen.output import upstream_order
 from batchgen.output.fingerprint import check_or_write, components
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema, fits, key_type_error, with_committed_kept_types
@@ -32,6 +33,7 @@ from batchgen.job import preflight
 from batchgen.job.row_sampling import RowSampling
 from batchgen.sample.grammar_checks import unenforced_warning
 from batchgen.sources import open_source, refuse_ignored_keys
+from batchgen.sources.batchgen_output import OutputDirSource
 from batchgen.config import JobSpec
 from batchgen.job.workers import WorkerInfo
 
@@ -152,6 +154,8 @@ class JobLoop:
         self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
         check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
                                            tokenizer, __version__))
+        if isinstance(self.source, OutputDirSource) and spec.source.key_column is None:  # keyed by position
+            upstream_order.check_and_record(out_dir, self.source.out_dir, self.source.order)
 
         # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
         # deleted; the committed keys are the rows to skip

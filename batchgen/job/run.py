@@ -118,6 +118,7 @@ def _start_entries(out_dir: Path, new: set[str], lock: WorkerLock) -> tuple[list
     else (a shard, a manifest, a report, a foreign file, a temporary of a start killed meanwhile).
 
     A start writes: the DirectoryLock's file and this worker's lock file, the marker, `fingerprint.json`,
+    `upstream_order.json` (a position-keyed chained job),
     `job.resolved.yaml` (batchgen's header), `numerics.json` (engine.deterministic), the folders `data/`,
     `rejects/` and `manifest/` (empty until a commit), `logs/` (this worker's throughput log, once it has logged)
     and `reports/` (this worker's report, written after its loop). Another worker's lock file counts when no live
@@ -141,7 +142,7 @@ def _start_entries(out_dir: Path, new: set[str], lock: WorkerLock) -> tuple[list
             folders.append(path)
         elif not path.is_file():
             return None
-        elif name in ("fingerprint.json", "numerics.json") or \
+        elif name in ("fingerprint.json", "numerics.json", layout.UPSTREAM_ORDER_FILE) or \
                 (name == layout.RESOLVED_JOB_FILE and layout.is_batchgen_entry(out_dir, name)):
             files.append(path)
         elif name.startswith(".lock-w") and layout.is_batchgen_entry(out_dir, name) and not is_held(path):

@@ -162,6 +162,17 @@ def _check_weights(spec: JobSpec) -> None:
         check_weight_files(source)
 
 
+def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:
+    from batchgen.output import upstream_order
+    from batchgen.sources import open_source
+    from batchgen.sources.batchgen_output import OutputDirSource
+
+    source = open_source(spec.source)
+    if not isinstance(source, OutputDirSource):
+        return None
+    return upstream_order.refusal(out_dir, source.out_dir, source.order)
+
+
 def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     """The fingerprint `run` would compute, against the output directory's: the same refusal as run's."""
     from batchgen import __version__
@@ -178,6 +189,8 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
                     f"is not converted on this machine yet (a run converts it, then compares)")
     model_config = fingerprint_config(config, spec.model.dtype, spec.model.device)
     message = refusal(out_dir, components(spec, model_config, tokenizer, __version__))
+    if message is None and spec.source.key_column is None:  # a chained job keyed by position: run's check too
+        message = _upstream_moved(spec, out_dir)
     if message is not None:
         raise JobError(message)
     return f"output: {out_dir} holds an earlier run of this job; a run resumes it"

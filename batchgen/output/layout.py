@@ -40,7 +40,8 @@ SHARD_DIRS = ("data", "rejects")
 # (it may hold the only copy of rows someone wants to salvage)
 QUARANTINE_DIR = "quarantine"
 OWNED_DIRS = (*SHARD_DIRS, "manifest", "logs", "reports")
-TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json")
+UPSTREAM_ORDER_FILE = "upstream_order.json"  # a position-keyed chained job's record (output/upstream_order.py)
+TOP_FILES = (MARKER_FILE, RESOLVED_JOB_FILE, "fingerprint.json", "numerics.json", UPSTREAM_ORDER_FILE)
 LOCK_FILES = (".lock-dir",)  # lock.DIRECTORY_LOCK_FILE; worker locks: _LOCK
 REPORT_FILES = ("throughput.png", "lengths.png", "index.html")
 CARD_FILE = "README.md"

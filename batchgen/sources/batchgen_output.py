@@ -15,8 +15,9 @@ shard sizes, no key in two records; output/ledger.py), each shard's row count ag
 SHA-256 as it is read (the bytes are read once, hashed and parsed from memory).
 
 Positions grow only at the end while one upstream worker commits; with several upstream workers still running,
-a later commit of an earlier worker shifts positions: key the downstream job (`source.key_column`) or chain on
-a finished upstream.
+a later commit of an earlier worker shifts positions, and so does the upstream repaired and run again: key the
+downstream job (`source.key_column`) or chain on a finished upstream. A downstream keyed by position refuses to
+resume once its positions moved (`order`, output/upstream_order.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class OutputDirSource(Source):
                    pa.field("upstream_id", pa.string())]
         self.schema = pa.schema([f for f in schema if f.name not in LINEAGE_COLUMNS] + lineage)
         self.num_rows = sum(m.metadata.num_rows for m in metas)
+        # what a row's position stands for: the committed shards in order, each with its rows (output/upstream_order)
+        self.order = [[e.record["data"], m.metadata.num_rows] for (_, e), m in zip(self.shards, metas)]
         self.check_key_column()
 
     def _iter_all(self) -> Iterator[SourceRow]:

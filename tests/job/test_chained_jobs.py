@@ -91,3 +91,36 @@ def test_a_judge_over_an_upstream_with_n_2_keeps_which_sample_it_read(tmp_path, 
     for r in judged:
         assert r["upstream_id"] == f"{r['upstream_key']}#{r['upstream_sample_idx']}" and r["sample_idx"] == 0
         assert upstream[(r["upstream_key"], r["upstream_sample_idx"])] in r["prompt"]
+
+
+def test_a_position_keyed_downstream_resumes_as_the_upstream_grows_and_is_refused_once_its_rows_moved(
+        tmp_path, tiny_model_dir):
+    """Positions stand for upstream rows only while the upstream's records grow at the end. After the upstream is
+    repaired and run again (a damaged shard's rows committed anew, last), position P is another row: the resume is
+    refused by run and validate, instead of answering some rows twice and others never."""
+    def upstream(limit):
+        return _example(tmp_path, "chain_questions.yaml", tiny_model_dir, source={"limit": limit},
+                        output={"rows_per_shard": 2})
+
+    up = tmp_path / "out" / "chain-questions"
+    assert runner.invoke(app, ["run", str(upstream(6)), "--no-progress"]).exit_code == 0
+    down = _example(tmp_path, "chain_answers.yaml", tiny_model_dir, source={"key_column": None},
+                    output={"keep_columns": ["upstream_id"], "rows_per_shard": 2})
+    assert runner.invoke(app, ["run", str(down), "--no-progress"]).exit_code == 0
+    assert runner.invoke(app, ["run", str(upstream(10)), "--no-progress"]).exit_code == 0  # it grows at the end
+    grown = runner.invoke(app, ["run", str(down), "--no-progress"])
+    assert grown.exit_code == 0 and "6 already done" in grown.output, grown.output
+    answered = sorted(r["upstream_id"] for r in read_rows(tmp_path / "out" / "chain-answers"))
+    assert answered == sorted(f"{r['id']}#0" for r in read_rows(up))  # each upstream row once
+    first = sorted((up / "data").glob("*.parquet"))[0]
+    first.write_bytes(first.read_bytes()[:100])  # damaged: repaired, its rows generated again and committed last
+    assert runner.invoke(app, ["repair", str(up)]).exit_code == 0
+    assert runner.invoke(app, ["run", str(upstream(10)), "--no-progress"]).exit_code == 0
+    for command in ("validate", "run"):
+        refused = runner.invoke(app, [command, str(down), *(["--no-progress"] if command == "run" else [])])
+        assert refused.exit_code == 2 and "the upstream's committed rows moved" in refused.output, refused.output
+        assert "source.key_column: upstream_id" in refused.output
+    again = runner.invoke(app, ["run", str(down), "--no-progress", "--fresh"])
+    assert again.exit_code == 0, again.output
+    answered = sorted(r["upstream_id"] for r in read_rows(tmp_path / "out" / "chain-answers"))
+    assert answered == sorted(f"{r['id']}#0" for r in read_rows(up))

@@ -39,8 +39,9 @@ ALLOWED = {
     "bench": {"bench", "job", "config", "engine", "runner", "models", "quant", "attention", "kernels", "distributed",
               "sample"} | LOWER,
     # Ray: a driver dealing units to JobLoop workers (tensor-parallel ones: process groups, the device), and a Ray
-    # Data stage over engines
-    "ray": {"ray", "job", "config", "sources", "output", "prompts", "engine", "distributed", "runner"} | LOWER,
+    # Data stage over engines (which checks the job's structured output as run does: sample's grammar checks)
+    "ray": {"ray", "job", "config", "sources", "output", "prompts", "engine", "distributed", "runner", "sample"}
+    | LOWER,
     "cli.py": {"job", "config", "output", "sources", "bench", "distributed", "ray"} | LOWER,
     "__init__.py": {"engine", "sampling_params"},
     "errors.py": set(), "hub.py": {"errors"}, "seeding.py": set(), "sampling_params.py": set(),

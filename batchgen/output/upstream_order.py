@@ -1,0 +1,63 @@
+"""A chained job keyed by position: the upstream rows its positions stand for (OUT/upstream_order.json).
+
+A downstream job without `source.key_column` keys a row by its position in the upstream's committed rows (manifest
+order: worker by worker, commit by commit). Those positions hold only while the upstream's records grow at the end.
+After the upstream was repaired and run again (a damaged shard's rows committed anew, last) or one of its earlier
+workers committed late, position P is another upstream row: a resume would answer some rows twice and others never.
+
+So the downstream records the upstream's committed shards in order, each with its row count ([[name, rows], ...]),
+and a resume is refused unless what it recorded is still where it was: the upstream's records now start with it.
+A keyed downstream needs none of this (its keys do not move) and records nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchgen.errors import JobError
+from batchgen.output.layout import UPSTREAM_ORDER_FILE as FILE
+from batchgen.output.temp_file import write_text_atomic
+
+Order = list[list]  # [[data shard path inside the upstream output, its rows], ...] in the upstream's row order
+
+
+def _stored(out_dir: Path) -> Order | None:
+    path = out_dir / FILE
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_bytes())["shards"]
+        if not isinstance(stored, list):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise JobError(f"{path} is damaged: it records which upstream rows this output's positions stand for. Start "
+                       f"over with --fresh, or key the job (source.key_column: upstream_id) in a new output.dir") \
+            from None
+    return stored
+
+
+def refusal(out_dir: Path, upstream: Path, order: Order) -> str | None:
+    """Why a position-keyed downstream in `out_dir` may not resume on the upstream's committed shards `order`
+    (None: nothing recorded yet, or every recorded shard is still where it was). Reads only."""
+    stored = _stored(out_dir)
+    if stored is None or order[:len(stored)] == stored:
+        return None
+    moved = next(i for i, (was, now) in enumerate(zip(stored + [None], order + [None])) if was != now)
+    was = stored[moved][0] if moved < len(stored) else "nothing"
+    now = order[moved][0] if moved < len(order) else "nothing"
+    return (f"refusing to resume into {out_dir}: its rows are keyed by position in the upstream output {upstream}, "
+            f"and the upstream's committed rows moved since (its record {moved + 1} was {was}, now {now}: the "
+            f"upstream was repaired and run again, or an earlier worker of it committed late). Resuming would "
+            f"answer some upstream rows twice and skip others. Start over with --fresh, and key the job by the "
+            f"upstream row (source.key_column: upstream_id) so that it can resume whatever the upstream does")
+
+
+def check_and_record(out_dir: Path, upstream: Path, order: Order) -> None:
+    """Before a position-keyed downstream reads its rows: JobError when `refusal` says so, else record `order`
+    (the upstream may have grown: later positions stand for its new rows)."""
+    message = refusal(out_dir, upstream, order)
+    if message is not None:
+        raise JobError(message)
+    if _stored(out_dir) != order:
+        write_text_atomic(out_dir / FILE, json.dumps({"upstream": str(upstream), "shards": order}) + "\n")
