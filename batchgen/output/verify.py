@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.errors import JobError
-from batchgen.output.layout import refuse_pending_fresh
+from batchgen.output.layout import foreign_entries, refuse_pending_fresh
 from batchgen.output.damage import Problem, what_to_do
 from batchgen.output.ledger import MANIFEST_DIR, Ledger, read_ledger
 from batchgen.output.shard_check import inspect, key_texts
@@ -58,7 +58,9 @@ class Verification:
             lines.append(f"  {len(leftovers)} uncommitted files a crash (or a commit under way) left: "
                          f"{', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}; the worker's next run "
                          f"deletes them")
-        foreign = self.orphans("foreign")
+        # the shard folders' strays (the ledger's) and anything else in the folder batchgen did not write
+        listed = foreign_entries(out_dir)  # folders end in "/"
+        foreign = sorted({*listed, *(o for o in self.orphans("foreign") if o not in listed and f"{o}/" not in listed)})
         if foreign:
             lines.append(f"  {len(foreign)} files batchgen did not write (never touched): {', '.join(foreign[:5])}"
                          f"{' ...' if len(foreign) > 5 else ''}")

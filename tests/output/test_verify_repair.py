@@ -44,6 +44,20 @@ def test_verify_of_an_intact_output_exits_0_with_a_summary(ref):
     assert "intact" in result.output and "SHA-256" in result.output
 
 
+def test_verify_lists_every_file_batchgen_did_not_write_and_touches_none(ref, tmp_path):
+    _, reference, _, _ = ref
+    out = copy_output(reference, tmp_path / "out")
+    mine = {"notes.txt": b"mine", "manifest/w00000.jsonl.bak": b"copy", "data/holiday.jpg": b"jpg"}
+    for rel, data in mine.items():
+        (out / rel).write_bytes(data)
+    (out / "drafts").mkdir()
+    result = cli("verify", str(out))
+    assert result.exit_code == 0 and "intact" in result.output, result.output
+    assert ("4 files batchgen did not write (never touched): data/holiday.jpg, drafts/, manifest/w00000.jsonl.bak, "
+            "notes.txt") in result.output
+    assert {rel: (out / rel).read_bytes() for rel in mine} == mine
+
+
 def test_verify_lists_every_damage_naming_files_and_lines_and_exits_2(ref, tmp_path):
     _, reference, _, _ = ref
     out = copy_output(reference, tmp_path / "out")
