@@ -55,9 +55,12 @@ class Verification:
                              f"{tag}'s next run cuts it")
         leftovers = self.orphans("leftover") + self.orphans("tmp")
         if leftovers:
+            # with damage, a leftover may be the shard of a damaged record: repair decides, not the next run
+            fate = ("the worker's next run deletes them" if self.intact else
+                    "or shards of a damaged record: `repair` records those it can rebuild a record for, and the "
+                    "next run after it deletes the rest")
             lines.append(f"  {len(leftovers)} uncommitted files a crash (or a commit under way) left: "
-                         f"{', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}; the worker's next run "
-                         f"deletes them")
+                         f"{', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''}; {fate}")
         # the shard folders' strays (the ledger's) and anything else in the folder batchgen did not write
         listed = foreign_entries(out_dir)  # folders end in "/"
         foreign = sorted({*listed, *(o for o in self.orphans("foreign") if o not in listed and f"{o}/" not in listed)})
