@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import glob
 import importlib
+import os
 from pathlib import Path
 
 from batchgen.errors import JobError
+from batchgen.output.layout import MARKER_FILE
 from batchgen.sources.base import Source, SourceRow, is_output_dir
 from batchgen.config import SourceSpec
 
@@ -23,14 +25,35 @@ SOURCE_TYPES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
+# the files a folder source reads, by kind: what inputs.md names (a .jsonl, .ndjson, .json or .jsonl.gz file, or a
+# folder of them; Parquet files, or a folder of them)
+FOLDER_SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".ndjson", ".json", ".jsonl.gz")}
+
+
+def folder_files(folder: Path) -> dict[str, list[str]]:
+    """The data files under `folder`, by kind, each list sorted. Folders that are batchgen outputs (a marker, or
+    manifest/ and data/) are not walked: their shards, manifests and logs are no one's input rows, and a job whose
+    output lies inside its source folder would otherwise read its own output as input."""
+    found: dict[str, list[str]] = {kind: [] for kind in FOLDER_SUFFIXES}
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        dirs[:] = [d for d in dirs if not ((here / d / MARKER_FILE).is_file() or is_output_dir(here / d))]
+        for name in names:
+            kind = next((k for k, sfx in FOLDER_SUFFIXES.items() if name.lower().endswith(sfx)), None)
+            if kind is not None and (here / name).is_file():
+                found[kind].append(str(here / name))
+    return {kind: sorted(files) for kind, files in found.items()}
+
+
 def expand_files(paths: str | list[str], what: str) -> list[str]:
-    """Sorted files matched by the paths/globs; an error naming any pattern that matched nothing."""
+    """Sorted files matched by the paths/globs (a folder: its `what` files, folder_files); an error naming any
+    pattern that matched nothing."""
     patterns = [paths] if isinstance(paths, str) else paths
     files: list[str] = []
     for pattern in patterns:
         p = Path(pattern).expanduser()
         if p.is_dir():
-            matched = sorted(str(f) for f in p.rglob(f"*.{what}") if f.is_file())
+            matched = folder_files(p)[what]
         else:
             matched = sorted(glob.glob(str(p), recursive=True))
         if not matched:
@@ -47,16 +70,21 @@ def infer_type(spec: SourceSpec) -> str:
     lower = first.lower()
     if lower.endswith(".parquet"):
         return "parquet"
-    if lower.endswith((".jsonl", ".ndjson", ".json", ".jsonl.gz")):
+    if lower.endswith(FOLDER_SUFFIXES["jsonl"]):
         return "jsonl"
     p = Path(first)
     if is_output_dir(p):  # a batchgen output: its committed completions, never its rejects or leftovers
         return "batchgen_output"
     if p.is_dir() and not (p / "dataset_info.json").exists() and not (p / "state.json").exists() \
             and not (p / "dataset_dict.json").exists():
-        if any(p.rglob("*.parquet")):
+        found = folder_files(p)
+        if found["parquet"] and found["jsonl"]:
+            raise JobError(f"source.path {first!r} is a folder holding both Parquet ({found['parquet'][0]}, ...) and "
+                           f"JSON lines files ({found['jsonl'][0]}, ...): a source is one kind. Name the files "
+                           f"(a glob such as {str(p / '**' / '*.parquet')!r}, or a list), or set source.type")
+        if found["parquet"]:
             return "parquet"
-        if any(p.rglob("*.jsonl")):
+        if found["jsonl"]:
             return "jsonl"
     return "hf"
 

@@ -1,0 +1,62 @@
+"""A folder as source.path reads every file of the kinds inputs.md names (.jsonl, .ndjson, .json, .jsonl.gz through
+the JSONL reader; .parquet), refuses a folder mixing the two kinds, and never reads a batchgen output inside it:
+a job whose output folder lies in its source folder reads its input, not its own shards, on every run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.config import SourceSpec
+from batchgen.errors import JobError
+from batchgen.sources import open_source
+from jobutil import invoke_run, read_rows, seed_rows, write_job, write_jsonl
+
+
+def _lines(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_folder_reads_every_json_lines_kind_in_name_order(tmp_path):
+    rows = seed_rows(8)
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text(_lines(rows[0:2]))
+    (folder / "b.jsonl.gz").write_bytes(gzip.compress(_lines(rows[2:4]).encode()))
+    (folder / "c.ndjson").write_text(_lines(rows[4:6]))
+    (folder / "sub" / "d.json").write_text(_lines(rows[6:8]))
+    (folder / "notes.txt").write_text("not rows")
+    source = open_source(SourceSpec(path=str(folder)))
+    assert type(source).__name__ == "JsonlSource"
+    assert [r.columns["id"] for r in source] == [r["id"] for r in rows]
+
+
+def test_a_folder_of_parquet_and_json_lines_files_is_refused_naming_both(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(seed_rows(2)), folder / "a.parquet")
+    write_jsonl(folder / "b.jsonl", seed_rows(2))
+    with pytest.raises(JobError, match="holding both Parquet .*a.parquet.* and JSON lines files .*b.jsonl"):
+        open_source(SourceSpec(path=str(folder)))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_an_output_inside_the_source_folder_is_never_read_as_input(tmp_path, tiny_model_dir, kind):
+    def write_rows(n):
+        if kind == "jsonl":
+            write_jsonl(tmp_path / "rows.jsonl", seed_rows(n))
+        else:
+            pq.write_table(pa.Table.from_pylist(seed_rows(n)), tmp_path / "rows.parquet")
+
+    write_rows(4)
+    job = write_job(tmp_path, tiny_model_dir, {"path": ".", "key_column": "id"})  # the job's folder, out/ in it
+    first = invoke_run(job)
+    assert first.exit_code == 0, first.output
+    write_rows(8)  # four rows more: the source is the input file, not out/data's shards
+    again = invoke_run(job)
+    assert again.exit_code == 0 and "4 already done" in again.output, again.output
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == [r["id"] for r in seed_rows(8)]
