@@ -48,6 +48,12 @@ class OutputSchema:
                    pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32()),
                    *gen.count_fields(reasoning),
                    pa.field("num_cached_tokens", pa.int32()), pa.field("seed", pa.int64()), *gen.logprob_fields(spec)]
+        names = [f.name for f in fields]
+        if key is not None and names.count(key) > 1:  # a shard with two columns of one name reads as damaged
+            raise JobError(f"source.key_column {key!r} is also the name of a column batchgen writes "
+                           f"({', '.join(n for n in names[1:] if n not in kept)}): each shard would hold two "
+                           f"columns named {key!r}, which no reader can tell apart. Key the job by another column, "
+                           f"or rename that column in the source")
         return cls(key_field, tuple(kept), pa.schema(fields))
 
     def coerce(self, kept: dict[str, Any]) -> dict[str, Any]:

@@ -138,10 +138,10 @@ def test_a_real_key_spelled_as_an_unparsed_rows_stand_in_stops_the_job_before_it
         assert verify(out).intact
 
 
-def _run_cli_validate(job):
+def _run_cli_validate(job, *args):
     from jobutil import run_cli
 
-    return run_cli("validate", str(job))
+    return run_cli("validate", str(job), *args)
 
 
 def test_bad_rows_go_to_rejects_and_the_job_goes_on(job, tmp_path):
@@ -337,3 +337,15 @@ def test_a_set_into_a_section_written_empty_or_null_fills_it(tmp_path, tiny_mode
     assert spec.sampling.response_format.type == "json_object"
     with pytest.raises(JobError, match="'temperature' is not a section"):
         load_spec(job, ["sampling.temperature=0", "sampling.temperature.x=1"])  # a value is still no section
+
+
+@pytest.mark.parametrize("column", ["finish_reason", "sample_idx", "seed"])
+def test_a_key_column_named_like_an_output_column_is_refused_before_any_shard(job, tmp_path, column):
+    rows = [{**r, column: f"k{i}"} for i, r in enumerate(seed_rows(3))]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    said = f"source.key_column {column!r} is also the name of a column batchgen writes"
+    checked = _run_cli_validate(job, "--set", f"source.key_column={column}")
+    assert checked.returncode == 2 and said in checked.stderr, checked.stdout + checked.stderr
+    failed = _run(job, "--set", f"source.key_column={column}")
+    assert failed.exit_code == 2 and said in failed.output, failed.output
+    assert not (tmp_path / "out").exists()
