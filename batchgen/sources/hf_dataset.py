@@ -62,6 +62,10 @@ class HFDatasetSource(Source):
         super().__init__(spec.limit, spec.key_column)
         import datasets
 
+        if not isinstance(spec.path, str) and len(spec.path) != 1:  # only the first one would be read
+            raise JobError(f"source.path lists {len(spec.path)} paths, read as Hugging Face datasets: such a source "
+                           f"is one dataset (a save_to_disk folder or a hub name). Concatenate them into one "
+                           f"(datasets.concatenate_datasets, then save_to_disk), or run a job for each")
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
         self.description = f"dataset {path!r} (split {spec.split!r})"
         folder = Path(path).expanduser()

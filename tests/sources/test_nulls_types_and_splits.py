@@ -157,6 +157,12 @@ def test_a_single_dataset_folder_has_one_split_train_and_other_splits_are_errors
     assert open_source(SourceSpec(path=CHAT_DATASET, split="train")).num_rows == 11
 
 
+def test_a_list_of_datasets_is_refused_as_only_its_first_would_be_read():
+    with pytest.raises(JobError, match="source.path lists 2 paths, read as Hugging Face datasets"):
+        open_source(SourceSpec(path=[CHAT_DATASET, CHAT_DATASET]))
+    assert open_source(SourceSpec(path=[CHAT_DATASET])).num_rows == 11
+
+
 def test_a_dataset_saved_from_a_named_split_has_that_split(tmp_path):
     import datasets
 
