@@ -90,9 +90,9 @@ class LimitsSpec(_Strict):
     max_prompt_chars: PositiveInt = Field(4_000_000, description=(
         "Characters: no string a template builds, no rendered prompt or chat-template output longer than this; "
         "a longer prompt is rejected as prompt_too_long (or cut, per prompt.on_too_long)."))
-    render_timeout_s: Annotated[float, Field(gt=0)] = Field(5.0, description=(
-        "Seconds of wall time one render may take, the chat template included. A row over a limit is rejected "
-        "(template_error / chat_template_error); a template over one on each of its first rows stops the job."))
+    render_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = Field(5.0, description=(
+        "Seconds of wall time one render may take (at most a day), the chat template included. A row over a limit is "
+        "rejected (template_error / chat_template_error); a template over one on each of its first rows stops the job."))
 
 
 class PromptSpec(_Strict):

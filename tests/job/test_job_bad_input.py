@@ -38,6 +38,7 @@ def _edit(job, **sections):
     ("sampling.max_new_tokens=lots", "'sampling.max_new_tokens' = 'lots'"),
     ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
     ("sampling.frequency_penalty=2.5", "'sampling.frequency_penalty' = 2.5"),
+    ("limits.render_timeout_s=.inf", "'limits.render_timeout_s' = inf: Input should be less than or equal to 86400"),
     ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
     ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
     ("engine.graph_blas_library=cublasLt", "'engine.graph_blas_library' = 'cublasLt': Input should be"),
