@@ -7,7 +7,8 @@ setting is a field here (plus its use in `sample/`), and the job file, `--set` a
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,8 +25,46 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e5
 MAX_REPETITION_PENALTY = 1e5  # positive logits divided, negative multiplied by it: float32 overflows beyond
 
 
+def _members(tp) -> list:
+    """A type's alternatives, Annotated metadata and Optional/Union unwrapped."""
+    while get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    if get_origin(tp) in (Union, UnionType):
+        return [m for a in get_args(tp) for m in _members(a)]
+    return [tp]
+
+
+def _bool_in_a_number(value: Any, tp) -> bool:
+    """Whether `value` holds true/false where `tp` wants a number (pydantic's lax mode reads true as 1)."""
+    members = _members(tp)
+    if isinstance(value, bool):
+        takes_bool = any(m is bool or m is Any or (get_origin(m) is Literal and any(isinstance(a, bool)
+                                                                                       for a in get_args(m)))
+                         for m in members)
+        return not takes_bool and any(isinstance(m, type) and issubclass(m, (int, float)) for m in members)
+    for m in members:
+        origin, args = get_origin(m), get_args(m)
+        if origin in (list, tuple) and isinstance(value, (list, tuple)) and args:
+            kinds = args[:1] * len(value) if origin is list or args[-1] is Ellipsis else args
+            if any(_bool_in_a_number(v, k) for v, k in zip(value, kinds)):
+                return True
+    return False
+
+
+class NoBooleanNumbers(BaseModel):
+    """A config model whose number fields refuse true/false (lax pydantic reads `temperature: true` as 1.0 and
+    `stop_token_ids: [true]` as [1]: a typo that silently means 1)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value, info):
+        if isinstance(value, (bool, list, tuple)) and _bool_in_a_number(value, cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{info.field_name} takes a number, not true or false")
+        return value
+
+
 # structured output
-class ResponseFormat(BaseModel):
+class ResponseFormat(NoBooleanNumbers):
     """What every completion must be: a JSON object, a JSON Schema's instance, a regex's match, one of the
     choices, or a sentence of an EBNF grammar (xgrammar's dialect). Only the field of its `type` is set.
     Checked here for shape only; whether xgrammar accepts the schema / regex / grammar is checked by
@@ -70,7 +109,7 @@ class ResponseFormat(BaseModel):
         return self.type, self.regex if self.type == "regex" else self.grammar
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(NoBooleanNumbers):
     """Decoding settings of one prompt (and its `n` samples).
 
     temperature == 0 means greedy. top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters.
@@ -171,13 +210,6 @@ class SamplingParams(BaseModel):
                              f"(1.0 turns it off): the logits divided or multiplied by it leave float32's range")
         return value
 
-    @field_validator("max_new_tokens", "min_new_tokens", "n", "seed", "top_k", "thinking_budget", mode="before")
-    @classmethod
-    def _a_count_is_no_boolean(cls, value, info):
-        if isinstance(value, bool):  # `n: true` would silently mean 1
-            raise ValueError(f"{info.field_name} takes a number, not {str(value).lower()}")
-        return value
-
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs_is_a_count(cls, value):
@@ -206,8 +238,10 @@ class SamplingParams(BaseModel):
             return value
         pairs = []
         for key, bias in value.items():
-            try:
-                token = int(key)  # JSON keys are strings
+            try:  # JSON keys are strings; a bool or a fraction is no token id (int() would take 1 or 1.5 as 1)
+                if isinstance(key, bool) or (isinstance(key, float) and not key.is_integer()):
+                    raise ValueError
+                token = int(key)
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
             if token < 0:

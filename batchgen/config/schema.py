@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from batchgen.engine.config import EngineConfig, check_chat_template_kwargs
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import NoBooleanNumbers, SamplingParams
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
-class _Strict(BaseModel):
+class _Strict(NoBooleanNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
@@ -129,6 +129,9 @@ class PromptSpec(_Strict):
                              f"(got {', '.join(given) or 'none'})")
         if self.messages_column is not None and not self.chat:
             raise ValueError("prompt.messages_column needs prompt.chat: true")
+        if self.chat_template_kwargs and not self.chat:  # no chat template runs: they would be ignored
+            raise ValueError("prompt.chat_template_kwargs are the chat template's variables; with prompt.chat: false "
+                             "no chat template runs: drop them, or set prompt.chat: true")
         check_chat_template_kwargs(self.chat_template_kwargs)
         return self
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema, WrapValidator, model_validator
+from pydantic import ConfigDict, Field, PlainSerializer, WithJsonSchema, WrapValidator, model_validator
 
 from batchgen.engine.sizing import MAX_AUTO_BATCHED_TOKENS, MAX_AUTO_SEQS
+from batchgen.sampling_params import NoBooleanNumbers
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -47,7 +48,7 @@ def _auto_or_positive(cap: int):
                                      "default": "auto"})]
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(NoBooleanNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     # engine/sizing.py chooses the auto sizes
@@ -68,7 +69,8 @@ class EngineConfig(BaseModel):
     cpu_kv_cache_bytes: PositiveInt = Field(1 << 30, description=(
         "Bytes of K/V cache on CPU when num_kv_blocks is null."))
     max_model_len: PositiveInt | None = Field(None, description=(
-        "Tokens a sequence may hold, prompt and completion; null: the model's max_position_embeddings."))
+        "Tokens a sequence may hold, prompt and completion, at most the model's max_position_embeddings (a job "
+        "asking for more is refused); null: that context."))
     enable_prefix_caching: bool = Field(True, description=(
         "Share the K/V blocks of a common prompt prefix between sequences (the n samples of a row always share "
         "their prompt's)."))

@@ -26,6 +26,11 @@ def max_prompt_tokens(spec: JobSpec, config) -> int:
         spec.sampling.check_vocab(config.get_text_config().vocab_size)
     except ValueError as e:
         raise JobError(f"sampling.{e}") from None
+    own = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if spec.engine.max_model_len is not None and own is not None and spec.engine.max_model_len > own:
+        raise JobError(f"engine.max_model_len {spec.engine.max_model_len} exceeds the model's context of {own} tokens "
+                       f"(max_position_embeddings): positions beyond it were never trained. Leave it unset, or set "
+                       f"at most {own}")
     context = spec.engine.context_length(config)
     max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
     if max_prompt < 1:

@@ -38,6 +38,13 @@ def _edit(job, **sections):
     ("sampling.max_new_tokens=lots", "'sampling.max_new_tokens' = 'lots'"),
     ("output.rows_per_shard=-5", "'output.rows_per_shard' = -5"),
     ("sampling.frequency_penalty=2.5", "'sampling.frequency_penalty' = 2.5"),
+    # lax pydantic read true as 1 (a typo that silently meant one row, one sequence, temperature 1.0, token 1)
+    ("source.limit=true", "'source.limit' = True: limit takes a number, not true or false"),
+    ("engine.max_num_seqs=true", "'engine.max_num_seqs' = True: max_num_seqs takes a number, not true or false"),
+    ("sampling.temperature=true", "temperature takes a number, not true or false"),
+    ("sampling.stop_token_ids=[true]", "stop_token_ids takes a number, not true or false"),
+    ("sampling.logit_bias={1.5: 1}", "logit_bias keys are token ids, got 1.5"),
+    ("engine.max_model_len=100000", "engine.max_model_len 100000 exceeds the model's context of 256 tokens"),
     ("limits.render_timeout_s=.inf", "'limits.render_timeout_s' = inf: Input should be less than or equal to 86400"),
     ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
     ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
@@ -350,3 +357,8 @@ def test_a_key_column_named_like_an_output_column_is_refused_before_any_shard(jo
     failed = _run(job, "--set", f"source.key_column={column}")
     assert failed.exit_code == 2 and said in failed.output, failed.output
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_template_kwargs_without_a_chat_template_are_refused_not_ignored(job):
+    result = _run(job, "--set", "prompt.chat=false", "--set", "prompt.chat_template_kwargs={enable_thinking: false}")
+    assert result.exit_code == 2 and "with prompt.chat: false no chat template runs" in result.output, result.output
