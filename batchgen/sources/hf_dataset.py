@@ -6,6 +6,7 @@ when it records none. source.split must name a split that exists; anything else 
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,13 @@ def _load(path: str, spec: SourceSpec):
     import datasets
 
     local = Path(path).expanduser()
+    matched = sorted(f for f in glob.glob(str(local)) if Path(f).is_file()) if glob.has_magic(str(local)) else []
+    if local.is_file() or matched:  # a file no reader takes by its name: datasets reads folders and hub names
+        named = local if local.is_file() else matched[0]
+        raise JobError(f"source.path {path!r} {'is' if local.is_file() else 'matches'} {named}, a file batchgen does "
+                       f"not read by its name: it reads .parquet, .jsonl, .ndjson, .json and .jsonl.gz files (set "
+                       f"source.type: jsonl or parquet for other names of those formats; other compression or "
+                       f"formats: convert first), save_to_disk folders and hub dataset names")
     if not local.exists():
         if looks_local(path):
             raise JobError(f"source.path: no such folder or file {path}")
