@@ -85,8 +85,10 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
     if earlier is not None and key == f"<unparsed row {earlier}>":
         raise JobError(_stand_in_clash(key_column, key, earlier, position))
     if earlier is not None:
+        fix = ("an OpenAI batch file's custom_ids must be unique" if key_column == "custom_id" else
+               "keys must be unique, or drop key_column to key rows by position")
         raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
-                       f"{position}); keys must be unique, or drop key_column to key rows by position")
+                       f"{position}); {fix}")
     return key
 
 

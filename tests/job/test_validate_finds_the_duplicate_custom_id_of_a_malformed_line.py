@@ -33,6 +33,7 @@ def test_validate_refuses_a_malformed_line_repeating_a_custom_id_as_run_does(tmp
     validated = runner.invoke(app, ["validate", job])
     assert validated.exit_code == 2, validated.output
     assert "duplicate key 'r1' (rows 1 and 4)" in validated.output, validated.output
+    assert "custom_ids must be unique" in validated.output and "drop key_column" not in validated.output  # not set
     ran = runner.invoke(app, ["run", job, "--no-progress"])
     assert ran.exit_code == 2 and "duplicate key 'r1' (rows 1 and 4)" in ran.output  # the same refusal
 
