@@ -59,7 +59,7 @@ def audit(spec: JobSpec, sample_rows: int = 1000, show: int = 2) -> str:
     preflight.check_kv_cache_fits(spec, config, device)
     lines += _model_lines(spec, config)
     renderer = PromptRenderer(spec.prompt, tokenizer, source.columns, max_prompt)
-    sample = _RowSample()
+    sample = _RowSample(spec.engine.context_length(config), spec.engine.num_kv_blocks, spec.engine.block_size)
     for i, row in enumerate(source):
         if i >= sample_rows:
             sample.read_all = False
@@ -110,7 +110,9 @@ class _RowSample:
     """The first rows rendered and tokenized as run would: prompt lengths, the rejects run would make, a few
     prompts to show."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: int, num_kv_blocks: int | None, block_size: int) -> None:
+        """`num_kv_blocks`: the job's explicit cache size (None: sized at start-up, not predicted here)."""
+        self.context, self.num_kv_blocks, self.block_size = context, num_kv_blocks, block_size
         self.lengths: list[int] = []
         self.rejects: dict[str, int] = {}
         self.shown: list[str] = []
@@ -131,8 +133,12 @@ class _RowSample:
                 raise RowError("empty_prompt", "the prompt has no tokens")
             self.lengths.append(len(ids))
             if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
-                self.rejects["prompt_too_long"] = self.rejects.get("prompt_too_long", 0) + 1
-            row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
+                raise RowError("prompt_too_long", "")
+            params = row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
+            # the engine's admission (engine/scheduler.py _never_fits): a sequence the whole cache cannot hold
+            need = -(-min(min(len(ids), max_prompt) + params.max_new_tokens, self.context) // self.block_size)
+            if self.num_kv_blocks is not None and need > self.num_kv_blocks:
+                raise RowError("too_long_for_cache", "")
             if len(self.shown) < show:
                 self.shown.append(prompt)
         except RowError as e:

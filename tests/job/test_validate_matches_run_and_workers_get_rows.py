@@ -231,6 +231,24 @@ def test_a_rows_token_ids_outside_the_vocabulary_are_counted_by_validate_and_rej
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == ["row-0000", "row-0003", "row-0004"]
 
 
+def test_rows_an_explicit_kv_cache_cannot_hold_are_counted_by_validate_as_run_rejects_them(tmp_path, tiny_model_dir):
+    """Prompts of 34-36 tokens: with a row's own max_new_tokens 4 a sequence fits 5 blocks of 8 tokens, with the
+    job's 12 it needs 6: validate predicts run's too_long_for_cache rejects (it said nothing before)."""
+    rows = seed_rows(6)
+    for i, r in enumerate(rows):
+        r["params"] = json.dumps({"max_new_tokens": 4}) if i % 2 else None
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id", "sampling_column": "params"},
+                    engine={"num_kv_blocks": 5, "block_size": 8})
+    validated = _cli("validate", job)
+    assert validated.exit_code == 0, validated.output
+    assert "rows that would be rejected in the sample: too_long_for_cache: 3" in validated.output, validated.output
+    ran = _cli("run", job, "--no-progress")
+    assert ran.exit_code == 0, ran.output
+    rejects = {r["id"]: r["error_class"] for r in read_rows(tmp_path / "out", "rejects")}
+    assert rejects == {f"row-000{i}": "too_long_for_cache" for i in (0, 2, 4)}
+
+
 @pytest.mark.parametrize("overrides", [["engine.num_kv_blocks=100000000000"],
                                        ["engine.num_kv_blocks=null", "engine.cpu_kv_cache_bytes=100000000000000"]])
 def test_a_kv_cache_larger_than_the_device_is_refused_by_validate_and_by_run_before_the_weights_load(
