@@ -38,9 +38,14 @@ def _openai_batch_defaults(raw: dict, base: Path) -> None:
                    {"column": "prompt", "chat": False})
 
 
-def _check_response_format(spec: JobSpec, path: Path) -> None:
-    """structured output: a schema, regex or grammar xgrammar refuses stops the job here, before any
-    model loads (run and validate), naming the key and xgrammar's reason."""
+def check_before_run(spec: JobSpec, path: Path) -> None:
+    """What a job about to run (or be validated) may not hold, beyond the schema: a saved job of an output begun by an
+    earlier batchgen is read by export, status and the card without these checks. Structured output: a schema, regex
+    or grammar xgrammar refuses stops the job before any model loads, naming the key and xgrammar's reason.
+    prompt.chat_template_kwargs without a chat template (chat: false) would be ignored without a word."""
+    if spec.prompt.chat_template_kwargs and not spec.prompt.chat:
+        raise JobError(f"invalid job file {path}:\n  - prompt.chat_template_kwargs are the chat template's variables; "
+                       f"with prompt.chat: false no chat template runs: drop them, or set prompt.chat: true")
     if spec.sampling.response_format is None:
         return
     from batchgen.sample.grammar import check_response_format
@@ -70,7 +75,7 @@ def load_spec(path: str | Path, overrides: list[str] = (), output_dir: str | Non
         spec = JobSpec.model_validate(raw)
     except ValidationError as e:
         raise JobError(_format_validation_error(e, str(path))) from None
-    _check_response_format(spec, path)
+    check_before_run(spec, path)
     base = path.resolve().parent
     model = spec.model.model_copy(update={"path": _resolve(base, spec.model.path)})
     paths = [spec.source.path] if isinstance(spec.source.path, str) else spec.source.path

@@ -67,14 +67,10 @@ def unparsed_row_key(position: int, key_column: str, first_seen: KeySet) -> str:
     key = f"<unparsed row {position}>"
     earlier = first_seen.add(key, position)
     if earlier is not None:
-        raise JobError(_stand_in_clash(key_column, key, position, earlier))
+        raise JobError(f"source.key_column {key_column!r}: row {earlier}'s key {key!r} is the key batchgen gives row "
+                       f"{position}, which could not be parsed (its reject is recorded under that key); fix or remove "
+                       f"row {position}, or change row {earlier}'s key")
     return key
-
-
-def _stand_in_clash(key_column: str, key: str, unparsed: int, other: int) -> str:
-    return (f"source.key_column {key_column!r}: row {other}'s key {key!r} is the key batchgen gives row {unparsed}, "
-            f"which could not be parsed (its reject is recorded under that key); fix or remove row {unparsed}, or "
-            f"change row {other}'s key")
 
 
 def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -> str | int:
@@ -82,11 +78,11 @@ def unique_key(value: Any, position: int, key_column: str, first_seen: KeySet) -
     validate give the same message)."""
     key = normalize_key(value, position, key_column)
     earlier = first_seen.add(key, position)
-    if earlier is not None and key == f"<unparsed row {earlier}>":
-        raise JobError(_stand_in_clash(key_column, key, earlier, position))
     if earlier is not None:
         fix = ("an OpenAI batch file's custom_ids must be unique" if key_column == "custom_id" else
                "keys must be unique, or drop key_column to key rows by position")
+        if key == f"<unparsed row {earlier}>":  # row `earlier` may be a row that could not be parsed
+            fix += f" ({key!r} is also the key batchgen gives row {earlier} when it cannot parse it)"
         raise JobError(f"source.key_column {key_column!r} has the duplicate key {key!r} (rows {earlier} and "
                        f"{position}); {fix}")
     return key

@@ -107,7 +107,7 @@ def _job_spec(job) -> JobSpec:
     from pydantic import ValidationError
 
     from batchgen.config.parse import _format_validation_error, _resolve
-    from batchgen.job.job_file import _check_response_format
+    from batchgen.job.job_file import check_before_run
 
     if isinstance(job, (str, os.PathLike)):
         return _load_job_file(Path(job))
@@ -121,7 +121,7 @@ def _job_spec(job) -> JobSpec:
         spec = job
     else:
         raise JobError(f"build_processor takes a job YAML path, a JobSpec or a dict, not {type(job).__name__}")
-    _check_response_format(spec, Path(DICT_ORIGIN))
+    check_before_run(spec, Path(DICT_ORIGIN))
     path = _resolve(Path.cwd(), spec.model.path)
     return spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
 

@@ -45,7 +45,7 @@ def _edit(job, **sections):
     ("sampling.stop_token_ids=[true]", "stop_token_ids takes a number, not true or false"),
     ("sampling.logit_bias={1.5: 1}", "logit_bias keys are token ids, got 1.5"),
     ("engine.max_model_len=100000", "engine.max_model_len 100000 exceeds the model's context of 256 tokens"),
-    ("limits.render_timeout_s=.inf", "'limits.render_timeout_s' = inf: Input should be less than or equal to 86400"),
+    ("limits.render_timeout_s=.inf", "'limits.render_timeout_s' = inf: Input should be less than or equal to 1000000000"),
     ("sampling.logit_bias={999999: 5}", "sampling.logit_bias: token ids [999999] are outside the model's vocabulary"),
     ("engine.graph_blas_library=auto", "'engine.graph_blas_library' = 'auto': auto was removed"),
     ("engine.graph_blas_library=cublasLt", "'engine.graph_blas_library' = 'cublasLt': Input should be"),
@@ -133,8 +133,11 @@ def test_a_real_key_spelled_as_an_unparsed_rows_stand_in_stops_the_job_before_it
     clash = _json.dumps({"id": "<unparsed row 3>" if real_first else "<unparsed row 2>", "topic": "x", "level": 1})
     lines[2:2] = [clash, '{"id": "broken", '] if real_first else ['{"id": "broken", ', clash]
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    unparsed, other = (3, 2) if real_first else (2, 3)
-    said = f"row {other}'s key '<unparsed row {unparsed}>' is the key batchgen gives row {unparsed}, which could not"
+    if real_first:  # found at the unparsed row: its stand-in is taken
+        said = "row 2's key '<unparsed row 3>' is the key batchgen gives row 3, which could not be parsed"
+    else:  # found at the real row: a duplicate of the unparsed row's stand-in
+        said = ("duplicate key '<unparsed row 2>' (rows 2 and 3); keys must be unique, or drop key_column to key rows "
+                "by position ('<unparsed row 2>' is also the key batchgen gives row 2 when it cannot parse it)")
     checked = _run_cli_validate(job)
     assert checked.returncode == 2 and said in checked.stdout + checked.stderr, checked.stdout + checked.stderr
     failed = _run(job)
@@ -359,6 +362,19 @@ def test_a_key_column_named_like_an_output_column_is_refused_before_any_shard(jo
     assert not (tmp_path / "out").exists()
 
 
-def test_chat_template_kwargs_without_a_chat_template_are_refused_not_ignored(job):
+def test_chat_template_kwargs_without_a_chat_template_are_refused_not_ignored(job, tmp_path):
     result = _run(job, "--set", "prompt.chat=false", "--set", "prompt.chat_template_kwargs={enable_thinking: false}")
     assert result.exit_code == 2 and "with prompt.chat: false no chat template runs" in result.output, result.output
+    # an output an earlier batchgen made with them is still read: the check is a run's, not the saved job's
+    assert _run(job).exit_code == 0
+    saved = tmp_path / "out" / "job.resolved.yaml"
+    header, body = saved.read_text().split("\n", 1)
+    resolved = yaml.safe_load(body)
+    resolved["prompt"].update(chat=False, chat_template_kwargs={"enable_thinking": False})
+    saved.write_text(header + "\n" + yaml.safe_dump(resolved))
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    exported = CliRunner().invoke(app, ["export", str(tmp_path / "out"), "--to", str(tmp_path / "all.jsonl")])
+    assert exported.exit_code == 0, exported.output
