@@ -23,7 +23,7 @@ from batchgen.output import faults
 from batchgen.output import manifest as mf
 from batchgen.output import generation_columns as gen
 from batchgen.output import upstream_order
-from batchgen.output.fingerprint import check_or_write, components
+from batchgen.output.fingerprint import check_or_write, components, own_context
 from batchgen.output.keyset import KeySet
 from batchgen.output.schema import OutputSchema, fits, key_type_error, with_committed_kept_types
 from batchgen.output.shard_writer import ShardWriter
@@ -150,8 +150,8 @@ class JobLoop:
         max_prompt = preflight.max_prompt_tokens(spec, config)  # before any weight loads
         preflight.check_kv_cache_fits(spec, config, self.device)
         self.renderer = PromptRenderer(spec.prompt, tokenizer, self.source.columns, max_prompt)
-        check_or_write(out_dir, components(spec, fingerprint_config(config, spec.model.dtype, spec.model.device),
-                                           tokenizer, __version__))
+        model_config = fingerprint_config(config, spec.model.dtype, spec.model.device)
+        check_or_write(out_dir, components(spec, model_config, tokenizer, __version__), own_context(model_config))
         if isinstance(self.source, OutputDirSource) and spec.source.key_column is None:  # keyed by position
             upstream_order.check_and_record(out_dir, self.source.out_dir, self.source.order)
 

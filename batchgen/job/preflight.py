@@ -9,6 +9,23 @@ from batchgen.config import JobSpec
 from batchgen.errors import JobError
 
 
+def _longest_context(text) -> int | None:
+    """The longest context the model's config allows: max_position_embeddings, stretched by a rope scaling factor
+    (yarn, linear, dynamic: factor x original_max_position_embeddings; llama3's own value is already the stretched
+    one); None when the config names no max_position_embeddings."""
+    own = getattr(text, "max_position_embeddings", None)
+    if not isinstance(own, int):
+        return None
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    longest = own
+    for params in [rope, *rope.values()] if isinstance(rope, dict) else []:  # per layer type in some configs
+        factor = params.get("factor") if isinstance(params, dict) else None
+        if isinstance(factor, (int, float)) and factor > 1:
+            base = params.get("original_max_position_embeddings") or own
+            longest = max(longest, int(base * factor))
+    return longest
+
+
 def max_prompt_tokens(spec: JobSpec, config) -> int:
     """Refuse what the config alone rules out (JobError naming the key); return the longest prompt a row may have."""
     from batchgen.models.registry import deterministic_reason, tensor_parallel_reason
@@ -26,11 +43,11 @@ def max_prompt_tokens(spec: JobSpec, config) -> int:
         spec.sampling.check_vocab(config.get_text_config().vocab_size)
     except ValueError as e:
         raise JobError(f"sampling.{e}") from None
-    own = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if spec.engine.max_model_len is not None and own is not None and spec.engine.max_model_len > own:
-        raise JobError(f"engine.max_model_len {spec.engine.max_model_len} exceeds the model's context of {own} tokens "
-                       f"(max_position_embeddings): positions beyond it were never trained. Leave it unset, or set "
-                       f"at most {own}")
+    longest = _longest_context(config.get_text_config())
+    if spec.engine.max_model_len is not None and longest is not None and spec.engine.max_model_len > longest:
+        raise JobError(f"engine.max_model_len {spec.engine.max_model_len} exceeds the model's context of {longest} "
+                       f"tokens (max_position_embeddings, with its rope scaling): positions beyond it were never "
+                       f"trained. Leave it unset, or set at most {longest}")
     context = spec.engine.context_length(config)
     max_prompt = spec.prompt.max_prompt_tokens or context - spec.sampling.max_new_tokens
     if max_prompt < 1:

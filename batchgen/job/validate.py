@@ -182,7 +182,7 @@ def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:
 def _check_resume(spec: JobSpec, tokenizer, config) -> str:
     """The fingerprint `run` would compute, against the output directory's: the same refusal as run's."""
     from batchgen import __version__
-    from batchgen.output.fingerprint import FILE, components, refusal
+    from batchgen.output.fingerprint import FILE, components, own_context, refusal
     from batchgen.runner.loader import fingerprint_config, gguf_cache_dir, locate_model
 
     out_dir = Path(spec.output.dir)
@@ -194,7 +194,7 @@ def _check_resume(spec: JobSpec, tokenizer, config) -> str:
             return (f"output: {out_dir} holds an earlier run; not compared with this job because the GGUF file "
                     f"is not converted on this machine yet (a run converts it, then compares)")
     model_config = fingerprint_config(config, spec.model.dtype, spec.model.device)
-    message = refusal(out_dir, components(spec, model_config, tokenizer, __version__))
+    message = refusal(out_dir, components(spec, model_config, tokenizer, __version__), own_context(model_config))
     if message is None and spec.source.key_column is None:  # a chained job keyed by position: run's check too
         message = _upstream_moved(spec, out_dir)
     if message is not None:

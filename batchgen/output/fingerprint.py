@@ -56,11 +56,17 @@ def components(spec: JobSpec, model_config: dict, tokenizer, version: str) -> di
     }
 
 
+def own_context(model_config: dict) -> int | None:
+    """The model's own context (max_position_embeddings, as EngineConfig.context_length reads it), from the config
+    dict components() takes; None when the config names none."""
+    text = model_config.get("text_config") or model_config
+    return text.get("max_position_embeddings")
+
+
 def _context(spec: JobSpec, model_config: dict) -> int | None:
     """engine.max_model_len as recorded: None for the model's own context, unset or set to the same number (one
     context, one record: a resume that spells it out is the same job)."""
-    text = model_config.get("text_config") or model_config
-    own = text.get("max_position_embeddings")
+    own = own_context(model_config)
     return None if spec.engine.max_model_len == own else spec.engine.max_model_len
 
 
@@ -107,7 +113,7 @@ def _diff(old: Any, new: Any, path: str) -> list[str]:
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
-def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
+def refusal(out_dir: Path, current: dict[str, Any], own: int | None = None) -> str | None:
     """Why resuming into `out_dir` with these components must be refused (None: it may resume, or nothing is
     recorded yet). Reads only. A component that the stored fingerprint predates (an output begun by an
     earlier batchgen) is not compared, except those of OFF_WHEN_ABSENT, which compare as off."""
@@ -119,6 +125,8 @@ def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
     # A component the stored fingerprint predates was off then: it compares as off, so an upgrade alone
     # never blocks a resume, and turning the new setting on does.
     stored = {**{k: off for k, off in OFF_WHEN_ABSENT.items() if k in current}, **stored}
+    if own is not None and stored.get("max_model_len") == own:  # recorded as a number before it was normalised
+        stored["max_model_len"] = None
     comparable = {k: v for k, v in current.items() if k in stored}
     changes = _diff(stored, comparable, "")
     if not changes:
@@ -129,11 +137,12 @@ def refusal(out_dir: Path, current: dict[str, Any]) -> str | None:
               "(deletes this directory's results).")
 
 
-def check_or_write(out_dir: Path, current: dict[str, Any]) -> None:
-    """First run: record the fingerprint. Later runs: refuse if it changed (see `refusal`)."""
+def check_or_write(out_dir: Path, current: dict[str, Any], own: int | None = None) -> None:
+    """First run: record the fingerprint. Later runs: refuse if it changed (see `refusal`; `own`: the model's own
+    context, own_context())."""
     path = out_dir / FILE
     if path.exists():
-        message = refusal(out_dir, current)
+        message = refusal(out_dir, current, own)
         if message is not None:
             raise JobError(message)
         return

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobutil import invoke_run, read_rows, seed_rows, six_row_job, write_jsonl
+from jobutil import invoke_run, read_rows, seed_rows, six_row_job, write_job, write_jsonl
 
 _run = invoke_run
 
@@ -209,6 +209,16 @@ def test_max_model_len_set_to_the_models_own_context_resumes_an_output_begun_wit
     spelled_out = _run(job, "--set", f"engine.max_model_len={own}")  # the same context: the same job
     assert spelled_out.exit_code == 0 and "3 already done" in spelled_out.output, spelled_out.output
     assert _run(job, "--set", f"engine.max_model_len={own - 1}").exit_code == 2  # another context is refused
+    # an output whose fingerprint holds the number itself (written before it was recorded as null) resumes too
+    path = tmp_path / "out" / "fingerprint.json"
+    recorded = json.loads(path.read_text())
+    recorded["components"]["max_model_len"] = own
+    path.write_text(json.dumps(recorded))
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(7))
+    for spelled in ([], ["--set", f"engine.max_model_len={own}"]):
+        again = _run(job, *spelled)
+        assert again.exit_code == 0, again.output
+    assert _run(job, "--set", f"engine.max_model_len={own - 1}").exit_code == 2
 
 
 def test_an_output_begun_before_max_model_len_was_recorded_resumes_with_it_set(job, tmp_path):
@@ -378,3 +388,20 @@ def test_chat_template_kwargs_without_a_chat_template_are_refused_not_ignored(jo
 
     exported = CliRunner().invoke(app, ["export", str(tmp_path / "out"), "--to", str(tmp_path / "all.jsonl")])
     assert exported.exit_code == 0, exported.output
+
+
+def test_max_model_len_may_reach_the_context_a_rope_scaling_factor_stretches_to(tmp_path, tiny_model_dir):
+    """A yarn-scaled model (factor 4 over 256 positions) runs with a 1,024-token context; beyond it is refused."""
+    import shutil
+
+    model = tmp_path / "yarn"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                 "rope_theta": config.get("rope_theta", 10000.0)}
+    (model / "config.json").write_text(json.dumps(config))
+    write_jsonl(tmp_path / "rows.jsonl", seed_rows(3))
+    job = write_job(tmp_path, str(model), {"path": "rows.jsonl", "key_column": "id"})
+    assert _run_cli_validate(job, "--set", "engine.max_model_len=1024").returncode == 0
+    refused = _run_cli_validate(job, "--set", "engine.max_model_len=1025")
+    assert refused.returncode == 2 and "exceeds the model's context of 1024 tokens" in refused.stderr, refused.stderr
