@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from batchgen.errors import JobError
-from batchgen.output.layout import MARKER_FILE
+from batchgen.output.layout import is_output
 from batchgen.sources.base import Source, SourceRow, is_output_dir
 from batchgen.config import SourceSpec
 
@@ -25,24 +25,37 @@ SOURCE_TYPES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-# the files a folder source reads, by kind: what inputs.md names (a .jsonl, .ndjson, .json or .jsonl.gz file, or a
-# folder of them; Parquet files, or a folder of them)
-FOLDER_SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".ndjson", ".json", ".jsonl.gz")}
+# the files a folder source reads, by kind. A folder's .json files are not rows: sidecars (stats, Delta logs, dataset
+# infos) and JSON arrays (read through `datasets`) sit beside data files; name a .json file to read it as JSON lines.
+FOLDER_SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".ndjson", ".jsonl.gz")}
 
 
 def folder_files(folder: Path) -> dict[str, list[str]]:
-    """The data files under `folder`, by kind, each list sorted. Folders that are batchgen outputs (a marker, or
-    manifest/ and data/) are not walked: their shards, manifests and logs are no one's input rows, and a job whose
-    output lies inside its source folder would otherwise read its own output as input."""
+    """The data files under `folder`, by kind, each list sorted. Folders that are batchgen outputs
+    (output/layout.is_output) are not walked: their shards, manifests and logs are no one's input rows, and a job
+    whose output lies inside its source folder would otherwise read its own output as input."""
     found: dict[str, list[str]] = {kind: [] for kind in FOLDER_SUFFIXES}
     for root, dirs, names in os.walk(folder):
         here = Path(root)
-        dirs[:] = [d for d in dirs if not ((here / d / MARKER_FILE).is_file() or is_output_dir(here / d))]
+        dirs[:] = [d for d in dirs if not is_output(here / d)]
         for name in names:
             kind = next((k for k, sfx in FOLDER_SUFFIXES.items() if name.lower().endswith(sfx)), None)
             if kind is not None and (here / name).is_file():
                 found[kind].append(str(here / name))
     return {kind: sorted(files) for kind, files in found.items()}
+
+
+def _one_kind(pattern: str, found: dict[str, list[str]]) -> None:
+    """JobError when a folder holds data files of several kinds or names (.jsonl beside .jsonl.gz: often one data
+    twice): reading all would repeat rows, reading one would silently drop the others."""
+    kinds = sorted({next(sfx for sfx in FOLDER_SUFFIXES[k] if f.lower().endswith(sfx)) for k, files in found.items()
+                    for f in files})
+    if len(kinds) > 1:
+        first = {sfx: next(f for files in found.values() for f in files if f.lower().endswith(sfx)) for sfx in kinds}
+        listed = ", ".join(f"{sfx} ({first[sfx]})" for sfx in kinds)
+        raise JobError(f"source.path {pattern!r} is a folder holding data files of several kinds: {listed}. A folder "
+                       f"source reads one kind; name the files (a glob such as "
+                       f"{str(Path(pattern) / '**' / ('*' + kinds[0]))!r}, or a list)")
 
 
 def expand_files(paths: str | list[str], what: str) -> list[str]:
@@ -53,7 +66,9 @@ def expand_files(paths: str | list[str], what: str) -> list[str]:
     for pattern in patterns:
         p = Path(pattern).expanduser()
         if p.is_dir():
-            matched = folder_files(p)[what]
+            found = folder_files(p)
+            _one_kind(pattern, found)
+            matched = found[what]
         else:
             matched = sorted(glob.glob(str(p), recursive=True))
         if not matched:
@@ -70,7 +85,7 @@ def infer_type(spec: SourceSpec) -> str:
     lower = first.lower()
     if lower.endswith(".parquet"):
         return "parquet"
-    if lower.endswith(FOLDER_SUFFIXES["jsonl"]):
+    if lower.endswith((*FOLDER_SUFFIXES["jsonl"], ".json")):
         return "jsonl"
     p = Path(first)
     if is_output_dir(p):  # a batchgen output: its committed completions, never its rejects or leftovers
@@ -78,10 +93,7 @@ def infer_type(spec: SourceSpec) -> str:
     if p.is_dir() and not (p / "dataset_info.json").exists() and not (p / "state.json").exists() \
             and not (p / "dataset_dict.json").exists():
         found = folder_files(p)
-        if found["parquet"] and found["jsonl"]:
-            raise JobError(f"source.path {first!r} is a folder holding both Parquet ({found['parquet'][0]}, ...) and "
-                           f"JSON lines files ({found['jsonl'][0]}, ...): a source is one kind. Name the files "
-                           f"(a glob such as {str(p / '**' / '*.parquet')!r}, or a list), or set source.type")
+        _one_kind(first, found)
         if found["parquet"]:
             return "parquet"
         if found["jsonl"]:

@@ -1,6 +1,6 @@
-"""A folder as source.path reads every file of the kinds inputs.md names (.jsonl, .ndjson, .json, .jsonl.gz through
-the JSONL reader; .parquet), refuses a folder mixing the two kinds, and never reads a batchgen output inside it:
-a job whose output folder lies in its source folder reads its input, not its own shards, on every run."""
+"""A folder as source.path reads its files of one kind (.jsonl, .ndjson or .jsonl.gz through the JSONL reader;
+.parquet), leaves .json sidecars alone, refuses a folder of several kinds, and never reads a batchgen output inside
+it: a job whose output folder lies in its source folder reads its input, not its own shards, on every run."""
 
 from __future__ import annotations
 
@@ -21,27 +21,45 @@ def _lines(rows) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def test_a_folder_reads_every_json_lines_kind_in_name_order(tmp_path):
-    rows = seed_rows(8)
+def test_a_folder_of_one_json_lines_kind_is_read_through_the_json_lines_reader_and_json_sidecars_are_not(tmp_path):
+    rows = seed_rows(6)
     folder = tmp_path / "in"
     (folder / "sub").mkdir(parents=True)
-    (folder / "a.jsonl").write_text(_lines(rows[0:2]))
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress(_lines(rows[0:2]).encode()))
     (folder / "b.jsonl.gz").write_bytes(gzip.compress(_lines(rows[2:4]).encode()))
-    (folder / "c.ndjson").write_text(_lines(rows[4:6]))
-    (folder / "sub" / "d.json").write_text(_lines(rows[6:8]))
+    (folder / "sub" / "c.jsonl.gz").write_bytes(gzip.compress(_lines(rows[4:6]).encode()))
+    (folder / "stats.json").write_text(json.dumps({"id": "not a row", "topic": "x"}))  # a sidecar, not rows
     (folder / "notes.txt").write_text("not rows")
     source = open_source(SourceSpec(path=str(folder)))
-    assert type(source).__name__ == "JsonlSource"
+    assert type(source).__name__ == "JsonlSource"  # not `datasets` (a malformed line is then a reject, not exit 1)
     assert [r.columns["id"] for r in source] == [r["id"] for r in rows]
 
 
-def test_a_folder_of_parquet_and_json_lines_files_is_refused_naming_both(tmp_path):
+def test_a_parquet_folder_with_json_sidecars_reads_its_parquet_files(tmp_path):
+    folder = tmp_path / "in"
+    (folder / "_delta_log").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(seed_rows(3)), folder / "a.parquet")
+    (folder / "_delta_log" / "00000.json").write_text("{}")
+    (folder / "dataset_infos.json").write_text("{}")
+    assert open_source(SourceSpec(path=str(folder))).num_rows == 3
+
+
+@pytest.mark.parametrize("other", ["b.jsonl.gz", "b.parquet", "b.ndjson"])
+def test_a_folder_of_data_files_of_several_kinds_is_refused_naming_each(tmp_path, other):
+    """.jsonl beside .jsonl.gz is often one data twice: reading both repeats rows, reading one drops the other."""
     folder = tmp_path / "in"
     folder.mkdir()
-    pq.write_table(pa.Table.from_pylist(seed_rows(2)), folder / "a.parquet")
-    write_jsonl(folder / "b.jsonl", seed_rows(2))
-    with pytest.raises(JobError, match="holding both Parquet .*a.parquet.* and JSON lines files .*b.jsonl"):
+    write_jsonl(folder / "a.jsonl", seed_rows(2))
+    if other.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(seed_rows(2)), folder / other)
+    else:
+        (folder / other).write_bytes(gzip.compress(_lines(seed_rows(2)).encode()) if other.endswith(".gz")
+                                     else _lines(seed_rows(2)).encode())
+    suffix = other.removeprefix("b")
+    with pytest.raises(JobError, match=f"holding data files of several kinds: .*{suffix} .*{other}"):
         open_source(SourceSpec(path=str(folder)))
+    with pytest.raises(JobError, match="several kinds"):  # a type set explicitly reads the folder the same way
+        open_source(SourceSpec(path=str(folder), type="jsonl"))
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
