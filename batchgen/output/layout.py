@@ -9,12 +9,14 @@ batchgen's. Three files need their content: the dataset card (card.MARKER), `job
 RESOLVED_JOB_HEADER) and the `job.yaml` of an output begun before `job.resolved.yaml` existed
 (`is_legacy_job_file`).
 
-The marker file `.batchgen` says the folder was first used as an output by a batchgen that writes the resolved
-job to `job.resolved.yaml`: in a marked folder `job.yaml` is a user's file, never read as the output's job.
+The marker file `.batchgen` says the folder is used as an output by a batchgen that writes the resolved job to
+`job.resolved.yaml`: in a marked folder `job.yaml` is a user's file, never read as the output's job, unless the
+marker recorded it (its SHA-256) as the earlier batchgen's when it marked that output, and it is unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,6 +32,7 @@ MARKER_FILE = ".batchgen"
 FORMAT_VERSION = 1
 RESOLVED_JOB_FILE = "job.resolved.yaml"
 LEGACY_JOB_FILE = "job.yaml"  # where batchgen before FORMAT_VERSION 1 wrote the resolved job
+LEGACY_JOB_DIGEST = "legacy_job_sha256"  # the marker's record of that file when it marked such an output
 RESOLVED_JOB_HEADER = "# batchgen: the resolved job this output was generated with; editing it changes nothing\n"
 FRESH_PENDING_DIR = ".batchgen-fresh"  # a --fresh in progress (output/fresh.py)
 FRESH_DELETING_PREFIX = ".batchgen-deleted-"  # a finished --fresh's old output, being deleted
@@ -77,6 +80,26 @@ def is_legacy_job_file(path: Path, out_dir: Path) -> bool:
     output = data.get("output")
     return all(isinstance(data.get(s), dict) for s in _SECTIONS) and isinstance(output, dict) and \
         str(output.get("dir")) == str(out_dir.resolve())
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_batchgen_legacy_job(out_dir: Path, path: Path) -> bool:
+    """OUT/job.yaml is batchgen's: in an unmarked folder when it reads as an earlier batchgen's resolved job; in a
+    marked one only when the marker recorded it, unchanged, as the folder was marked (a resume of an earlier
+    batchgen's output): any other job.yaml in a marked folder is a user's file."""
+    if not is_legacy_job_file(path, out_dir):
+        return False
+    marker = out_dir / MARKER_FILE
+    if not marker.exists():
+        return True
+    try:
+        digest = json.loads(marker.read_text()).get(LEGACY_JOB_DIGEST)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(digest, str) and digest == _sha256(path)
 
 
 def _starts_with(path: Path, header: str) -> bool:
@@ -137,8 +160,7 @@ def is_batchgen_entry(out_dir: Path, rel: str, owned: bool = True) -> bool:
             return True
         if name == CARD_FILE:
             return is_batchgen_card(path)
-        # an earlier batchgen's resolved job only in an unmarked folder: in a marked one it is a user's file
-        return name == LEGACY_JOB_FILE and not (out_dir / MARKER_FILE).exists() and is_legacy_job_file(path, out_dir)
+        return name == LEGACY_JOB_FILE and _is_batchgen_legacy_job(out_dir, path)
     if len(parts) != 2 or parts[0] not in OWNED_DIRS or not path.is_file() or path.is_symlink():
         return False
     name = parts[1]
@@ -195,8 +217,12 @@ def write_marker(out_dir: Path) -> None:
     path = out_dir / MARKER_FILE
     if path.exists():
         return
+    record = {"format": "batchgen-output", "version": FORMAT_VERSION}
+    legacy = out_dir / LEGACY_JOB_FILE
+    if legacy.is_file() and is_legacy_job_file(legacy, out_dir):  # an earlier batchgen's output, marked now
+        record[LEGACY_JOB_DIGEST] = _sha256(legacy)  # its job.yaml stays batchgen's while unchanged
     with removed_on_failure(out_dir / f".{MARKER_FILE}.{os.getpid()}.tmp", path) as tmp:
-        tmp.write_text(json.dumps({"format": "batchgen-output", "version": FORMAT_VERSION}) + "\n")
+        tmp.write_text(json.dumps(record) + "\n")
         try:
             os.link(tmp, path)
         except FileExistsError:

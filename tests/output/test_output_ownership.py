@@ -148,6 +148,32 @@ def test_a_users_job_yaml_in_a_marked_output_is_never_taken_for_an_earlier_batch
     assert (out / "job.yaml").read_bytes() == mine and len(read_rows(out)) == NUM_ROWS
 
 
+def test_an_earlier_batchgens_job_yaml_stays_batchgens_once_a_resume_marked_its_output(finished):
+    """An output of a batchgen before the marker (its resolved job in job.yaml) resumed by this one gets the marker,
+    which records that job.yaml: --fresh still deletes it (it was refused as a user's file); edited, it is the user's."""
+    from batchgen.output.layout import foreign_entries
+
+    job, out = finished
+
+    def as_an_earlier_batchgen_left_it():
+        resolved = (out / "job.resolved.yaml").read_text()
+        (out / "job.yaml").write_text(resolved.split("\n", 1)[1])
+        (out / "job.resolved.yaml").unlink()
+        (out / ".batchgen").unlink()
+
+    as_an_earlier_batchgen_left_it()
+    resumed = run_cli("run", str(job))
+    assert resumed.returncode == 0 and (out / ".batchgen").exists(), resumed.stderr
+    assert foreign_entries(out) == []
+    again = run_cli("run", str(job), "--fresh")
+    assert again.returncode == 0, again.stderr
+    assert not (out / "job.yaml").exists() and len(read_rows(out)) == NUM_ROWS
+    as_an_earlier_batchgen_left_it()
+    assert run_cli("run", str(job)).returncode == 0
+    (out / "job.yaml").write_text((out / "job.yaml").read_text() + "\n")  # changed since: the user's now
+    assert foreign_entries(out) == ["job.yaml"]
+
+
 def test_a_folder_batchgen_never_used_holding_files_under_its_names_is_refused_by_run_and_fresh(tmp_path,
                                                                                                   tiny_model_dir):
     """No .batchgen marker and no earlier output's records: a user's fingerprint.json, numerics.json or
