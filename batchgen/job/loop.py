@@ -153,7 +153,7 @@ class JobLoop:
         model_config = fingerprint_config(config, spec.model.dtype, spec.model.device)
         check_or_write(out_dir, components(spec, model_config, tokenizer, __version__), own_context(model_config))
         if isinstance(self.source, OutputDirSource) and spec.source.key_column is None:  # keyed by position
-            upstream_order.check_and_record(out_dir, self.source.out_dir, self.source.order)
+            upstream_order.check_and_record(out_dir, self.source.out_dir, self.source.order, spec.source.limit)
 
         # every worker's records checked (damage stops the run, nothing deleted), then this worker's crash leftovers
         # deleted; the committed keys are the rows to skip

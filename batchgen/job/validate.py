@@ -176,7 +176,7 @@ def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:
     source = open_source(spec.source)
     if not isinstance(source, OutputDirSource):
         return None
-    return upstream_order.refusal(out_dir, source.out_dir, source.order)
+    return upstream_order.refusal(out_dir, source.out_dir, source.order, spec.source.limit)
 
 
 def _check_resume(spec: JobSpec, tokenizer, config) -> str:

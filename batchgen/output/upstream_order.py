@@ -5,8 +5,10 @@ order: worker by worker, commit by commit). Those positions hold only while the 
 After the upstream was repaired and run again (a damaged shard's rows committed anew, last) or one of its earlier
 workers committed late, position P is another upstream row: a resume would answer some rows twice and others never.
 
-So the downstream records the upstream's committed shards in order, each with its row count ([[name, rows], ...]),
-and a resume is refused unless what it recorded is still where it was: the upstream's records now start with it.
+So the downstream records the upstream's committed shards in order, each with its row count and SHA-256 ([[name,
+rows, sha256], ...]: a shard generated again may reuse its name), and a resume is refused unless what it recorded is
+still where it was: the upstream's records now start with it (those within source.limit; before the downstream
+committed anything, nothing is refused).
 A keyed downstream needs none of this (its keys do not move) and records nothing.
 """
 
@@ -19,7 +21,7 @@ from batchgen.errors import JobError
 from batchgen.output.layout import UPSTREAM_ORDER_FILE as FILE
 from batchgen.output.temp_file import write_text_atomic
 
-Order = list[list]  # [[data shard path inside the upstream output, its rows], ...] in the upstream's row order
+Order = list[list]  # [[data shard path inside the upstream output, its rows, its SHA-256], ...] in row order
 
 
 def _stored(out_dir: Path) -> Order | None:
@@ -37,11 +39,32 @@ def _stored(out_dir: Path) -> Order | None:
     return stored
 
 
-def refusal(out_dir: Path, upstream: Path, order: Order) -> str | None:
+def _within(order: Order, limit: int | None) -> Order:
+    """The shards that hold the first `limit` rows (source.limit; None: all): rows beyond it are never read."""
+    if limit is None:
+        return order
+    kept, rows = [], 0
+    for entry in order:
+        if rows >= limit:
+            break
+        kept.append(entry)
+        rows += entry[1]
+    return kept
+
+
+def _committed(out_dir: Path) -> bool:
+    """Whether any worker of the downstream committed (a record in manifest/): before that, no position stands
+    for anything yet."""
+    manifests = out_dir / "manifest"
+    return manifests.is_dir() and any(p.is_file() and p.stat().st_size > 0 for p in manifests.iterdir())
+
+
+def refusal(out_dir: Path, upstream: Path, order: Order, limit: int | None = None) -> str | None:
     """Why a position-keyed downstream in `out_dir` may not resume on the upstream's committed shards `order`
-    (None: nothing recorded yet, or every recorded shard is still where it was). Reads only."""
+    (None: nothing recorded or committed yet, or every recorded shard is still where it was). Reads only."""
     stored = _stored(out_dir)
-    if stored is None or order[:len(stored)] == stored:
+    order = _within(order, limit)
+    if stored is None or order[:len(stored)] == stored or not _committed(out_dir):
         return None
     moved = next(i for i, (was, now) in enumerate(zip(stored + [None], order + [None])) if was != now)
     was = stored[moved][0] if moved < len(stored) else "nothing"
@@ -53,11 +76,12 @@ def refusal(out_dir: Path, upstream: Path, order: Order) -> str | None:
             f"upstream row (source.key_column: upstream_id) so that it can resume whatever the upstream does")
 
 
-def check_and_record(out_dir: Path, upstream: Path, order: Order) -> None:
+def check_and_record(out_dir: Path, upstream: Path, order: Order, limit: int | None = None) -> None:
     """Before a position-keyed downstream reads its rows: JobError when `refusal` says so, else record `order`
     (the upstream may have grown: later positions stand for its new rows)."""
-    message = refusal(out_dir, upstream, order)
+    message = refusal(out_dir, upstream, order, limit)
     if message is not None:
         raise JobError(message)
+    order = _within(order, limit)
     if _stored(out_dir) != order:
         write_text_atomic(out_dir / FILE, json.dumps({"upstream": str(upstream), "shards": order}) + "\n")

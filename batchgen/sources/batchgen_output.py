@@ -70,7 +70,9 @@ class OutputDirSource(Source):
         self.schema = pa.schema([f for f in schema if f.name not in LINEAGE_COLUMNS] + lineage)
         self.num_rows = sum(m.metadata.num_rows for m in metas)
         # what a row's position stands for: the committed shards in order, each with its rows (output/upstream_order)
-        self.order = [[e.record["data"], m.metadata.num_rows] for (_, e), m in zip(self.shards, metas)]
+        self.order = [[e.record["data"], m.metadata.num_rows,
+                       (e.record.get("files") or {}).get(e.record["data"], {}).get("sha256")]
+                      for (_, e), m in zip(self.shards, metas)]
         self.check_key_column()
 
     def _iter_all(self) -> Iterator[SourceRow]:
