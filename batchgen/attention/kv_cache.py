@@ -6,6 +6,7 @@ dim): the cache, the fused decoders and `batchgen validate` all take it from her
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass
 
@@ -126,15 +127,24 @@ def plan_num_blocks(geometry: KVGeometry, block_size: int, dtype: torch.dtype, d
     """Blocks that fit the budget: on CUDA, `memory_utilization` of total memory minus what is already used
     and `reserve_bytes` for activations; on CPU, at most `cpu_max_bytes`."""
     per_block = geometry.bytes_per_block(block_size, dtype)
+    held = ""
     if device.type == "cuda":
+        # an Engine dropped without close() holds its cache until the cycle collector runs, and torch's allocator
+        # keeps freed blocks reserved: both would count as used here, and a second engine in the process (a
+        # notebook, a test session) got no cache at all
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * memory_utilization) - (total - free) - reserve_bytes
+        mine = torch.cuda.memory_allocated(device)
+        held = f"; this process's tensors hold {mine / 2**30:.2f} GiB of it (an Engine not closed?)"
     else:
         budget = cpu_max_bytes
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise MemoryError(
             f"no memory left for the KV cache on {device} (budget {budget / 2**30:.2f} GiB, one block needs "
-            f"{per_block / 2**20:.1f} MiB): raise engine.gpu_memory_utilization or lower engine.max_num_batched_tokens"
+            f"{per_block / 2**20:.1f} MiB{held}): raise engine.gpu_memory_utilization or lower "
+            f"engine.max_num_batched_tokens"
         )
     return int(num_blocks)
