@@ -79,6 +79,10 @@ class HFDatasetSource(Source):
         folder = Path(path).expanduser()
         try:
             if folder.is_dir() and any((folder / f).exists() for f in SAVE_TO_DISK_MARKERS):
+                if spec.name is not None or not spec.streaming:  # neither means anything to a saved dataset
+                    key = "source.name" if spec.name is not None else "source.streaming"
+                    raise JobError(f"{key} applies to hub datasets and data-file folders; {path} is a "
+                                   f"save_to_disk folder, read as saved (its splits: source.split): remove {key}")
                 ds = _from_disk(folder, spec.split)
             else:
                 ds = _load(path, spec)

@@ -163,6 +163,12 @@ def test_a_list_of_datasets_is_refused_as_only_its_first_would_be_read():
     assert open_source(SourceSpec(path=[CHAT_DATASET])).num_rows == 11
 
 
+@pytest.mark.parametrize("given,key", [({"name": "subset"}, "source.name"), ({"streaming": False}, "source.streaming")])
+def test_hub_only_keys_on_a_save_to_disk_folder_are_refused_not_ignored(given, key):
+    with pytest.raises(JobError, match=f"{key} applies to hub datasets and data-file folders; .* save_to_disk folder"):
+        open_source(SourceSpec(path=CHAT_DATASET, **given))
+
+
 def test_a_dataset_saved_from_a_named_split_has_that_split(tmp_path):
     import datasets
 
