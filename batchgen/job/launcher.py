@@ -31,7 +31,7 @@ CHILD_MAIN = ("import sys; root = sys.argv.pop(1); sys.path[0:1] = [] if root in
 
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
-                  "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX", "BATCHGEN_NUM_WORKERS")
+                  "SLURM_ARRAY_TASK_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX", "BATCHGEN_NUM_WORKERS")
 
 
 # how long a worker's other ranks may outlive its rank 0 (they exit at its STOP, normally at once), and how long

@@ -89,6 +89,23 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise JobError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
+def _slurm_array_part(env: Mapping[str, str], task: int) -> tuple[int, int]:
+    """(index, count) of a Slurm array task from SLURM_ARRAY_TASK_MIN / MAX / STEP (and COUNT, which Slurm sets
+    too). An array whose task ids are not one range with a step (`--array=3,5`, a resubmission of failed tasks)
+    cannot say which part each task is: a JobError, as dealing by the ids left parts to no task (each task exited 0,
+    rows never generated)."""
+    lo, hi = _int(env, "SLURM_ARRAY_TASK_MIN"), _int(env, "SLURM_ARRAY_TASK_MAX")
+    step = _int(env, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in env else 1
+    count = (hi - lo) // step + 1 if step > 0 else 0
+    given = _int(env, "SLURM_ARRAY_TASK_COUNT") if "SLURM_ARRAY_TASK_COUNT" in env else count
+    if step < 1 or given != count or (task - lo) % step or not lo <= task <= hi:
+        raise JobError(f"this Slurm array's task ids (SLURM_ARRAY_TASK_MIN {lo}, MAX {hi}, STEP {step}, COUNT {given}) "
+                       f"are not one range with a step, so no task can tell which part of the rows is its own. "
+                       f"Submit the array as --array=0-N (any size resumes what is committed), or pass "
+                       f"--worker-index and --num-workers")
+    return (task - lo) // step, count
+
+
 def _from_environment(env: Mapping[str, str], count: int | None) -> list[tuple[str, int, int, int | None]]:
     found = []
     if "SLURM_ARRAY_TASK_ID" in env:
@@ -96,8 +113,7 @@ def _from_environment(env: Mapping[str, str], count: int | None) -> list[tuple[s
         if "SLURM_ARRAY_TASK_COUNT" in env and "SLURM_ARRAY_TASK_MIN" not in env:
             found.append(("Slurm array", task, _int(env, "SLURM_ARRAY_TASK_COUNT"), None))
         elif "SLURM_ARRAY_TASK_MIN" in env and "SLURM_ARRAY_TASK_MAX" in env:
-            lo, hi = _int(env, "SLURM_ARRAY_TASK_MIN"), _int(env, "SLURM_ARRAY_TASK_MAX")
-            found.append(("Slurm array", task - lo, hi - lo + 1, None))
+            found.append(("Slurm array", *_slurm_array_part(env, task), None))
         else:
             raise JobError("SLURM_ARRAY_TASK_ID is set without SLURM_ARRAY_TASK_COUNT or MIN/MAX; pass "
                            "--worker-index and --num-workers")

@@ -12,6 +12,11 @@ from batchgen.job.workers import WorkerInfo, resolve_worker
     ({}, (0, 1)),
     ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "8"}, (3, 8)),
     ({"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10", "SLURM_ARRAY_TASK_MAX": "13"}, (2, 4)),
+    # what sbatch --array=0-6:2 sets (Slurm sets COUNT beside MIN / MAX / STEP): task 4 is the third of four
+    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_MAX": "6", "SLURM_ARRAY_TASK_STEP": "2"}, (2, 4)),
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_MAX": "7", "SLURM_ARRAY_TASK_STEP": "1"}, (7, 8)),
     ({"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1"}, (5, 6)),
     ({"JOB_COMPLETION_INDEX": "2", "BATCHGEN_NUM_WORKERS": "4"}, (2, 4)),
     ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"}, (1, 2)),  # agree
@@ -36,6 +41,9 @@ def test_flags_win_over_the_environment():
      "conflicting worker identities (Slurm array: worker 1 of 2; torchrun: worker 0 of 2)"),
     ({"JOB_COMPLETION_INDEX": "1"}, (None, None), "set BATCHGEN_NUM_WORKERS"),
     ({"SLURM_ARRAY_TASK_ID": "1"}, (None, None), "without SLURM_ARRAY_TASK_COUNT"),
+    # --array=3,5 (resubmitting failed tasks): ids that are no range with a step leave parts to no task
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "3",
+      "SLURM_ARRAY_TASK_MAX": "5", "SLURM_ARRAY_TASK_STEP": "1"}, (None, None), "are not one range with a step"),
     ({}, (2, None), "--worker-index needs --num-workers"),
     ({}, (None, 2), "--num-workers needs --worker-index"),
     ({}, (3, 3), "worker index 3 is not in [0, 3)"),
