@@ -16,7 +16,7 @@ from batchgen.job.run import (refuse_names_taken_before_marking, start_over, wri
 from batchgen.output import fresh as fresh_mod
 from batchgen.output import layout
 from batchgen.output import manifest as mf
-from batchgen.output.lock import DirectoryLock, describe, running_workers
+from batchgen.output.lock import DirectoryLock, describe, is_held, lock_path, running_workers
 from batchgen.ray.slot import Slot
 
 
@@ -56,6 +56,10 @@ def job_result(spec: JobSpec, out_dir: Path, slots: list[Slot], *, base_tokens: 
     """The job's result, counted from the manifests (a replaced worker's commits count too; its own report died
     with it); `base_tokens`: the tokens of replaced workers; the HTML report written when the job completed."""
     results = [s.result for s in slots if s.result is not None]
+    removed = tidy_leftovers(out_dir)
+    if removed:
+        print(f"batchgen: removed {len(removed)} uncommitted file(s) that killed workers left ({removed[0]}"
+              f"{', ...' if len(removed) > 1 else ''}); their rows were committed by others", file=sys.stderr)
     rows, rejects = committed(mf.checked_ledger(out_dir))
     rows_before, rejects_before = committed_before
     tokens = base_tokens + sum(s.result["report"]["generated_tokens"] if s.result else s.generated_tokens
@@ -68,6 +72,19 @@ def job_result(spec: JobSpec, out_dir: Path, slots: list[Slot], *, base_tokens: 
     if spec.output.report and interrupted is None:
         write_report_or_say_why(out_dir)
     return RunResult(out_dir, rows - rows_before, rejects - rejects_before, rows_before, interrupted, report)
+
+
+def tidy_leftovers(out_dir: Path) -> list[str]:
+    """Once every actor has stopped: delete what a killed worker left (the shard it renamed into data/ before its
+    record was written, its temporaries). Its replacement would have deleted them as it started, but a job whose
+    other workers finished the dealt-again units never starts one: the shards would stay in data/ beside the same
+    rows committed by another worker (load_dataset("OUT") read them twice). Workers whose lock a live process
+    holds (none, at the end of a job) keep theirs."""
+    with DirectoryLock(out_dir):
+        ledger = mf.checked_ledger(out_dir)
+        tags = {o.tag for o in ledger.orphans if o.kind in ("tmp", "leftover") and o.tag is not None}
+        idle = {t for t in tags if not is_held(lock_path(out_dir, t))}
+        return mf.remove_orphans(out_dir, idle, ledger) if idle else []
 
 
 def committed(ledger) -> tuple[int, int]:

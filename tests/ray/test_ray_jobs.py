@@ -302,3 +302,38 @@ def test_a_duplicate_key_stops_a_ray_job_before_any_worker_starts(setup, ray_her
     with pytest.raises(JobError, match=r"duplicate key 'row-0000' \(rows 0 and 7\)"):
         _run_here(job, tmp_path / "out", monkeypatch, workers=2, overrides=[f"source.path={tmp_path / 'dup.jsonl'}"])
     assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_a_killed_workers_unrecorded_shard_never_stays_beside_the_rows_others_committed(setup, ray_here, monkeypatch,
+                                                                                        tmp_path):
+    """Worker 0 killed after renaming a shard into data/ and before recording it, at every second commit (each
+    replacement too): its rows are dealt again, and at the end data/ holds only recorded shards, whether or not a
+    replacement started to delete its predecessor's leftover (one that never started left it, beside the same rows
+    committed by worker 1: load_dataset("OUT") read them twice)."""
+    tmp, job, reference = setup
+    out = tmp_path / "out"
+    _run_here(job, out, monkeypatch, 2, env={"BATCHGEN_FAULT": "shard_renamed:2", "BATCHGEN_FAULT_WORKER": "0"})
+    recorded = {e.record["data"] for e in checked_ledger(out).entries if e.record.get("data")}
+    assert {f"data/{p.name}" for p in (out / "data").glob("*.parquet")} == recorded
+    assert content_once(out) == reference
+
+
+def test_tidying_at_the_end_removes_only_leftovers_of_workers_no_process_holds(setup, tmp_path):
+    import shutil
+
+    from batchgen.output.lock import WorkerLock
+    from batchgen.ray.output_dir import tidy_leftovers
+
+    tmp, job, _ = setup
+    out = tmp_path / "out"
+    assert run_cli("run", str(job), "-o", str(out)).returncode == 0
+    shard = sorted((out / "data").glob("*.parquet"))[0]
+    for tag in ("w00001", "w00002"):  # no records: a shard renamed in a first commit, killed before recording it
+        shutil.copy(shard, out / "data" / f"part-{tag}-000000.parquet")
+    (out / "data" / "notes.parquet").write_bytes(b"the user's")
+    running = WorkerLock(out, "w00002")
+    try:
+        assert tidy_leftovers(out) == ["data/part-w00001-000000.parquet"]
+    finally:
+        running.remove()
+    assert (out / "data" / "part-w00002-000000.parquet").exists() and (out / "data" / "notes.parquet").exists()
