@@ -242,7 +242,8 @@ def _run_on_ray(spec, job: Path, workers: str | None, fresh: bool, progress: boo
                         f"or launcher")
     count = "auto" if workers in (None, "auto") else _count(workers, "--workers")
     result = run_on_ray(spec, workers=count, fresh=fresh, show_progress=progress, job_file=job)
-    _summarise(result, f" (Ray, {len(result.report['workers'])} workers)")
+    n = result.report["num_workers"]  # every worker slot that ran, a killed one's too
+    _summarise(result, f" (Ray, {n} worker{'s' if n != 1 else ''})")
 
 
 def _summarise(result, who: str) -> None:

@@ -169,7 +169,7 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
                 else "Run the same command again to resume.")  # 2: the job's own error, said by the worker
         print(f"batchgen: {described}; {others}. {then}", file=sys.stderr)
         return exit_code(codes)
-    print(f"batchgen: {f'all {num_workers} workers' if num_workers > 1 else 'the worker'} done", file=sys.stderr)
+    print(f"batchgen: {f'all {num_workers} workers done' if num_workers > 1 else 'the worker is done'}", file=sys.stderr)
     spec = load_spec(job, overrides, output)
     if spec.output.report:
         write_report_or_say_why(Path(spec.output.dir))

@@ -68,7 +68,7 @@ def job_result(spec: JobSpec, out_dir: Path, slots: list[Slot], *, base_tokens: 
         (r["interrupted_by"] for r in results if r["interrupted_by"] is not None), None)
     report = {"status": "interrupted" if interrupted is not None else "complete", "wall_s": round(wall_s, 3),
               "generated_tokens": tokens, "generated_tok_s": round(tokens / max(wall_s, 1e-9), 2),
-              "workers": {r["slot"]: r["report"] for r in results}, "dealer": dealer}
+              "workers": {r["slot"]: r["report"] for r in results}, "num_workers": len(slots), "dealer": dealer}
     if spec.output.report and interrupted is None:
         write_report_or_say_why(out_dir)
     return RunResult(out_dir, rows - rows_before, rejects - rejects_before, rows_before, interrupted, report)
