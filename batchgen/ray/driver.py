@@ -110,6 +110,7 @@ class RayJob:
 
             check_before_launch(self.spec, model_elsewhere=True)  # from the model's config alone, before Ray starts
         refuse_ignored_keys(self.spec.source)
+        _check_columns(self.spec)  # before the output is prepared: a refusal then leaves no folder behind
         scanned_rows = check_keys_before_any_row(self.spec)  # each actor sees only the units it is dealt
         self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
@@ -310,6 +311,19 @@ class RayJob:
         for s in self.slots:
             if s.group is not None:
                 kill(self.ray, s)
+
+
+def _check_columns(spec: JobSpec) -> None:
+    """What run refuses from the source's columns before it writes anything (kept columns, the key column's name,
+    source.sampling_column, sampling.response_format_column): refused here by the driver, before the output
+    folder is made, not by the first actor after it was (the failed start's marker, locks and resolved job
+    stayed, and status read them as killed workers)."""
+    from batchgen.job.row_sampling import RowSampling
+    from batchgen.output.schema import OutputSchema
+
+    source = open_source(spec.source)
+    OutputSchema.build(spec, source.schema)
+    RowSampling(spec, source.columns)
 
 
 def _actor_class():

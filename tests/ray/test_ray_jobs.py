@@ -337,3 +337,15 @@ def test_tidying_at_the_end_removes_only_leftovers_of_workers_no_process_holds(s
     finally:
         running.remove()
     assert (out / "data" / "part-w00002-000000.parquet").exists() and (out / "data" / "notes.parquet").exists()
+
+
+def test_a_source_column_the_job_names_and_lacks_stops_a_ray_job_before_the_output_is_made(setup, ray_here,
+                                                                                          monkeypatch, tmp_path):
+    """As a plain run refuses it before writing: the driver checks the source's columns before it prepares the
+    output (the first actor refused it after: marker, locks and resolved job stayed, read as killed workers)."""
+    from batchgen.errors import JobError
+
+    _, job, _ = setup
+    with pytest.raises(JobError, match="source.sampling_column 'params' is not a column of the source"):
+        _run_here(job, tmp_path / "out", monkeypatch, workers=2, overrides=["source.sampling_column=params"])
+    assert not (tmp_path / "out").exists()
