@@ -58,7 +58,8 @@ class NoBooleanNumbers(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_for_a_number(cls, value, info):
-        if isinstance(value, (bool, list, tuple)) and _bool_in_a_number(value, cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, (bool, list, tuple)) and _bool_in_a_number(value, annotation):
             raise ValueError(f"{info.field_name} takes a number, not true or false")
         return value
 

@@ -92,7 +92,8 @@ class LimitsSpec(_Strict):
         "a longer prompt is rejected as prompt_too_long (or cut, per prompt.on_too_long)."))
     render_timeout_s: Annotated[float, Field(gt=0, le=1e9)] = Field(5.0, description=(
         "Seconds of wall time one render may take (at most 1e9), the chat template included. A row over a limit is "
-        "rejected (template_error / chat_template_error); a template over one on each of its first rows stops the job."))
+        "rejected (template_error / chat_template_error); a template over one on each of its first rows stops the "
+        "job."))
 
 
 class PromptSpec(_Strict):

@@ -31,7 +31,8 @@ CHILD_MAIN = ("import sys; root = sys.argv.pop(1); sys.path[0:1] = [] if root in
 
 # Scheduler variables a child must not see: its identity comes from the flags we give it.
 _IDENTITY_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX",
-                  "SLURM_ARRAY_TASK_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX", "BATCHGEN_NUM_WORKERS")
+                  "SLURM_ARRAY_TASK_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK", "JOB_COMPLETION_INDEX",
+                  "BATCHGEN_NUM_WORKERS")
 
 
 # how long a worker's other ranks may outlive its rank 0 (they exit at its STOP, normally at once), and how long
@@ -169,7 +170,8 @@ def launch(job: Path, overrides: list[str], output: str | None, num_workers: int
                 else "Run the same command again to resume.")  # 2: the job's own error, said by the worker
         print(f"batchgen: {described}; {others}. {then}", file=sys.stderr)
         return exit_code(codes)
-    print(f"batchgen: {f'all {num_workers} workers done' if num_workers > 1 else 'the worker is done'}", file=sys.stderr)
+    done = f"all {num_workers} workers done" if num_workers > 1 else "the worker is done"
+    print(f"batchgen: {done}", file=sys.stderr)
     spec = load_spec(job, overrides, output)
     if spec.output.report:
         write_report_or_say_why(Path(spec.output.dir))

@@ -150,7 +150,8 @@ def test_a_users_job_yaml_in_a_marked_output_is_never_taken_for_an_earlier_batch
 
 def test_an_earlier_batchgens_job_yaml_stays_batchgens_once_a_resume_marked_its_output(finished):
     """An output of a batchgen before the marker (its resolved job in job.yaml) resumed by this one gets the marker,
-    which records that job.yaml: --fresh still deletes it (it was refused as a user's file); edited, it is the user's."""
+    which records that job.yaml: --fresh still deletes it (it was refused as a user's file); edited, it is the
+    user's."""
     from batchgen.output.layout import foreign_entries
 
     job, out = finished

@@ -84,5 +84,5 @@ def test_an_output_inside_the_source_folder_is_never_read_as_input(tmp_path, tin
                                           ("rows.csv", "rows.csv")])
 def test_a_file_no_reader_takes_by_its_name_is_refused_saying_what_is_read(tmp_path, name, pattern):
     (tmp_path / name).write_bytes(b"not read")
-    with pytest.raises(JobError, match=f"a file batchgen does not read by its name: it reads .parquet, .jsonl"):
+    with pytest.raises(JobError, match="a file batchgen does not read by its name: it reads .parquet, .jsonl"):
         open_source(SourceSpec(path=str(tmp_path / pattern)))
