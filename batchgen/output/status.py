@@ -151,7 +151,9 @@ def _worker_line(w: _Worker, now: float, rows_remain: bool) -> str:
         rec = w.latest_log
         line = (f"running{f' for {_ago(now - w.started)}' if w.started is not None else ''}"
                 f"{f' (rows dealt by {w.dealer})' if w.dealer else ''}; {committed}")
-        if rec is None:
+        if rec is None and w.started is not None and (w.last_commit or 0) >= w.started:
+            line += "; committing in this run, no throughput record yet (one comes every ~5 s)"
+        elif rec is None:
             line += "; no row finished yet in this run (loading the model or in its first steps)"
         else:
             line += f" (+{w.uncommitted} finished, not committed yet)" if w.uncommitted else ""

@@ -150,3 +150,14 @@ def test_a_file_under_a_lock_name_that_no_run_wrote_is_no_worker(out):
     assert result.exit_code == 0, result.output
     assert "w00007" not in result.output and "w00008" not in result.output
     assert "w00003: stopped" in result.output and "40 rows committed of 40" in result.output
+
+
+def test_a_running_worker_that_committed_before_its_first_throughput_record_is_not_said_to_have_no_row(out):
+    lock = WorkerLock(out, "w00001")
+    try:
+        _commit(out, "w00001", 4, time.time() + 1)  # a commit of this run, before the log's first ~5 s record
+        result = _status(out)
+        assert "w00001: running" in result.output and "committing in this run" in result.output, result.output
+        assert "no row finished yet" not in result.output
+    finally:
+        lock.release()
