@@ -137,7 +137,8 @@ def plan_num_blocks(geometry: KVGeometry, block_size: int, dtype: torch.dtype, d
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * memory_utilization) - (total - free) - reserve_bytes
         mine = torch.cuda.memory_allocated(device)
-        held = f"; this process's tensors hold {mine / 2**30:.2f} GiB of it (an Engine not closed?)"
+        held = (f"; this process's tensors hold {mine / 2**30:.2f} GiB of it, the model's weights included (more "
+                f"than they need: an Engine not closed?)")
     else:
         budget = cpu_max_bytes
     num_blocks = budget // per_block

@@ -127,7 +127,8 @@ class _RowSample:
             prompt = renderer.render(row.columns)
             if len(prompt) > spec.limits.max_prompt_chars:  # tokenize's own check, before the tokenizer sees it
                 renderer.tokenize(prompt)
-                prompt = prompt[:spec.limits.max_prompt_chars]
+                cut = spec.limits.max_prompt_chars  # as tokenize cuts it (the policy is a truncation here)
+                prompt = prompt[-cut:] if spec.prompt.on_too_long == "truncate_left" else prompt[:cut]
             ids = tokenizer.encode(prompt, add_special_tokens=not spec.prompt.chat)  # once: length before policy
             if not ids:
                 raise RowError("empty_prompt", "the prompt has no tokens")
@@ -135,8 +136,12 @@ class _RowSample:
             if len(ids) > max_prompt and spec.prompt.on_too_long == "reject":
                 raise RowError("prompt_too_long", "")
             params = row_sampling.params_for(row.columns)  # bad_sampling / bad_response_format, as run rejects them
-            # the engine's admission (engine/scheduler.py _never_fits): a sequence the whole cache cannot hold
-            need = -(-min(min(len(ids), max_prompt) + params.max_new_tokens, self.context) // self.block_size)
+            # the engine's admission (engine/scheduler.py _never_fits): a prompt that leaves no room in the context
+            # (prompt.max_prompt_tokens may exceed it), or a sequence the whole cache cannot hold
+            num_prompt = min(len(ids), max_prompt)
+            if num_prompt >= self.context + (params.max_new_tokens == 0):
+                raise RowError("too_long_for_cache", "")
+            need = -(-min(num_prompt + params.max_new_tokens, self.context) // self.block_size)
             if self.num_kv_blocks is not None and need > self.num_kv_blocks:
                 raise RowError("too_long_for_cache", "")
             if len(self.shown) < show:
@@ -176,7 +181,7 @@ def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:
     source = open_source(spec.source)
     if not isinstance(source, OutputDirSource):
         return None
-    return upstream_order.refusal(out_dir, source.out_dir, source.order, spec.source.limit)
+    return upstream_order.refusal(out_dir, source.out_dir, source.order)
 
 
 def _check_resume(spec: JobSpec, tokenizer, config) -> str:

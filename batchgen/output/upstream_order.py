@@ -59,14 +59,25 @@ def _committed(out_dir: Path) -> bool:
     return manifests.is_dir() and any(p.is_file() and p.stat().st_size > 0 for p in manifests.iterdir())
 
 
-def refusal(out_dir: Path, upstream: Path, order: Order, limit: int | None = None) -> str | None:
-    """Why a position-keyed downstream in `out_dir` may not resume on the upstream's committed shards `order`
-    (None: nothing recorded or committed yet, or every recorded shard is still where it was). Reads only."""
+def _same(was: list, now: list | None) -> bool:
+    """A recorded shard is where it was: the same name and rows (and SHA-256 where both record one)."""
+    return now is not None and now[:len(was)] == was[:len(now)]
+
+
+def _still_there(stored: Order, order: Order) -> bool:
+    return len(order) >= len(stored) and all(_same(was, now) for was, now in zip(stored, order))
+
+
+def refusal(out_dir: Path, upstream: Path, order: Order) -> str | None:
+    """Why a position-keyed downstream in `out_dir` may not resume on the upstream's committed shards `order` (all
+    of them: the record covers the shards within the source.limit of every earlier run, and those must still lead
+    the upstream whatever this run's limit is). None: nothing recorded or committed yet, or every recorded shard is
+    still where it was. Reads only."""
     stored = _stored(out_dir)
-    order = _within(order, limit)
-    if stored is None or order[:len(stored)] == stored or not _committed(out_dir):
+    if stored is None or _still_there(stored, order) or not _committed(out_dir):
         return None
-    moved = next(i for i, (was, now) in enumerate(zip(stored + [None], order + [None])) if was != now)
+    moved = next(i for i, (was, now) in enumerate(zip(stored + [None], order + [None]))
+                 if was is None or not _same(was, now))
     was = stored[moved][0] if moved < len(stored) else "nothing"
     now = order[moved][0] if moved < len(order) else "nothing"
     return (f"refusing to resume into {out_dir}: its rows are keyed by position in the upstream output {upstream}, "
@@ -77,11 +88,14 @@ def refusal(out_dir: Path, upstream: Path, order: Order, limit: int | None = Non
 
 
 def check_and_record(out_dir: Path, upstream: Path, order: Order, limit: int | None = None) -> None:
-    """Before a position-keyed downstream reads its rows: JobError when `refusal` says so, else record `order`
-    (the upstream may have grown: later positions stand for its new rows)."""
-    message = refusal(out_dir, upstream, order, limit)
+    """Before a position-keyed downstream reads its rows: JobError when `refusal` says so, else record the shards
+    within source.limit `limit` (the upstream may have grown: later positions stand for its new rows); a record
+    never shrinks while anything is committed (a lower limit: what was committed beyond it still stands for those
+    shards)."""
+    message = refusal(out_dir, upstream, order)
     if message is not None:
         raise JobError(message)
-    order = _within(order, limit)
-    if _stored(out_dir) != order:
-        write_text_atomic(out_dir / FILE, json.dumps({"upstream": str(upstream), "shards": order}) + "\n")
+    stored = _stored(out_dir) if _committed(out_dir) else None
+    keep = max(len(_within(order, limit)), len(stored or []))
+    if _stored(out_dir) != order[:keep]:
+        write_text_atomic(out_dir / FILE, json.dumps({"upstream": str(upstream), "shards": order[:keep]}) + "\n")

@@ -67,7 +67,7 @@ def expand_files(paths: str | list[str], what: str) -> list[str]:
         p = Path(pattern).expanduser()
         if p.is_dir():
             found = folder_files(p)
-            _one_kind(pattern, found)
+            _one_kind(pattern, {what: found[what]})  # an inferred type was checked across kinds (infer_type)
             matched = found[what]
         else:
             matched = sorted(glob.glob(str(p), recursive=True))

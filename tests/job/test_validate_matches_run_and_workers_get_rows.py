@@ -249,6 +249,22 @@ def test_rows_an_explicit_kv_cache_cannot_hold_are_counted_by_validate_as_run_re
     assert rejects == {f"row-000{i}": "too_long_for_cache" for i in (0, 2, 4)}
 
 
+def test_a_prompt_the_context_cannot_hold_under_a_larger_max_prompt_tokens_is_predicted_as_run_rejects_it(
+        tmp_path, tiny_model_dir):
+    rows = seed_rows(3)
+    rows[1]["topic"] = " ".join(f"w{i}" for i in range(400))  # well past the tiny model's 256-token context
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+                    prompt={"max_prompt_tokens": 4000})
+    validated = _cli("validate", job)
+    assert validated.exit_code == 0, validated.output
+    assert "rows that would be rejected in the sample: too_long_for_cache: 1" in validated.output, validated.output
+    ran = _cli("run", job, "--no-progress")
+    assert ran.exit_code == 0, ran.output
+    assert {r["id"]: r["error_class"] for r in read_rows(tmp_path / "out", "rejects")} == \
+        {"row-0001": "too_long_for_cache"}
+
+
 @pytest.mark.parametrize("overrides", [["engine.num_kv_blocks=100000000000"],
                                        ["engine.num_kv_blocks=null", "engine.cpu_kv_cache_bytes=100000000000000"]])
 def test_a_kv_cache_larger_than_the_device_is_refused_by_validate_and_by_run_before_the_weights_load(

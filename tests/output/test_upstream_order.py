@@ -40,10 +40,22 @@ def test_nothing_is_refused_before_the_downstream_committed(tmp_path):
     assert upstream_order.refusal(tmp_path, tmp_path / "up", moved) is None  # the new order is the record now
 
 
-def test_shards_beyond_source_limit_may_move(tmp_path):
+def test_shards_beyond_source_limit_may_move_and_a_lower_limit_resumes(tmp_path):
     upstream_order.check_and_record(tmp_path, tmp_path / "up", UP, limit=3)  # the first shard holds the 3 rows
     _committed(tmp_path)
     changed_beyond = [UP[0], [UP[1][0], 4, "d" * 64]]
-    assert upstream_order.refusal(tmp_path, tmp_path / "up", changed_beyond, limit=3) is None
+    assert upstream_order.refusal(tmp_path, tmp_path / "up", changed_beyond) is None
     changed_within = [[UP[0][0], 4, "e" * 64], UP[1]]
-    assert upstream_order.refusal(tmp_path, tmp_path / "up", changed_within, limit=3) is not None
+    assert upstream_order.refusal(tmp_path, tmp_path / "up", changed_within) is not None
+    upstream_order.check_and_record(tmp_path, tmp_path / "up", UP, limit=8)  # a higher limit: both shards recorded
+    upstream_order.check_and_record(tmp_path, tmp_path / "up", UP, limit=2)  # then a lower one: still accepted,
+    assert upstream_order.refusal(tmp_path, tmp_path / "up", changed_beyond) is not None  # the record kept both
+
+
+def test_a_record_without_checksums_compares_by_name_and_rows(tmp_path):
+    import json
+
+    (tmp_path / "upstream_order.json").write_text(json.dumps({"shards": [e[:2] for e in UP]}))
+    _committed(tmp_path)
+    assert upstream_order.refusal(tmp_path, tmp_path / "up", UP) is None
+    assert upstream_order.refusal(tmp_path, tmp_path / "up", [UP[1], UP[0]]) is not None
