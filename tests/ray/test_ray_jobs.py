@@ -78,7 +78,9 @@ def _start(job, out, *extra, env=None):
                             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-def _wait_for_commits(out, tag: str, num_lines: int, proc=None, timeout_s: float = 120) -> None:
+def _wait_for_commits(out, tag: str, num_lines: int, proc=None, timeout_s: float = 300) -> None:
+    """Until worker `tag` has `num_lines` records (a wait, not a timing claim: CI runs Ray tests side by side on 2
+    cores, where a driver started in a subprocess took over 120 s to its third commit)."""
     path = out / "manifest" / f"{tag}.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
