@@ -95,7 +95,8 @@ def check_and_record(out_dir: Path, upstream: Path, order: Order, limit: int | N
     message = refusal(out_dir, upstream, order)
     if message is not None:
         raise JobError(message)
-    stored = _stored(out_dir) if _committed(out_dir) else None
-    keep = max(len(_within(order, limit)), len(stored or []))
-    if _stored(out_dir) != order[:keep]:
+    stored = _stored(out_dir)
+    kept = len(stored) if stored is not None and _committed(out_dir) else 0
+    keep = max(len(_within(order, limit)), kept)
+    if stored != order[:keep]:
         write_text_atomic(out_dir / FILE, json.dumps({"upstream": str(upstream), "shards": order[:keep]}) + "\n")
