@@ -149,8 +149,10 @@ def test_a_fused_decoder_that_fails_on_the_device_falls_back_to_transformers_and
 FUSED_STEP_INTERPRET_SCRIPT = """
 import torch, sys
 sys.path.insert(0, "tests")
+import few_splits
 from conftest import make_model
 from batchgen.models.registry import DECODERS
+few_splits.install()  # 2 KV splits, not the table's 16-32 mostly empty ones (tests/few_splits.py)
 from batchgen.attention.kv_cache import KVCache, KVGeometry
 # llama: rotary in the attention kernel; qwen3: its q/k norm there too; gemma: (1 + w) norms, GELU-tanh gate;
 # phi3: checkpoint-fused weights; olmo2: whole-q/k norms in place, fp32 rotary; granite: multipliers;

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "tests")
+import few_splits
 import hopper_compile
 from conftest import make_model, make_tokenizer
 from fp8_checkpoints import save_fp8_checkpoint
@@ -46,6 +47,7 @@ from batchgen.runner.loader import load_model
 
 # the GPU's choices on CPU tensors: split-K for the decode step's 4 rows, the Triton GEMM for the packed step's 7;
 # splits over the tiny model's few 32-column blocks (o: 2, down: 4), so that partials reach the norms
+few_splits.install()  # 2 KV splits, not the table's 16-32 mostly empty ones (tests/few_splits.py)
 fp8_gemm.gemm_path = lambda device, dtype, n, k, group_n, group_k, act_quant, rows=None: \
     "splitk" if rows <= 4 else "triton"
 splitk_common.MIN_BLOCKS_PER_SPLIT = 1
