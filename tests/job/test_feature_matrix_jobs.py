@@ -137,7 +137,7 @@ def test_embedded_model_json_schema_job_at_temperature_0_8_to_1_2_validates_ever
                                "age, mood (happy, sad or calm) and up to three tags.", "chat": True},
         "sampling": {"max_new_tokens": 256, "n": 2, "seed": 0,
                      "response_format": {"type": "json_schema", "json_schema": CHARACTER}},
-        "engine": {"max_num_seqs": 16},
+        "engine": {"max_num_seqs": 80},  # all 40 rows x 2 samples in one batch: fewer, larger CPU steps
         "output": {"dir": "out", "rows_per_shard": 20},
     }, sort_keys=False))
     done = run_cli("run", str(job), timeout=900)
