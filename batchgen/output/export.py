@@ -100,7 +100,9 @@ def _positions(spec, key_name: str, keys: set, result: ExportResult, open_source
 
     try:
         positions = {}
-        for row in open_source(spec.source):
+        source = open_source(spec.source)
+        source.quiet = True  # its notices were the run's (an OpenAI file's ignored body.model)
+        for row in source:
             if row.columns is not None:
                 key = row.columns.get(spec.source.key_column)
                 if key in keys and key not in positions:

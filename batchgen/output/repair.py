@@ -163,8 +163,13 @@ class _Repair:
             lines = [line for _, line in sorted(self.lines.get(tag, []), key=lambda cl: cl[0])]
             if path.exists():
                 (qdir / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+                if not lines:  # every record dropped: the manifest moves aside whole, no empty file stays
+                    os.replace(path, qdir / MANIFEST_DIR / path.name)
+                    fsync_dir(mdir)
+                    continue
                 shutil.copy2(path, qdir / MANIFEST_DIR / path.name)
-            _write_manifest(path, lines)
+            if lines:
+                _write_manifest(path, lines)
         for rel in sorted(self.quarantine):
             (qdir / rel).parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.out_dir / rel, qdir / rel)

@@ -59,6 +59,7 @@ class Source:
     num_rows: int | None
     description: str
     typed: bool = True  # values always match `schema` (Parquet, datasets); False for JSONL (inferred)
+    quiet: bool = False  # True: read again for bookkeeping (export's row order): no notices on stderr
 
     def __init__(self, limit: int | None, key_column: str | None) -> None:
         self.limit = limit

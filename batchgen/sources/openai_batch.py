@@ -232,7 +232,7 @@ class OpenAIBatchSource(Source):
                 yield SourceRow(position, None, f"line {number} of {path}: {error}",
                                 key=custom_id if _custom_id_error(custom_id) is None else None)
                 continue
-            if not told_model and "model" in body:
+            if not told_model and not self.quiet and "model" in body:
                 told_model = True
                 print(f"batchgen: the requests' body.model ({body['model']!r}) is ignored: every line runs the "
                       f"job's model", file=sys.stderr)

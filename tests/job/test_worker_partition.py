@@ -66,37 +66,47 @@ def test_a_worker_dealing_another_unit_size_is_refused_while_one_runs(setup):
     assert not list((out / "data").glob("*.parquet"))
 
 
-# a worker whose engine steps take STEP_DELAY_S longer: still running when the test starts another
+# a worker held mid-run: after HELD_AFTER_STEPS engine steps (past its first commit: 2 rows of 6 tokens, 2 at a
+# time), each step waits while the gate file exists; the test removes it once it has started the other worker
 SLOW_WORKER = """
-import sys, time
+import os, sys, time
 from batchgen.engine.engine import Engine
-step, delay_s = Engine.step, float(sys.argv[1])
-Engine.step = lambda self, *a, **k: (time.sleep(delay_s), step(self, *a, **k))[1]
-sys.argv = ["batchgen", *sys.argv[2:]]
+step, gate, held_after = Engine.step, sys.argv[1], int(sys.argv[2])
+num_steps = [0]
+def held_step(self, *a, **k):
+    num_steps[0] += 1
+    while num_steps[0] > held_after and os.path.exists(gate):
+        time.sleep(0.02)
+    return step(self, *a, **k)
+Engine.step = held_step
+sys.argv = ["batchgen", *sys.argv[3:]]
 from batchgen.cli import main
 main()
 """
-STEP_DELAY_S = 0.1
+HELD_AFTER_STEPS = 12
 
 
-def _start_slow(job, out, index, count):
-    return subprocess.Popen([sys.executable, "-c", SLOW_WORKER, str(STEP_DELAY_S), "run", str(job), "-o", str(out),
-                             "--no-progress", "--worker-index", str(index), "--num-workers", str(count)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def _start_held(job, out, gate, index, count):
+    gate.touch()
+    return subprocess.Popen([sys.executable, "-c", SLOW_WORKER, str(gate), str(HELD_AFTER_STEPS), "run", str(job),
+                             "-o", str(out), "--no-progress", "--worker-index", str(index), "--num-workers", str(count)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_workers_of_two_counts_at_once_never_duplicate_rows_and_a_resume_completes(setup):
     """Worker 1 of 2 running, worker 0 of 1 started: refused (before, both ran: 60 rows committed of 40)."""
     tmp, job = setup
-    out = tmp / "two-counts"
-    first = _start_slow(job, out, 1, 2)
+    out, gate = tmp / "two-counts", tmp / "two-counts.hold"
+    first = _start_held(job, out, gate, 1, 2)
     manifest = out / "manifest" / "w00001.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (manifest.exists() and manifest.read_text().count("\n") >= 1):
+        assert first.poll() is None, first.communicate()
         time.sleep(0.02)
-    assert first.poll() is None, "worker 1 of 2 finished before the second worker could start: slow it down"
     second = run_cli("run", str(job), "-o", str(out), "--worker-index", "0", "--num-workers", "1")
+    assert first.poll() is None, "worker 1 of 2 is held until the gate goes: it must still be running"
+    gate.unlink()
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert second.returncode == 2 and "worker 1 of 2" in second.stderr and "2 workers, not 1" in second.stderr

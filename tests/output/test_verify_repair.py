@@ -108,6 +108,9 @@ def test_repair_drops_a_duplicated_record_and_keeps_its_shard(ref, tmp_path):
     said = _repair_then_resume(job, out, rows, rejects)
     assert said.count("batchgen: dropped") == 2
     assert (out / json.loads(lines[0])["data"]).exists()
+    # w00001 held only the duplicate: its manifest moved aside whole, no empty one left to read as a worker
+    assert not (out / "manifest" / "w00001.jsonl").exists()
+    assert [p.read_bytes() for p in (out / "quarantine").rglob("w00001.jsonl")] == [lines[1] + b"\n"]
 
 
 def test_repair_rebuilds_a_deleted_manifest_from_its_shards(ref, tmp_path):

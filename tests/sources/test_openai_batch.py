@@ -60,10 +60,12 @@ def test_a_chat_batch_file_runs_with_per_line_settings_and_exports_every_custom_
     assert rejects["req-g"]["error_class"] == "malformed_row" and "/v1/completions" in rejects["req-g"]["message"]
     assert rejects["req-h"]["error_class"] == "bad_sampling" and "body.tools" in rejects["req-h"]["message"]
     assert sum(r["error_class"] == "malformed_row" for r in rejects.values()) == 2  # the broken line too
+    assert result.output.count("body.model ('gpt-4o-mini') is ignored") == 1  # once a run, not once a line
 
     result = runner.invoke(app, ["export", str(tmp_path / "out"), "--format", "openai", "--to",
                                  str(tmp_path / "results.jsonl"), "--errors", str(tmp_path / "errors.jsonl")])
     assert result.exit_code == 0, result.output
+    assert "body.model" not in result.output  # the run said it; export only reads the file for its order
     results = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     errors = [json.loads(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
     ids = [x["custom_id"] for x in results + errors]
