@@ -5,6 +5,7 @@ an output of an earlier batchgen (its resolved job in job.yaml) is still read.""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import yaml
@@ -96,14 +97,27 @@ def test_a_resolved_job_file_batchgen_did_not_write_is_never_overwritten(tmp_pat
     assert (tmp_path / "out" / "job.resolved.yaml").read_text() == "mine: true\n"
 
 
-@pytest.fixture
-def finished(tmp_path, tiny_model_dir):
-    write_jsonl(tmp_path / "rows.jsonl", seed_rows(NUM_ROWS))
-    job = write_job(tmp_path, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
+@pytest.fixture(scope="module")
+def finished_once(tmp_path_factory, tiny_model_dir):
+    """A finished job's folder (job file, source, output), run once for the module."""
+    tmp = tmp_path_factory.mktemp("finished")
+    write_jsonl(tmp / "rows.jsonl", seed_rows(NUM_ROWS))
+    job = write_job(tmp, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
                     sampling={"max_new_tokens": 4}, output={"dir": "out", "rows_per_shard": 2})
     result = run_cli("run", str(job))
     assert result.returncode == 0, result.stderr
-    return job, tmp_path / "out"
+    return tmp
+
+
+@pytest.fixture
+def finished(finished_once, tmp_path):
+    """(job file, output) of a copy of that folder, for one test to change: the job's paths are relative, and
+    the resolved job names the copy's output folder, as a run there would have written it."""
+    folder = tmp_path / "project"
+    shutil.copytree(finished_once, folder)
+    resolved = folder / "out" / "job.resolved.yaml"
+    resolved.write_text(resolved.read_text().replace(str(finished_once.resolve()), str(folder.resolve())))
+    return folder / "job.yaml", folder / "out"
 
 
 def test_every_file_a_run_writes_is_recognised_as_batchgens(finished):
