@@ -18,7 +18,7 @@ from batchgen.sample.tensors import SamplingTensors
 from batchgen.sampling_params import SamplingParams
 
 g = torch.Generator().manual_seed(0)
-V, S = 3000, 16
+V, S = 1500, 16  # two blocks of 1024, six of 256 (the interpreter's cost grows with V)
 settings = [  # temperature, top_k, top_p, min_p
     (0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.0), (0.5, 0, 0.9, 0.0), (1.3, 7, 0.8, 0.05),
     (0.9, 200, 0.5, 0.1), (0.8, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0), (2.0, 0, 0.99, 0.0), (0.6, 0, 1.0, 0.3)]
@@ -26,7 +26,7 @@ rows = [SeqSampling(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m), se
         for i, (t, k, p, m) in enumerate(settings[i % len(settings)] for i in range(S))]
 for dtype in (torch.float32, torch.bfloat16):
     logits = (torch.randn(S, V, generator=g) * 3).to(dtype)
-    logits[0, 5] = logits[0, 2999] = logits[0].max() + 1  # a greedy tie: the first index wins
+    logits[0, 5] = logits[0, V - 1] = logits[0].max() + 1  # a greedy tie: the first index wins
     logits[3, :100] = float("-inf")  # suppressed tokens
     st = SamplingTensors.build(rows, list(range(100, 100 + S)), V, torch.device("cpu"))
     ref = sample_ref(logits, st)
