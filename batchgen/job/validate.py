@@ -173,6 +173,17 @@ def _check_weights(spec: JobSpec) -> None:
         check_weight_files(source)
 
 
+def refuse_changed_resume(spec: JobSpec) -> None:
+    """The resume refusal each worker of `run` makes from the output's fingerprint, made once before a Ray job
+    starts its cluster (its actors would make it only after Ray's start and their own). Reads only; a first run
+    (no fingerprint yet) loads nothing."""
+    from batchgen.output.fingerprint import FILE
+
+    if (Path(spec.output.dir) / FILE).exists():
+        tokenizer, config = tokenizer_and_config(spec)
+        _check_resume(spec, tokenizer, config)  # JobError naming what changed
+
+
 def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:
     from batchgen.output import upstream_order
     from batchgen.sources import open_source

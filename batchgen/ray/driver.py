@@ -29,6 +29,7 @@ from batchgen.ray.slot import RankFailed, Slot, bundle, first_line, is_job_error
 from batchgen.ray.units import Unit, plan_units, unit_rows_for
 from batchgen.sources import open_source, refuse_ignored_keys
 from batchgen.job.run import check_keys_before_any_row
+from batchgen.job.validate import refuse_changed_resume
 
 POLL_INTERVAL_S = 0.25  # how often the driver asks each worker for progress (a worker queues ~2 steps of rows ahead)
 MAX_FAILURES_PER_SLOT = 3  # failures of one worker slot in a row, no unit committed between: the job stops
@@ -112,6 +113,8 @@ class RayJob:
         refuse_ignored_keys(self.spec.source)
         _check_columns(self.spec)  # before the output is prepared: a refusal then leaves no folder behind
         scanned_rows = check_keys_before_any_row(self.spec)  # each actor sees only the units it is dealt
+        if not self.fresh:
+            refuse_changed_resume(self.spec)  # what the actors would refuse, said before Ray starts
         self.started_ray = cluster.connect(self.ray, self.workers_arg, size)
         try:
             self.num_slots, self.resources = cluster.plan_workers(self.ray, self.spec, self.workers_arg)

@@ -161,6 +161,24 @@ def test_ray_refuses_a_static_worker_identity_with_a_clear_message(setup, extra,
     assert not (tmp / "refused").exists()
 
 
+def test_a_ray_resume_whose_settings_changed_is_refused_before_ray_starts(setup):
+    """The fingerprint's refusal, as every worker of a plain run makes it, said by the driver before it starts Ray
+    (the actors made it only after Ray's start and their own, 10-30 s later); nothing in the output changes."""
+    tmp, job, _ = setup
+    out = tmp / "changed"
+    from batchgen.job.job_file import load_spec
+    from batchgen.job.run import run_job
+
+    run_job(load_spec(job, ["source.limit=4"], str(out)), show_progress=False)  # a plain run, here
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    done = run_cli("run", str(job), "-o", str(out), "--ray", "--set", "source.limit=4", "--set",
+                   "sampling.max_new_tokens=7")
+    assert done.returncode == 2 and "refusing to resume" in done.stderr and "max_new_tokens" in done.stderr, \
+        done.stderr
+    assert "batchgen: Ray:" not in done.stderr, done.stderr  # the line the driver prints once Ray is up
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_sigterm_to_the_driver_commits_what_is_finished_and_a_rerun_completes_it(setup, ray_here, monkeypatch):
     tmp, job, reference = setup
     out = tmp / "sigterm"
