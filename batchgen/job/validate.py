@@ -176,12 +176,17 @@ def _check_weights(spec: JobSpec) -> None:
 def refuse_changed_resume(spec: JobSpec) -> None:
     """The resume refusal each worker of `run` makes from the output's fingerprint, made once before a Ray job
     starts its cluster (its actors would make it only after Ray's start and their own). Reads only; a first run
-    (no fingerprint yet) loads nothing."""
+    (no fingerprint yet) loads nothing, and a model this machine cannot read (a path local to the cluster's
+    nodes) leaves the check to the workers."""
     from batchgen.output.fingerprint import FILE
 
-    if (Path(spec.output.dir) / FILE).exists():
+    if not (Path(spec.output.dir) / FILE).exists():
+        return
+    try:
         tokenizer, config = tokenizer_and_config(spec)
-        _check_resume(spec, tokenizer, config)  # JobError naming what changed
+    except JobError:
+        return
+    _check_resume(spec, tokenizer, config)  # JobError naming what changed
 
 
 def _upstream_moved(spec: JobSpec, out_dir: Path) -> str | None:

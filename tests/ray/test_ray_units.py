@@ -305,3 +305,20 @@ def test_held_engine_error_rows_are_rejected_at_a_workers_idle_only_once_the_dea
     worker.finish()
     thread.join(timeout=120)
     assert result["rows_rejected"] == 4 and len(content_once(out)) == 2
+
+
+def test_the_drivers_resume_check_leaves_a_model_it_cannot_read_to_the_workers(tmp_path):
+    """A model path local to the cluster's nodes: the driver cannot load its config, so it does not refuse (the
+    workers compare the fingerprint); an output without a fingerprint is never read further."""
+    from batchgen.job.validate import refuse_changed_resume
+    from batchgen.output.fingerprint import FILE
+
+    (tmp_path / "rows.jsonl").write_text('{"id": "a", "topic": "tea"}\n')
+    out = tmp_path / "out"
+    spec = JobSpec.model_validate({"model": {"path": str(tmp_path / "only-on-the-nodes"), "device": "cpu"},
+                                   "source": {"path": str(tmp_path / "rows.jsonl")},
+                                   "prompt": {"template": "{{ topic }}"}, "output": {"dir": str(out)}})
+    refuse_changed_resume(spec)  # no output yet
+    out.mkdir()
+    (out / FILE).write_text('{"fingerprint": "x", "components": {"sampling": {"max_new_tokens": 1}}}')
+    refuse_changed_resume(spec)  # the model is not readable here: no refusal, no error
