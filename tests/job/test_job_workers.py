@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jobutil import content_once, REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import content_once, REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 40
 
@@ -105,17 +105,8 @@ def test_a_failing_worker_makes_the_launcher_exit_non_zero_after_the_others_comm
     for w in (0, 2):
         mine = {f"row-{p:04d}" for p in range(NUM_ROWS) if (p // unit_rows) % 3 == w}
         assert mine <= done, f"worker {w} did not finish ({manifests})"
-    _resume_here(job, out)  # the launcher's exit path is what this test is about; any count resumes
+    run_here(job, out)  # the launcher's exit path is what this test is about; one worker resumes it
     assert content_once(out) == reference
-
-
-def _resume_here(job, out):
-    """One worker in this process (no interpreter to start): a resume with another count than the run's."""
-    from batchgen.job.job_file import load_spec
-    from batchgen.job.run import run_job
-
-    result = run_job(load_spec(job, [], str(out)), show_progress=False)
-    assert result.interrupted_by is None
 
 
 @pytest.mark.parametrize("resume_workers", [1, 3])
