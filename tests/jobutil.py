@@ -97,6 +97,18 @@ def run_here(job: Path, out: Path, overrides: tuple[str, ...] = ()):
     return run_job(load_spec(job, list(overrides), str(out)), show_progress=False)
 
 
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`batchgen ...` in this process (typer's CliRunner), as run_cli's result (returncode, stdout, stderr): for
+    commands that only read (status, export) or are refused before they run anything."""
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    argv = [*args, "--no-progress"] if args[0] == "run" else list(args)
+    result = CliRunner().invoke(app, argv)
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`batchgen ...` as a separate process (what a user or a scheduler runs)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}

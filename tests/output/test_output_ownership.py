@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from jobutil import read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import cli_here, read_rows, run_cli, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 6
 USER_JOB_HEAD = "# my job: keep these comments\n"
@@ -39,7 +39,7 @@ def test_fresh_refuses_a_folder_holding_the_users_files_and_names_them(tmp_path,
     assert done.returncode == 0, done.stderr
     user_files = {"job.yaml", "inputs/rows.jsonl", "notes/todo.txt"}
     before = {f: (tmp_path / f).read_bytes() for f in user_files}
-    result = run_cli("run", str(job), "--fresh")
+    result = cli_here("run", str(job), "--fresh")
     assert result.returncode == 2, result.stderr
     assert "--fresh refused" in result.stderr and "inputs/, job.yaml, notes/" in result.stderr
     assert "it holds the job file" in result.stderr and "Traceback" not in result.stderr
@@ -66,7 +66,7 @@ def test_a_source_in_the_outputs_data_folder_is_refused_and_fresh_deletes_nothin
     job = _project(tmp_path, tiny_model_dir, "data/rows.jsonl")  # output.dir: . -- the layout
     before = _tree(tmp_path)
     for command in (("validate",), ("run",), ("run", "--fresh")):  # validate refuses what run refuses
-        result = run_cli(command[0], str(job), *command[1:])
+        result = cli_here(command[0], str(job), *command[1:])
         assert result.returncode == 2, result.stderr
         assert "lies in" in result.stderr and "data" in result.stderr and "output folder of its own" in result.stderr
         assert _tree(tmp_path) == before
@@ -92,7 +92,7 @@ def test_a_resolved_job_file_batchgen_did_not_write_is_never_overwritten(tmp_pat
                     sampling={"max_new_tokens": 4})
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "job.resolved.yaml").write_text("mine: true\n")
-    result = run_cli("run", str(job))
+    result = cli_here("run", str(job))
     assert result.returncode == 2 and "was not written by batchgen" in result.stderr
     assert (tmp_path / "out" / "job.resolved.yaml").read_text() == "mine: true\n"
 
@@ -140,7 +140,7 @@ def test_fresh_refuses_users_files_named_like_batchgens_inside_its_folders_and_d
     for rel, data in user_files.items():
         (out / rel).write_bytes(data)
     assert foreign_entries(out) == sorted(user_files)
-    result = run_cli("run", str(job), "--fresh")
+    result = cli_here("run", str(job), "--fresh")
     assert result.returncode == 2 and "--fresh refused" in result.stderr, result.stderr
     assert {rel: (out / rel).read_bytes() for rel in user_files} == user_files
     assert len(read_rows(out)) == NUM_ROWS
@@ -157,7 +157,7 @@ def test_a_users_job_yaml_in_a_marked_output_is_never_taken_for_an_earlier_batch
     mine = yaml.safe_dump(resolved).encode()
     (out / "job.yaml").write_bytes(mine)
     assert foreign_entries(out) == ["job.yaml"]
-    result = run_cli("run", str(job), "--fresh")
+    result = cli_here("run", str(job), "--fresh")
     assert result.returncode == 2 and "--fresh refused" in result.stderr and "job.yaml" in result.stderr
     assert (out / "job.yaml").read_bytes() == mine and len(read_rows(out)) == NUM_ROWS
 
@@ -206,7 +206,7 @@ def test_a_folder_batchgen_never_used_holding_files_under_its_names_is_refused_b
         (out / rel).write_bytes(data)
     assert foreign_entries(out) == ["fingerprint.json", "numerics.json", "reports/index.html"]
     for extra in ((), ("--fresh",)):
-        result = run_cli("run", str(job), *extra)
+        result = cli_here("run", str(job), *extra)
         assert result.returncode == 2, result.stderr
         assert "fingerprint.json, numerics.json, reports/index.html" in result.stderr, result.stderr
         assert {rel: (out / rel).read_bytes() for rel in user_files} == user_files
@@ -219,17 +219,17 @@ def test_a_folder_batchgen_never_used_holding_files_under_its_names_is_refused_b
 def test_readers_use_job_resolved_yaml_and_an_earlier_outputs_job_yaml(finished, tmp_path):
     job, out = finished
     assert not (out / "job.yaml").exists()
-    status = run_cli("status", str(out))
+    status = cli_here("status", str(out))
     assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout, status.stdout + status.stderr
-    assert run_cli("export", str(out), "--to", str(tmp_path / "a.jsonl")).returncode == 0
+    assert cli_here("export", str(out), "--to", str(tmp_path / "a.jsonl")).returncode == 0
     # an output of an earlier batchgen: no marker, the resolved job (a plain dump) in job.yaml
     resolved = (out / "job.resolved.yaml").read_text()
     (out / "job.yaml").write_text(resolved.split("\n", 1)[1])
     (out / "job.resolved.yaml").unlink()
     (out / ".batchgen").unlink()
-    status = run_cli("status", str(out))
+    status = cli_here("status", str(out))
     assert f"{NUM_ROWS} rows committed of {NUM_ROWS}" in status.stdout, status.stdout + status.stderr
-    assert run_cli("export", str(out), "--to", str(tmp_path / "b.jsonl")).returncode == 0
+    assert cli_here("export", str(out), "--to", str(tmp_path / "b.jsonl")).returncode == 0
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
     again = run_cli("run", str(job), "--fresh")  # the old job.yaml is batchgen's: --fresh may delete it
     assert again.returncode == 0, again.stderr
