@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from batchgen.cli import app
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 14
 
@@ -35,7 +35,7 @@ def setup(tmp_path_factory, tiny_model_dir):
                     sampling={"temperature": 0.7, "max_new_tokens": 12}, engine={"max_num_seqs": 3},
                     output={"rows_per_shard": 3})
     ref = tmp / "reference"
-    assert run_cli("run", str(job), "-o", str(ref)).returncode == 0
+    run_here(job, ref)
     return tmp, job, _content(ref)
 
 
@@ -49,7 +49,7 @@ def test_disk_full_while_writing_a_shard_records_nothing_and_the_next_run_resume
     assert len(records) == 1  # the first commit only; the failed shard was never recorded
     assert not list((out / "data").glob(".*.tmp"))
     assert len(read_rows(out)) == 3
-    assert run_cli("run", str(job), "-o", str(out)).returncode == 0
+    run_here(job, out)  # the next run, in this process
     assert _content(out) == reference
 
 
@@ -62,7 +62,7 @@ def test_engine_exception_mid_run_exits_non_zero_and_the_next_run_finishes(setup
     assert "Traceback" not in failed.stderr
     partial = read_rows(out)
     assert 0 < len(partial) < NUM_ROWS  # finished rows were committed, in-flight ones were not
-    assert run_cli("run", str(job), "-o", str(out)).returncode == 0
+    run_here(job, out)  # the next run, in this process
     assert _content(out) == reference
 
 
@@ -82,7 +82,7 @@ def test_second_signal_exits_at_once_without_corrupting_the_output(setup):
     _, stderr = proc.communicate(timeout=30)
     if proc.returncode != 0:
         assert proc.returncode == 128 + signal.SIGINT, stderr
-    assert run_cli("run", str(job), "-o", str(out)).returncode == 0
+    run_here(job, out)  # the next run, in this process
     assert _content(out) == reference
 
 
@@ -122,10 +122,8 @@ def test_kv_cache_exhaustion_preempts_and_every_row_matches_a_large_cache_run(se
                     sampling={"temperature": 0.0, "max_new_tokens": 30}, engine={"max_num_seqs": 8})
     big = tmp / "kv-big"
     small = tmp / "kv-small"
-    assert run_cli("run", str(job), "-o", str(big)).returncode == 0
-    tight = run_cli("run", str(job), "-o", str(small), "--set", "engine.num_kv_blocks=16",
-                    "--set", "engine.block_size=8")
-    assert tight.returncode == 0, tight.stderr
+    run_here(job, big)
+    run_here(job, small, ("engine.num_kv_blocks=16", "engine.block_size=8"))
     report = json.loads((small / "reports" / "w00000.json").read_text())
     assert report["engine"]["num_preemptions"] > 0
     assert _content(small) == _content(big)

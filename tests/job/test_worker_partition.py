@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import cli_here, REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 40
 
@@ -115,7 +115,7 @@ def test_workers_of_two_counts_at_once_never_duplicate_rows_and_a_resume_complet
     assert resumed.returncode == 0, resumed.stderr
     assert f"{NUM_ROWS // 2} already done" in resumed.stdout
     assert _keys(out) == sorted((r["id"], 0) for r in seed_rows(NUM_ROWS))
-    status = run_cli("status", str(out))
+    status = cli_here("status", str(out))
     assert f"{NUM_ROWS} rows committed of {NUM_ROWS} (100.0%)" in status.stdout, status.stdout
 
 
