@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from batchgen.sampling_params import SamplingParams
 from feature_matrix_cases import FORMATS, MATRIX_SEED, random_sampling
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 NUM_JOBS = 3
 ROWS_PER_JOB = 16
@@ -59,10 +59,13 @@ def test_random_per_row_controls_through_batchgen_run_write_every_row_once_and_r
         tmp_path, tiny_model_dir, job_idx):
     job, row_sampling = draw_job(tmp_path, tiny_model_dir, job_idx)
     outputs = []
-    for attempt in ("a", "b"):
+    for attempt in ("a", "b"):  # `batchgen run` in its own process, then again in this one
         out = tmp_path / f"out-{attempt}"
-        done = run_cli("run", str(job), "-o", str(out))
-        assert done.returncode == 0, f"{done.stderr[-2000:]}\njob: {job}\n{job.read_text()}"
+        if attempt == "a":
+            done = run_cli("run", str(job), "-o", str(out))
+            assert done.returncode == 0, f"{done.stderr[-2000:]}\njob: {job}\n{job.read_text()}"
+        else:
+            run_here(job, out)
         outputs.append((read_rows(out), read_rows(out, "rejects")))
     (rows, rejects), (rows_b, rejects_b) = outputs
     context = f"\njob file {job}:\n{job.read_text()}"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jobutil import REPO, read_rows, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import cli_here, REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 9
 
@@ -73,8 +73,7 @@ def done(tmp_path_factory, tiny_model_dir):
     job = write_job(tmp, tiny_model_dir, {"path": "rows.jsonl", "key_column": "id"},
                     sampling={"max_new_tokens": 4, "temperature": 0.8}, output={"rows_per_shard": 2})
     out = tmp / "done"
-    result = run_cli("run", str(job), "-o", str(out))
-    assert result.returncode == 0, result.stderr
+    run_here(job, out)
     assert len(_records(out)) >= 5
     return tmp, job, out, _content(out)
 
@@ -115,7 +114,7 @@ def test_after_a_kill_inside_fresh_the_next_run_ends_with_every_row_exactly_once
     assert killed.returncode == 137, killed.stderr
     if pending:  # the readers say what to do instead of reporting shards without records as damage
         for command in ("status", "verify", "repair"):
-            told = run_cli(command, str(out))
+            told = cli_here(command, str(out))  # readers: in this process
             assert told.returncode == 2 and "--fresh` of" in told.stderr and "was interrupted" in told.stderr, told
     again = run_cli("run", str(job), "-o", str(out), *(["--fresh"] if next_run == "--fresh" else []))
     assert again.returncode == 0, again.stderr
