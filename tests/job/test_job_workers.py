@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jobutil import content_once, REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
+from jobutil import cli_here, content_once, REPO, read_rows, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 NUM_ROWS = 40
 
@@ -82,13 +82,8 @@ def test_local_launcher_runs_n_workers_and_equals_one_worker(setup):
 
 def test_fresh_with_several_workers_is_refused(setup):
     tmp, job, _ = setup
-    from typer.testing import CliRunner
-
-    from batchgen.cli import app
-
-    result = CliRunner().invoke(app, ["run", str(job), "-o", str(tmp / "x"), "--fresh", "--worker-index", "0",
-                                      "--num-workers", "2", "--no-progress"])  # refused here: no process needed
-    assert result.exit_code == 2 and "--fresh with several workers" in result.output
+    result = cli_here("run", str(job), "-o", str(tmp / "x"), "--fresh", "--worker-index", "0", "--num-workers", "2")
+    assert result.returncode == 2 and "--fresh with several workers" in result.stderr
     assert not (tmp / "x").exists()
 
 

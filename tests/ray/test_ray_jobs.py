@@ -19,7 +19,7 @@ import pytest
 
 from batchgen.output.lock import running_workers
 from batchgen.output.manifest import checked_ledger
-from jobutil import content_once, REPO, run_cli, seed_rows, write_job, write_jsonl
+from jobutil import content_once, REPO, run_cli, run_here, seed_rows, write_job, write_jsonl
 
 pytest.importorskip("ray")
 
@@ -166,10 +166,7 @@ def test_a_ray_resume_whose_settings_changed_is_refused_before_ray_starts(setup)
     (the actors made it only after Ray's start and their own, 10-30 s later); nothing in the output changes."""
     tmp, job, _ = setup
     out = tmp / "changed"
-    from batchgen.job.job_file import load_spec
-    from batchgen.job.run import run_job
-
-    run_job(load_spec(job, ["source.limit=4"], str(out)), show_progress=False)  # a plain run, here
+    run_here(job, out, ("source.limit=4",))  # a plain run, here
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     done = run_cli("run", str(job), "-o", str(out), "--ray", "--set", "source.limit=4", "--set",
                    "sampling.max_new_tokens=7")
